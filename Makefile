@@ -1,0 +1,42 @@
+# Two entry points (README): `make demo` runs the main job, `make test` the whole suite.
+# Each bootstraps .venv from nothing; later runs reuse it.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch pinned: that CPU build lies on this image's disk; a bare `torch` would pull a multi-GB CUDA build.
+TORCH_CPU := torch==2.13.0
+
+.PHONY: demo test bench lint gpu-check clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.base: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[report]'
+	touch $@
+
+$(VENV)/.test: pyproject.toml $(VENV)/.base
+	$(BIN)/python -m pip install -q -e '.[report,test,dev,nvrtc12]' $(TORCH_CPU)
+	touch $@
+
+demo: $(VENV)/.base
+	$(BIN)/kvcanary simulate --preset mixed --inject all --steps 200 --requests 48 --seed 7 \
+		--json report/demo.json --html report/demo.html
+
+test: $(VENV)/.test
+	$(BIN)/ruff check kvcanary_cupy tests bench
+	$(BIN)/python -m pytest -q -p no:cacheprovider --benchmark-disable
+
+bench: $(VENV)/.test
+	$(BIN)/python -m pytest bench -q -p no:cacheprovider --benchmark-only --benchmark-json=bench/results/cpu.json
+	$(BIN)/python bench/render.py bench/results/cpu.json --out bench/RESULTS.md
+
+lint: $(VENV)/.test
+	$(BIN)/ruff check kvcanary_cupy tests bench
+
+gpu-check:
+	bash bench/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info report .pytest_cache

@@ -1,0 +1,57 @@
+"""kvcanary_cupy — a framework-agnostic KV-cache integrity canary for LLM serving engines.
+
+Next to every KV slot the canary keeps a 32-byte record (token, position, hash chained from the previous
+slot, fingerprint of the real KV bytes). Each step, :func:`launch_canary_plan_kernels` turns the batch into
+the slots to verify and the write offsets, :func:`launch_canary_verify_kernel` checks the prefix,
+:func:`launch_canary_write_kernel` stamps the new tokens, and violations land in a ring that
+:func:`read_violations` decodes on the host.
+
+Importing this package needs NumPy only; CuPy (CUDA backend), g++ (host backend) and torch (interop) are
+used when present and asked for.
+"""
+
+from __future__ import annotations
+
+from .backends import available_backends
+from .constants import (
+    CANARY_CHAIN_ANCHOR,
+    CANARY_SLOT_BYTES,
+    MAX_REAL_KV_SOURCES,
+    CanaryLaunchTag,
+    CanaryStatus,
+    FailReason,
+    PlanStatus,
+    RealKvHashMode,
+)
+from .context import RealKvSource, VerifyOrWriteContext
+from .plan import VerifyPlan, WritePlan, launch_canary_plan_kernels
+from .scatter import launch_scatter_req_token_ids
+from .verify import launch_canary_verify_kernel
+from .violations import Violation, ViolationReport, format_violations, read_violations
+from .write import launch_canary_write_kernel
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CANARY_CHAIN_ANCHOR",
+    "CANARY_SLOT_BYTES",
+    "MAX_REAL_KV_SOURCES",
+    "CanaryLaunchTag",
+    "CanaryStatus",
+    "FailReason",
+    "PlanStatus",
+    "RealKvHashMode",
+    "RealKvSource",
+    "VerifyOrWriteContext",
+    "VerifyPlan",
+    "Violation",
+    "ViolationReport",
+    "WritePlan",
+    "available_backends",
+    "format_violations",
+    "launch_canary_plan_kernels",
+    "launch_canary_verify_kernel",
+    "launch_canary_write_kernel",
+    "launch_scatter_req_token_ids",
+    "read_violations",
+]

@@ -1,0 +1,98 @@
+"""Backend selection: one dispatch in front of the three implementations of the same contract.
+
+* ``numpy`` — the vectorized NumPy reference (:mod:`.numpy_backend`); CPU arrays.
+* ``cuda`` — the ``kernels/*.cu`` sources compiled by NVRTC through ``cupy.RawModule``; CUDA arrays.
+* ``host`` — the same ``kernels/*.cu`` compiled by g++ and run on the CPU (:mod:`kvcanary_cupy.hostcuda`);
+  CPU arrays. Set ``KVCANARY_HOST_SANITIZE=1`` to build it with AddressSanitizer and UBSan.
+
+Validation happens before dispatch (in the launcher modules), so backends only compute.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .._errors import fail
+
+if TYPE_CHECKING:
+    from ..dlpack import Device
+
+BACKEND_NAMES = ("numpy", "cuda", "host")
+
+
+class Backend(Protocol):
+    name: str
+
+    def plan(self, launch: Any) -> None: ...
+    def write(self, launch: Any) -> None: ...
+    def verify(self, launch: Any) -> None: ...
+    def scatter(self, launch: Any) -> None: ...
+
+
+def unavailable_reason(name: str) -> str | None:
+    """None if backend ``name`` can run on this machine, else why not."""
+    if name == "numpy":
+        return None
+    if name == "host":
+        from ..hostcuda import find_compiler
+
+        return None if find_compiler() else "g++ was not found (set CXX or install g++)"
+    if name == "cuda":
+        from .cuda import cuda_unavailable_reason
+
+        return cuda_unavailable_reason()
+    return f"unknown backend {name!r}"
+
+
+def available_backends() -> list[str]:
+    return [name for name in BACKEND_NAMES if unavailable_reason(name) is None]
+
+
+def host_sanitize_requested() -> bool:
+    return os.environ.get("KVCANARY_HOST_SANITIZE", "") not in ("", "0")
+
+
+@functools.cache
+def _numpy_backend(on_invalid: str) -> Backend:
+    from .numpy_backend import NumpyBackend
+
+    return NumpyBackend(on_invalid=on_invalid)
+
+
+@functools.cache
+def _kernel_backend(name: str, sanitize: bool) -> Backend:
+    if name == "cuda":
+        from .cuda import make_cuda_backend
+
+        return make_cuda_backend()
+    from .host import make_host_backend
+
+    return make_host_backend(sanitize=sanitize)
+
+
+def resolve_backend(backend: str, device: Device, on_invalid: str | None = None) -> Backend:
+    """The backend object for a launch whose arrays live on ``device``."""
+    if not isinstance(backend, str) or backend not in ("auto", *BACKEND_NAMES):
+        fail(f"backend={backend!r} is unknown; choose one of auto, {', '.join(BACKEND_NAMES)} "
+             f"(available here: {', '.join(available_backends())})")
+    if on_invalid not in (None, "raise", "flag"):
+        fail(f"on_invalid must be 'raise' or 'flag', got {on_invalid!r}")
+    name = backend
+    if name == "auto":
+        name = "numpy" if device.kind == "cpu" else "cuda"
+    if name in ("numpy", "host") and device.kind != "cpu":
+        fail(f"backend={name!r} runs on CPU arrays, but the arrays are on {device}")
+    if name == "cuda" and device.kind != "cuda":
+        fail(f"backend='cuda' needs CUDA arrays (CuPy, torch CUDA tensors...), but the arrays are on {device}")
+    reason = unavailable_reason(name)
+    if reason is not None:
+        fail(f"backend={name!r} is not available here: {reason} (available here: "
+             f"{', '.join(available_backends())})")
+    if name == "numpy":
+        return _numpy_backend(on_invalid or "raise")
+    if on_invalid == "raise":
+        fail(f"on_invalid='raise' needs the numpy backend; backend={name!r} flags invalid device values in "
+             "the status word instead (a kernel cannot raise without a host synchronisation)")
+    return _kernel_backend(name, host_sanitize_requested() if name == "host" else False)

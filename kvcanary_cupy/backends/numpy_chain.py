@@ -1,0 +1,234 @@
+"""The vectorized NumPy references of write, verify (SPEC §4, §5) and the expected-token scatter (SPEC §6).
+
+Verify and scatter are loop-free. Write is loop-free except for the hash chain itself, which is serial by
+definition: it advances all requests together, one step per rank (the j-th written entry of every request),
+so a decode step (one token per request) is a single vector step.
+
+Like the plan reference, each function computes everything first and writes the caller's buffers last, so a
+call that raises (``on_invalid="raise"``, the default, for device values a kernel would refuse) changes
+nothing. Violation rows are appended in request/entry order; the kernels append the same rows in atomic order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._errors import fail
+from ..constants import CanaryStatus, FailReason
+from ..hashing import chain_hash, fold_real_kv, mix3
+
+_I32 = 1 << 32
+
+
+def _wrap_i32(value: np.ndarray | int) -> Any:
+    return (value + (1 << 31)) % _I32 - (1 << 31)
+
+
+def append_violations(ctx: Any, rows: np.ndarray) -> None:
+    """Fill-once ring append: row k takes sequence number ``write_index + k`` (int32 arithmetic, as the
+    kernels' atomicAdd) and lands iff ``0 <= seq < capacity``; the index advances by every row."""
+    n = rows.shape[0]
+    base = int(ctx.write_index[0])
+    if n:
+        seq = _wrap_i32(base + np.arange(n, dtype=np.int64))
+        lands = (seq >= 0) & (seq < ctx.ring.shape[0])
+        ctx.ring[seq[lands]] = rows[lands]
+    ctx.write_index[0] = _wrap_i32(base + n)
+
+
+def _rows(columns: list[Any], n: int) -> np.ndarray:
+    out = np.empty((n, len(columns)), np.int64)
+    for k, column in enumerate(columns):
+        out[:, k] = column
+    return out
+
+
+def verify_reference(launch: Any, on_invalid: str) -> None:
+    ctx = launch.context
+    fields = ctx.canary
+    num_slots = ctx.num_slots
+    if int(launch.enable[0]) == 0:
+        ctx.kernel_run_counter[0] += 1
+        return
+    active = min(max(int(launch.num_valid[0]), 0), launch.capacity)
+    slots = launch.slots[:active]
+    nonzero = slots != 0
+    outside = nonzero & ((slots < 0) | (slots >= num_slots))
+    idx = np.flatnonzero(nonzero & ~outside)
+    prevs = launch.prev_slots[:active][idx]
+    prev_outside = prevs >= num_slots
+    status = 0
+    if outside.any() or prev_outside.any():
+        status = int(CanaryStatus.SLOT_OUT_OF_RANGE)
+        if on_invalid == "raise":
+            if outside.any():
+                k = int(np.argmax(outside))
+                fail(f"plan.verify_slot_indices[{k}]={int(slots[k])} is outside canary_buf's {num_slots} slots")
+            k = int(idx[np.argmax(prev_outside)])
+            fail(f"plan.verify_prev_slot_indices[{k}]={int(launch.prev_slots[k])} is outside canary_buf's "
+                 f"{num_slots} slots")
+
+    s = slots[idx]
+    stored = fields[s]
+    stored_token, stored_pos, stored_chain, stored_rkv = (stored[:, f] for f in range(4))
+    reachable = (prevs != 0) & ~prev_outside
+    expected_chain = np.where(reachable, chain_hash(fields, np.where(reachable, prevs, -1)).view(np.int64),
+                              stored_chain)
+    if launch.check_verify_expected_token:
+        expected_token = launch.expected_tokens[:active][idx]
+    else:
+        expected_token = np.full(idx.shape[0], -1, np.int64)
+    expected_pos = launch.expected_positions[:active][idx]
+    expected_rkv = fold_real_kv(s, ctx.sources, ctx.mode).view(np.int64)
+
+    bits = np.where(reachable & (stored_chain != expected_chain), int(FailReason.VERIFY_CHAIN_HASH_MISMATCH), 0)
+    bits |= np.where(stored_pos != expected_pos, int(FailReason.VERIFY_POSITION_MISMATCH), 0)
+    bits |= np.where(stored_rkv != expected_rkv, int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH), 0)
+    if launch.check_verify_expected_token:
+        token_bad = (expected_token != -1) & (stored_token != expected_token)
+        bits |= np.where(token_bad, int(FailReason.VERIFY_TOKEN_MISMATCH), 0)
+    bad = np.flatnonzero(bits)
+    rows = _rows([ctx.kernel_kind, s[bad], stored_pos[bad], stored_token[bad], expected_token[bad],
+                  stored_chain[bad], expected_chain[bad], bits[bad]], bad.shape[0])
+
+    ctx.kernel_run_counter[0] += 1
+    ctx.slot_run_counter[0] += active
+    append_violations(ctx, rows)
+    ctx.status[0] |= status
+
+
+def write_reference(launch: Any, on_invalid: str) -> None:
+    ctx = launch.context
+    fields = ctx.canary
+    num_slots = ctx.num_slots
+    num_tokens = int(launch.input_ids.shape[0])
+    active = min(max(int(launch.write_num_valid_reqs[0]), 0), launch.write_req_capacity)
+    lo = launch.write_offsets[:active]
+    hi = launch.write_offsets[1 : active + 1]
+    has_entries = hi > lo  # compared, never subtracted: garbage offsets must not overflow
+    range_bad = has_entries & ((lo < 0) | (hi > num_tokens))
+    reqs = np.flatnonzero(has_entries & ~range_bad)
+    seeds = launch.write_seed_slot_indices[reqs]
+    seed_outside = seeds >= num_slots
+
+    counts = hi[reqs] - lo[reqs]
+    entry_req = np.repeat(np.arange(reqs.shape[0]), counts)  # index into reqs
+    first_entry = np.zeros(reqs.shape[0] + 1, np.int64)
+    np.cumsum(counts, out=first_entry[1:])
+    flat = np.arange(first_entry[-1], dtype=np.int64) - np.repeat(first_entry[:-1] - lo[reqs], counts)
+    slot = launch.out_cache_loc[flat]
+    slot_outside = slot >= num_slots
+
+    status = 0
+    if range_bad.any():
+        status |= int(CanaryStatus.TOKEN_RANGE_OUT_OF_BOUNDS)
+    if seed_outside.any() or slot_outside.any():
+        status |= int(CanaryStatus.SLOT_OUT_OF_RANGE)
+    if status and on_invalid == "raise":
+        if range_bad.any():
+            r = int(np.argmax(range_bad))
+            fail(f"plan.write_offsets[{r}:{r + 2}]=({int(lo[r])}, {int(hi[r])}) leaves the {num_tokens} "
+                 "tokens of input_ids")
+        if seed_outside.any():
+            r = int(reqs[np.argmax(seed_outside)])
+            fail(f"plan.write_seed_slot_indices[{r}]={int(launch.write_seed_slot_indices[r])} is outside "
+                 f"canary_buf's {num_slots} slots")
+        i = int(flat[np.argmax(slot_outside)])
+        fail(f"out_cache_loc[{i}]={int(launch.out_cache_loc[i])} is outside canary_buf's {num_slots} slots")
+
+    # Chain seeds: an out-of-range seed is treated as a chain head (anchor, no position check).
+    seeds = np.where(seed_outside, -1, seeds)
+    running = chain_hash(fields, seeds)
+    chain_check = (seeds >= 0) & (int(ctx.chain_assert[0]) != 0)
+    seed_pos = fields[np.maximum(seeds, 0), 1]
+
+    live = (slot >= 0) & ~slot_outside
+    live_idx = np.flatnonzero(live)
+    i = flat[live_idx]
+    req = entry_req[live_idx]
+    s = slot[live_idx]
+    token = launch.input_ids[i]
+    pos = launch.positions[i]
+    n = live_idx.shape[0]
+
+    # Rank of each live entry among its request's live entries; live entries of one request are adjacent.
+    new_req = np.ones(n, bool)
+    new_req[1:] = req[1:] != req[:-1]
+    starts = np.flatnonzero(new_req)
+    rank = np.arange(n, dtype=np.int64) - np.repeat(starts, np.diff(np.append(starts, n)))
+
+    # The serial part: the running hash before each live entry, all requests advancing together.
+    prev_hash = np.empty(n, np.uint64)
+    order = np.argsort(rank, kind="stable")
+    step_bounds = np.searchsorted(rank[order], np.arange(int(rank.max()) + 2 if n else 1))
+    for step in range(step_bounds.shape[0] - 1):
+        sel = order[step_bounds[step]:step_bounds[step + 1]]
+        r = req[sel]
+        prev_hash[sel] = running[r]
+        running[r] = mix3(running[r], token[sel].view(np.uint64), pos[sel].view(np.uint64))
+    prev_hash_i64 = prev_hash.view(np.int64)
+
+    rkv = fold_real_kv(s, ctx.sources, ctx.mode).view(np.int64)
+
+    # Violation rows in (entry, input-assert before chain-position) order.
+    keys, blocks = [], []
+    if launch.enable_write_input_assert:
+        expected_token = launch.expected_input_tokens[i]
+        expected_pos = launch.expected_input_positions[i]
+        bits = np.where(token != expected_token, int(FailReason.WRITE_TOKEN_MISMATCH), 0)
+        bits |= np.where(pos != expected_pos, int(FailReason.WRITE_POSITION_MISMATCH), 0)
+        bad = np.flatnonzero(bits)
+        keys.append(2 * bad)
+        blocks.append(_rows([ctx.kernel_kind, s[bad], pos[bad], token[bad], expected_token[bad],
+                             prev_hash_i64[bad], expected_pos[bad], bits[bad]], bad.shape[0]))
+    if n and chain_check.any():
+        before = np.empty(n, np.int64)
+        before[1:] = pos[:-1]
+        before[new_req] = seed_pos[req[new_req]]
+        want = before + 1  # int64 wrap-around, as the kernels' unsigned arithmetic
+        bad = np.flatnonzero(chain_check[req] & (pos != want))
+        keys.append(2 * bad + 1)
+        blocks.append(_rows([ctx.kernel_kind, s[bad], pos[bad], token[bad], token[bad], prev_hash_i64[bad],
+                             want[bad], int(FailReason.WRITE_POSITION_MISMATCH)], bad.shape[0]))
+    if blocks:
+        rows = np.concatenate(blocks)
+        rows = rows[np.argsort(np.concatenate(keys), kind="stable")]
+    else:
+        rows = np.empty((0, 8), np.int64)
+
+    fields[s, 0] = token
+    fields[s, 1] = pos
+    fields[s, 2] = prev_hash_i64
+    fields[s, 3] = rkv
+    ctx.kernel_run_counter[0] += 1
+    ctx.slot_run_counter[0] += n
+    append_violations(ctx, rows)
+    ctx.status[0] |= status
+
+
+def scatter_reference(launch: Any, on_invalid: str) -> None:
+    pool = launch.pool_out
+    rows, width = pool.shape
+    total = int(launch.flat_in.shape[0])
+    start = launch.offsets[:-1]
+    end = launch.offsets[1:]
+    rp = launch.req_pool_indices
+    nonempty = end > start
+    bad = nonempty & ((rp < 0) | (rp >= rows) | (start < 0) | (end > total))
+    if bad.any() and on_invalid == "raise":
+        r = int(np.argmax(bad))
+        fail(f"request {r}: req_pool_indices[{r}]={int(rp[r])} with offsets[{r}:{r + 2}]=({int(start[r])}, "
+             f"{int(end[r])}) lies outside pool_out {tuple(pool.shape)} or flat_in ({total} tokens)")
+    good = np.flatnonzero(nonempty & ~bad)
+    n = np.minimum(end[good] - start[good], width)
+    first = np.zeros(good.shape[0] + 1, np.int64)
+    np.cumsum(n, out=first[1:])
+    within = np.arange(first[-1], dtype=np.int64) - np.repeat(first[:-1], n)
+    dest = np.repeat(rp[good] * width, n) + within
+    src = np.repeat(start[good], n) + within
+    # int64 -> int32 two's-complement truncation, spelled out so it never depends on cast rules.
+    pool.reshape(-1)[dest] = (launch.flat_in[src] & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
+    if bad.any() and launch.status is not None:
+        launch.status[0] |= int(CanaryStatus.SCATTER_OUT_OF_RANGE)

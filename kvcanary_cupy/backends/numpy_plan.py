@@ -1,0 +1,295 @@
+"""The vectorized NumPy reference of the plan step (SPEC §3.3), bit for bit what the kernels produce.
+
+No Python loop runs over requests or entries: per-request quantities are bs-sized array expressions and the
+flat verify entries come from one ``np.repeat`` of per-request bases. Results are computed into temporaries
+first; only when every check passed (or ``on_invalid="flag"``) are the caller's buffers written, so a call
+that raises leaves every output byte as it was.
+
+Device-value checks follow :class:`~kvcanary_cupy.constants.PlanStatus`: per entry, in order, request row,
+position inside the ``req_to_token`` row, LUT coverage, expected-token pool bounds; the first failing check
+sets its bit and neutralises the entry to (slot 0, expected -1, position, prev 0). Seeds check the first
+three and become -1. Entry checks run only when entries are written (no overflow).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._errors import fail
+from ..constants import PlanStatus
+from .workspace import workspace
+
+
+@dataclass
+class _PlanResult:
+    verify_offsets: np.ndarray  # int64 [bs+1], saturated counts
+    total: int
+    entries: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None  # slot, token, position, prev
+    write_offsets: np.ndarray  # int64 [bs+1]
+    seeds: np.ndarray  # int64 [bs]
+    status: int
+    problem: str  # description of the first problem of the lowest status bit, "" when status == 0
+
+
+def _translate(raw: np.ndarray, lut: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """SWA translation T: negatives pass through, others index the LUT. Returns (values, outside_lut)."""
+    size = lut.shape[0]
+    outside = raw >= size
+    if raw.size and raw.min() >= 0 and not outside.any():
+        if out is None:
+            return lut[raw], outside
+        np.take(lut, raw, out=out, mode="clip")
+        return out, outside
+    return np.where(raw < 0, raw, lut[np.clip(raw, 0, size - 1)]), outside
+
+
+def compute_plan(launch) -> _PlanResult:
+    rpi = launch.req_pool_indices
+    prefix = launch.prefix_lens
+    extend = launch.extend_seq_lens
+    rtt = launch.req_to_token
+    lut = launch.full_to_swa_index_mapping
+    window = launch.swa_window_size
+    capacity = launch.verify_capacity
+    bs = rpi.shape[0]
+    rows, width = rtt.shape
+    status = 0
+    problems: dict[int, str] = {}
+
+    def flag(bit: PlanStatus, message: str) -> None:
+        nonlocal status
+        status |= int(bit)
+        problems.setdefault(int(bit), message)
+
+    # --- per-request counts and offsets ---------------------------------------------------------------
+    active = rpi != 0
+    clamped_prefix = np.maximum(prefix, 0)
+    counts = np.minimum(clamped_prefix, window) if window > 0 else clamped_prefix.copy()
+    counts[~active] = 0
+    window_start = clamped_prefix - counts
+    # Saturating at C+1 keeps the sum far from int64 overflow and changes nothing observable: a request
+    # that large already forces overflow, and then no entry is written.
+    counts = np.minimum(counts, capacity + 1)
+    verify_offsets = np.zeros(bs + 1, np.int64)
+    np.cumsum(counts, out=verify_offsets[1:])
+    total = int(verify_offsets[bs])
+
+    # Write offsets wrap modulo 2**64 exactly as the kernels' unsigned sums do.
+    write_counts = np.where(active, np.maximum(extend, 0), 0)
+    write_offsets = np.zeros(bs + 1, np.uint64)
+    np.cumsum(write_counts.view(np.uint64), out=write_offsets[1:])
+    write_offsets = write_offsets.view(np.int64)
+
+    row_ok = (rpi >= 0) & (rpi < rows)
+
+    # --- seeds ------------------------------------------------------------------------------------------
+    seeds = np.full(bs, -1, np.int64)
+    needs_seed = active & (extend > 0) & (prefix > 0)
+    bad_row = needs_seed & ~row_ok
+    if bad_row.any():
+        r = int(np.argmax(bad_row))
+        flag(PlanStatus.REQ_POOL_INDEX_OUT_OF_RANGE,
+             f"req_pool_indices[{r}]={int(rpi[r])} is outside req_to_token's {rows} rows")
+    beyond = needs_seed & row_ok & (prefix > width)
+    if beyond.any():
+        r = int(np.argmax(beyond))
+        flag(PlanStatus.PREFIX_BEYOND_REQ_TO_TOKEN_ROW,
+             f"prefix_lens[{r}]={int(prefix[r])} reaches beyond req_to_token's row width {width}")
+    seed_reqs = np.flatnonzero(needs_seed & row_ok & (prefix <= width))
+    seed_raw = rtt[rpi[seed_reqs], prefix[seed_reqs] - 1].astype(np.int64)
+    if lut is not None:
+        seed_vals, outside = _translate(seed_raw, lut)
+        if outside.any():
+            k = int(np.argmax(outside))
+            r = int(seed_reqs[k])
+            flag(PlanStatus.SWA_SLOT_OUTSIDE_LUT,
+                 f"req_to_token[{int(rpi[r])}, {int(prefix[r]) - 1}]={int(seed_raw[k])} is outside "
+                 f"full_to_swa_index_mapping (length {lut.shape[0]})")
+            seed_vals = np.where(outside, -1, seed_vals)
+        seeds[seed_reqs] = seed_vals
+    else:
+        seeds[seed_reqs] = seed_raw
+
+    # --- entries ----------------------------------------------------------------------------------------
+    entries = None
+    if total <= capacity:
+        entries = _entries(launch, counts, window_start, verify_offsets, row_ok, flag)
+
+    problem = problems[min(problems)] if problems else ""
+    return _PlanResult(verify_offsets, total, entries, write_offsets, seeds, status, problem)
+
+
+def _owner(verify_offsets: np.ndarray, k: int) -> int:
+    """Batch row owning flat entry ``k``: the largest r with verify_offsets[r] <= k."""
+    bs = verify_offsets.shape[0] - 1
+    return int(np.searchsorted(verify_offsets[:bs], k, side="right")) - 1
+
+
+def _entries(launch, counts, window_start, verify_offsets, row_ok, flag):
+    """(slot, expected token, position, prev slot) of every entry; ``counts`` are exact here (no overflow).
+
+    The common case, where every gather is in bounds, takes a fast path: one gather from ``req_to_token``
+    per entry, predecessors read off the previous entry of the same request (entries of a request are
+    consecutive positions of one row), one clipped gather from the pool, all into workspace arrays. Any
+    out-of-range request sends the batch through per-entry masks instead. The arrays returned may live in
+    the thread's workspace: copy them out before the next reference call.
+    """
+    rpi = launch.req_pool_indices
+    prefix = launch.prefix_lens
+    rtt = launch.req_to_token
+    lut = launch.full_to_swa_index_mapping
+    rows, width = rtt.shape
+    bs = rpi.shape[0]
+    total = int(verify_offsets[bs])
+    first = verify_offsets[:bs]
+    has = counts > 0
+    ws = workspace()
+    index = ws.arange(total)
+    pos = ws.repeat("pos", first - window_start, counts, first, total)
+    np.subtract(index, pos, out=pos)
+
+    ok = None  # None: no entry neutralised so far
+    bad_row = has & ~row_ok
+    beyond = has & row_ok & (prefix > width)
+    # An empty table gets a 1-element stand-in: neutralised entries gather index 0.
+    rtt_flat = rtt.reshape(-1) if rtt.size else np.zeros(1, np.int32)
+    if bad_row.any() or beyond.any():
+        bad_row_e = np.repeat(bad_row, counts)
+        beyond_e = ~bad_row_e & (pos >= width)
+        ok = ~(bad_row_e | beyond_e)
+        if bad_row_e.any():
+            r = _owner(verify_offsets, int(np.argmax(bad_row_e)))
+            flag(PlanStatus.REQ_POOL_INDEX_OUT_OF_RANGE,
+                 f"req_pool_indices[{r}]={int(rpi[r])} is outside req_to_token's {rows} rows")
+        if beyond_e.any():
+            r = _owner(verify_offsets, int(np.argmax(beyond_e)))
+            flag(PlanStatus.PREFIX_BEYOND_REQ_TO_TOKEN_ROW,
+                 f"prefix_lens[{r}]={int(prefix[r])} reaches beyond req_to_token's row width {width}")
+        flat = np.where(ok, np.repeat(np.where(row_ok, rpi, 0) * width, counts) + pos, 0)
+    else:
+        flat = ws.repeat("flat", np.where(has, rpi, 0) * width + window_start - first, counts, first, total)
+        np.add(index, flat, out=flat)
+    raw = ws.array("raw", total, np.int32)
+    np.take(rtt_flat, flat, out=raw, mode="clip")  # in bounds; "clip" only avoids the buffered "raise" mode
+    slot = ws.array("slot", total, np.int64)
+    np.copyto(slot, raw)
+
+    # Predecessors: the previous entry, except at each request's first entry, whose predecessor is the
+    # slot just before the window (or -1 at position 0): the window does not reset the chain.
+    heads = first[has]
+    head_reqs = np.flatnonzero(has)
+    head_ws = window_start[head_reqs]
+    head_prev = np.full(head_reqs.shape[0], -1, np.int64)
+    readable = (head_ws > 0) & row_ok[head_reqs] & (head_ws <= width)
+    head_prev[readable] = rtt[rpi[head_reqs[readable]], head_ws[readable] - 1]
+
+    if lut is not None:
+        slot, slot_outside = _translate(slot, lut, ws.array("slot_lut", total, np.int64))
+        head_prev, head_outside = _translate(head_prev, lut)
+        outside = slot_outside.copy()
+        outside[1:] |= slot_outside[:-1]
+        outside[heads] = slot_outside[heads] | head_outside
+        if ok is not None:
+            outside &= ok
+        if outside.any():
+            k = int(np.argmax(outside))
+            r = _owner(verify_offsets, k)
+            p = int(pos[k])
+            at = p if slot_outside[k] else p - 1
+            flag(PlanStatus.SWA_SLOT_OUTSIDE_LUT,
+                 f"req_to_token[{int(rpi[r])}, {at}]={int(rtt[rpi[r], at])} is outside full_to_swa_index_mapping "
+                 f"(length {lut.shape[0]})")
+            ok = ~outside if ok is None else ok & ~outside
+    prev = ws.array("prev", total, np.int64)
+    prev[1:] = slot[:-1]
+    prev[heads] = head_prev
+
+    if launch.req_to_verify_expected_tokens is None:
+        tokens = ws.array("tokens", total, np.int64)
+        tokens.fill(-1)
+    else:
+        tokens, ok = _expected_tokens(launch, verify_offsets, counts, window_start, pos, ok, flag)
+    if ok is not None:
+        bad = ~ok
+        slot[bad] = 0
+        prev[bad] = 0
+        tokens[bad] = -1
+    return slot, tokens, pos, prev
+
+
+def _expected_tokens(launch, verify_offsets, counts, window_start, pos, ok, flag):
+    """pool[rp, pos + offset] where 0 <= pos + offset < valid_lens[r], else -1; bounds-checked."""
+    pool = launch.req_to_verify_expected_tokens
+    rpi = launch.req_pool_indices
+    offset = launch.kv_token_id_vs_position_offset
+    valid_lens = np.maximum(launch.req_to_verify_expected_tokens_valid_lens, 0)
+    pool_rows, pool_width = pool.shape
+    bs = rpi.shape[0]
+    total = pos.shape[0]
+    first = verify_offsets[:bs]
+    ws = workspace()
+    pool_flat = pool.reshape(-1) if pool.size else np.zeros(1, np.int32)
+    sot = ws.array("sot", total, np.int64)
+    np.add(pos, offset, out=sot)
+    # Unsigned compare: a negative source position is never wanted (valid_lens >= 0 here).
+    unwanted = ws.array("unwanted", total, np.bool_)
+    np.greater_equal(sot.view(np.uint64), ws.repeat("valid", valid_lens, counts, first, total).view(np.uint64),
+                     out=unwanted)
+    if ok is None:
+        # Per request, the wanted source positions form one range [lo, hi): check it instead of each entry.
+        lo = np.maximum(window_start + offset, 0)
+        hi = np.minimum(np.maximum(launch.prefix_lens, 0) + offset, valid_lens)
+        reads = (counts > 0) & (hi > lo)
+        if not (reads & ((rpi >= pool_rows) | (hi > pool_width))).any():
+            source = ws.repeat("source", np.where(reads, rpi, 0) * pool_width + window_start + offset - first,
+                               counts, first, total)
+            np.add(ws.arange(total), source, out=source)
+            gathered = ws.array("gathered", total, np.int32)
+            np.take(pool_flat, source, out=gathered, mode="clip")  # unwanted entries may point anywhere
+            tokens = ws.array("tokens", total, np.int64)
+            np.copyto(tokens, gathered)
+            np.copyto(tokens, -1, where=unwanted)
+            return tokens, ok
+    wanted = ~unwanted if ok is None else ~unwanted & ok
+    req_rp = np.repeat(rpi, counts)
+    outside = wanted & ((req_rp >= pool_rows) | (sot >= pool_width))
+    if outside.any():
+        k = int(np.argmax(outside))
+        r = _owner(verify_offsets, k)
+        flag(PlanStatus.EXPECTED_TOKEN_BEYOND_POOL_ROW,
+             f"req_to_verify_expected_tokens_valid_lens[{r}]="
+             f"{int(launch.req_to_verify_expected_tokens_valid_lens[r])} makes position {int(pos[k])} "
+             f"read req_to_verify_expected_tokens[{int(req_rp[k])}, {int(sot[k])}], outside its shape "
+             f"{tuple(pool.shape)}")
+        wanted &= ~outside
+        ok = ~outside if ok is None else ok & ~outside
+    tokens = np.full(total, -1, np.int64)
+    tokens[wanted] = pool_flat[req_rp[wanted] * pool_width + sot[wanted]]
+    return tokens, ok
+
+
+def plan_reference(launch, on_invalid: str) -> None:
+    """Fill the launch's plan buffers in place; with ``on_invalid="raise"`` refuse flagged inputs first."""
+    result = compute_plan(launch)
+    if result.status and on_invalid == "raise":
+        fail(result.problem)
+    vp, wp = launch.verify, launch.write
+    bs = result.seeds.shape[0]
+    capacity = launch.verify_capacity
+    if result.entries is not None and result.total:
+        slot, tokens, pos, prev = result.entries
+        n = result.total
+        vp.verify_slot_indices[:n] = slot
+        vp.verify_expected_tokens[:n] = tokens
+        vp.verify_expected_positions[:n] = pos
+        vp.verify_prev_slot_indices[:n] = prev
+    vp.verify_num_valid[0] = min(result.total, capacity)
+    vp.enable[0] = 1 if result.total <= capacity else 0
+    vp.status[0] = result.status
+    wp.write_offsets[: bs + 1] = result.write_offsets
+    wp.write_offsets[bs + 1 :] = 0
+    wp.write_seed_slot_indices[:bs] = result.seeds
+    wp.write_num_valid_reqs[0] = bs
+    wp.verify_offsets[: bs + 1] = result.verify_offsets

@@ -1,0 +1,229 @@
+"""The launch context shared by verify and write: canary buffer, violation ring, counters, real-KV sources.
+
+:class:`RealKvSource` validates its layout at construction (SPEC §1.6) so that every real-KV access is an
+aligned 128-bit load inside the tensor. :class:`VerifyOrWriteContext` mirrors SGLang's context and adds
+``status`` (int32 [1], :class:`~kvcanary_cupy.constants.CanaryStatus`), where the kernels report device values
+they refused to follow. :func:`prepare_context` is the one place where a context is checked and viewed as
+NumPy/CuPy arrays for a launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._errors import fail
+from ._validate import array_arg, int_arg
+from .constants import (
+    CANARY_FIELDS_PER_SLOT,
+    CANARY_SLOT_BYTES,
+    MAX_REAL_KV_SOURCES,
+    REAL_KV_ALIGN_BYTES,
+    VIOLATION_FIELDS,
+    CanaryLaunchTag,
+    RealKvHashMode,
+)
+from .dlpack import as_byte_rows, device_of
+from .plan import _allocate
+
+
+def _data_ptr(arr: Any) -> int:
+    return int(arr.ctypes.data) if isinstance(arr, np.ndarray) else int(arr.data.ptr)
+
+
+@dataclass(frozen=True)
+class RealKvSource:
+    """Real KV bytes fingerprinted into each slot's ``real_kv_hash``.
+
+    The bytes of canary slot ``s`` are, with the tensor viewed as ``uint8 [rows, row_bytes]`` (dims after
+    0 contiguous, dim 0 of any stride, e.g. one layer of a per-layer pool): row ``s // page_size``, columns
+    ``(s % page_size) * num_bytes_per_token`` onward; the leading ``read_bytes`` of them are hashed (16 in
+    PARTIAL mode). ``tensor`` may be any DLPack producer of any dtype (torch bfloat16 is viewed as bytes).
+    """
+
+    tensor: Any
+    page_size: int
+    num_bytes_per_token: int
+    read_bytes: int
+
+    def __post_init__(self) -> None:
+        page = int_arg(self.page_size, "RealKvSource.page_size")
+        per_token = int_arg(self.num_bytes_per_token, "RealKvSource.num_bytes_per_token")
+        read = int_arg(self.read_bytes, "RealKvSource.read_bytes")
+        if page < 1:
+            fail(f"RealKvSource.page_size must be >= 1, got {page}")
+        if per_token <= 0 or per_token % REAL_KV_ALIGN_BYTES:
+            fail(f"RealKvSource.num_bytes_per_token must be a positive multiple of 16, got {per_token}")
+        if read <= 0 or read > per_token or read % REAL_KV_ALIGN_BYTES:
+            fail(f"RealKvSource.read_bytes must be a positive multiple of 16 in (0, num_bytes_per_token="
+                 f"{per_token}], got {read}")
+        rows = as_byte_rows(self.tensor, "RealKvSource.tensor")
+        row_stride = int(rows.strides[0]) if rows.shape[0] > 1 else int(rows.shape[1])
+        if row_stride % REAL_KV_ALIGN_BYTES:
+            fail(f"RealKvSource.tensor row stride must be a multiple of 16 bytes, got {row_stride}")
+        if rows.shape[1] < page * per_token:
+            fail(f"RealKvSource.tensor rows hold {rows.shape[1]} bytes, fewer than page_size * "
+                 f"num_bytes_per_token = {page * per_token}")
+        if _data_ptr(rows) % REAL_KV_ALIGN_BYTES:
+            fail("RealKvSource.tensor must start at a 16-byte aligned address")
+        object.__setattr__(self, "_rows", rows)
+
+    @property
+    def byte_rows(self) -> Any:
+        """The validated ``uint8 [rows, row_bytes]`` NumPy/CuPy view of the tensor."""
+        return self._rows  # type: ignore[attr-defined]
+
+    @property
+    def slots_covered(self) -> int:
+        return int(self.byte_rows.shape[0]) * int(self.page_size)
+
+
+@dataclass(frozen=True)
+class VerifyOrWriteContext:
+    """Everything a verify or write launch reads and writes besides its plan.
+
+    Fields (SGLang's names): ``canary_buf`` uint8 [num_slots, stride >= 32]; ``kernel_kind`` the
+    :class:`CanaryLaunchTag` stamped into violation rows; ``violation_ring`` int64 [capacity, 8];
+    ``violation_write_index`` int32 [1]; ``slot_run_counter`` and ``kernel_run_counter`` int64 [1];
+    ``real_kv_sources`` (at most 4); ``real_kv_hash_mode``; ``enable_chain_position_assert`` int32 [1]
+    (device flag read at run time); plus ``status`` int32 [1].
+    """
+
+    canary_buf: Any
+    kernel_kind: int
+    violation_ring: Any
+    violation_write_index: Any
+    slot_run_counter: Any
+    kernel_run_counter: Any
+    real_kv_sources: tuple[RealKvSource, ...] = ()
+    real_kv_hash_mode: RealKvHashMode = RealKvHashMode.NONE
+    enable_chain_position_assert: Any = None
+    status: Any = None
+
+    @classmethod
+    def allocate(
+        cls,
+        *,
+        num_slots: int,
+        ring_capacity: int = 1024,
+        kernel_kind: int = CanaryLaunchTag.HEAD_K_FULL,
+        real_kv_sources: tuple[RealKvSource, ...] = (),
+        real_kv_hash_mode: RealKvHashMode = RealKvHashMode.NONE,
+        slot_stride_bytes: int = CANARY_SLOT_BYTES,
+        enable_chain_position_assert: bool = False,
+        device: Any = "cpu",
+    ) -> VerifyOrWriteContext:
+        """A zeroed canary buffer with its own ring, counters and flags on ``device`` ("cpu" or "cuda[:N]").
+        Endpoints that share the ring take this one through :meth:`for_endpoint`."""
+        slots = int_arg(num_slots, "num_slots", minimum=1)
+        capacity = int_arg(ring_capacity, "ring_capacity", minimum=1)
+        stride = int_arg(slot_stride_bytes, "slot_stride_bytes", minimum=CANARY_SLOT_BYTES)
+        if stride % 8:
+            fail(f"slot_stride_bytes must be a multiple of 8, got {stride}")
+        return cls(
+            canary_buf=_allocate(device, slots * stride, np.uint8, fill=0).reshape(slots, stride),
+            kernel_kind=int(kernel_kind),
+            violation_ring=_allocate(device, capacity * VIOLATION_FIELDS, np.int64, fill=0).reshape(
+                capacity, VIOLATION_FIELDS),
+            violation_write_index=_allocate(device, 1, np.int32, fill=0),
+            slot_run_counter=_allocate(device, 1, np.int64, fill=0),
+            kernel_run_counter=_allocate(device, 1, np.int64, fill=0),
+            real_kv_sources=tuple(real_kv_sources),
+            real_kv_hash_mode=RealKvHashMode(real_kv_hash_mode),
+            enable_chain_position_assert=_allocate(device, 1, np.int32,
+                                                   fill=int(bool(enable_chain_position_assert))),
+            status=_allocate(device, 1, np.int32, fill=0),
+        )
+
+    def for_endpoint(self, **changes: Any) -> VerifyOrWriteContext:
+        """A context sharing this one's ring, write index and status, with some fields replaced (e.g.
+        ``kernel_kind``, ``canary_buf``, ``real_kv_sources``, or fresh per-endpoint counters)."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ContextArrays:
+    """A validated context: NumPy/CuPy views, sources as byte rows, plain-int scalars."""
+
+    canary: Any  # int64 [num_slots, stride // 8] view of canary_buf
+    canary_bytes: Any  # the uint8 [num_slots, stride] array itself
+    kernel_kind: int
+    ring: Any
+    write_index: Any
+    slot_run_counter: Any
+    kernel_run_counter: Any
+    sources: tuple[tuple[Any, int, int, int], ...]  # (byte_rows, page_size, num_bytes_per_token, read_bytes)
+    mode: int
+    chain_assert: Any
+    status: Any
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.canary_bytes.shape[0])
+
+
+def prepare_context(context: Any, name: str = "context", *, need_chain_flag: bool) -> ContextArrays:
+    """Check a context's host-visible facts and view its arrays; raises before anything is written."""
+    if not isinstance(context, VerifyOrWriteContext):
+        fail(f"{name} must be a VerifyOrWriteContext, got {type(context).__name__}")
+    buf = array_arg(context.canary_buf, f"{name}.canary_buf", dtype=np.uint8, ndim=2, writable=True)
+    stride = int(buf.shape[1])
+    if stride < CANARY_SLOT_BYTES or stride % 8:
+        fail(f"{name}.canary_buf slot stride must be a multiple of 8 holding at least "
+             f"{CANARY_FIELDS_PER_SLOT} int64 fields, got {stride} bytes")
+    kind = int_arg(context.kernel_kind, f"{name}.kernel_kind", minimum=-(1 << 63), maximum=(1 << 63) - 1)
+    ring = array_arg(context.violation_ring, f"{name}.violation_ring", dtype=np.int64, ndim=2,
+                     shape=(None, VIOLATION_FIELDS), writable=True)
+    if ring.shape[0] < 1:
+        fail(f"{name}.violation_ring must hold at least one row")
+    one32 = {"dtype": np.int32, "ndim": 1, "shape": (1,), "writable": True}
+    one64 = {"dtype": np.int64, "ndim": 1, "shape": (1,), "writable": True}
+    write_index = array_arg(context.violation_write_index, f"{name}.violation_write_index", **one32)
+    slot_counter = array_arg(context.slot_run_counter, f"{name}.slot_run_counter", **one64)
+    kernel_counter = array_arg(context.kernel_run_counter, f"{name}.kernel_run_counter", **one64)
+    if context.status is None:
+        fail(f"{name}.status is required (int32 [1]; VerifyOrWriteContext.allocate makes one)")
+    status = array_arg(context.status, f"{name}.status", **one32)
+    chain_flag = None
+    if need_chain_flag:
+        if context.enable_chain_position_assert is None:
+            fail(f"{name}.enable_chain_position_assert is required (int32 [1])")
+        chain_flag = array_arg(context.enable_chain_position_assert, f"{name}.enable_chain_position_assert",
+                               dtype=np.int32, ndim=1, shape=(1,))
+    try:
+        mode = int(RealKvHashMode(int(context.real_kv_hash_mode)))
+    except (TypeError, ValueError):
+        fail(f"{name}.real_kv_hash_mode must be a RealKvHashMode, got {context.real_kv_hash_mode!r}")
+    sources = tuple(context.real_kv_sources)
+    if len(sources) > MAX_REAL_KV_SOURCES:
+        fail(f"{name}.real_kv_sources: at most {MAX_REAL_KV_SOURCES} RealKvSource entries are supported, "
+             f"got {len(sources)}")
+    num_slots = int(buf.shape[0])
+    views = []
+    for k, source in enumerate(sources):
+        if not isinstance(source, RealKvSource):
+            fail(f"{name}.real_kv_sources[{k}] must be a RealKvSource, got {type(source).__name__}")
+        if source.slots_covered < num_slots:
+            fail(f"{name}.real_kv_sources[{k}] covers {source.slots_covered} slots "
+                 f"({source.byte_rows.shape[0]} rows x page_size {source.page_size}), fewer than the "
+                 f"{num_slots} slots of canary_buf")
+        views.append((source.byte_rows, int(source.page_size), int(source.num_bytes_per_token),
+                      int(source.read_bytes)))
+    named = [(f"{name}.canary_buf", buf), (f"{name}.violation_ring", ring),
+             (f"{name}.violation_write_index", write_index), (f"{name}.slot_run_counter", slot_counter),
+             (f"{name}.kernel_run_counter", kernel_counter), (f"{name}.status", status),
+             (f"{name}.enable_chain_position_assert", chain_flag)]
+    named += [(f"{name}.real_kv_sources[{k}].tensor", v[0]) for k, v in enumerate(views)]
+    first = device_of(buf)
+    for arg, arr in named:
+        if arr is not None and device_of(arr) != first:
+            fail(f"{arg} is on {device_of(arr)} but {name}.canary_buf is on {first}; all arrays of one "
+                 "call must share a device")
+    return ContextArrays(
+        canary=buf.view(np.int64), canary_bytes=buf, kernel_kind=kind, ring=ring, write_index=write_index,
+        slot_run_counter=slot_counter, kernel_run_counter=kernel_counter, sources=tuple(views), mode=mode,
+        chain_assert=chain_flag, status=status,
+    )

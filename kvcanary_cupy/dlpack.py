@@ -1,0 +1,204 @@
+"""The DLPack bridge: any array-like that speaks DLPack becomes a NumPy (CPU) or CuPy (CUDA) view, no copy.
+
+Every public launcher passes each array argument through :func:`as_array` once, so torch, JAX, CuPy and
+NumPy arrays are all accepted and written in place. CuPy is imported only when a CUDA array shows up.
+:func:`export` hands a view back to a framework (``torch``, ``cupy``, ``numpy``, ``jax.dlpack``) through
+that framework's own ``from_dlpack``; the memory stays shared both ways.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._errors import fail
+
+# DLDeviceType codes (dlpack.h)
+_DL_CPU = 1
+_DL_CUDA = 2
+_DL_CUDA_HOST = 3
+_DL_CUDA_MANAGED = 13
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where an array lives: ``Device("cpu", 0)`` or ``Device("cuda", ordinal)``."""
+
+    kind: str
+    index: int = 0
+
+    def __str__(self) -> str:
+        return "cpu" if self.kind == "cpu" else f"cuda:{self.index}"
+
+
+CPU = Device("cpu", 0)
+
+
+def cupy_module() -> Any | None:
+    """The CuPy module if it can be imported, else None (imported lazily, never at package import)."""
+    try:
+        import cupy
+    except Exception:  # CuPy missing, or installed without a usable CUDA driver
+        return None
+    return cupy
+
+
+def is_cupy_array(obj: Any) -> bool:
+    # Cheap test that never imports CuPy: a CuPy array can only exist if CuPy was imported already.
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(obj, cupy.ndarray)
+
+
+def device_of(arr: Any) -> Device:
+    """Device of a NumPy or CuPy array."""
+    if isinstance(arr, np.ndarray):
+        return CPU
+    if is_cupy_array(arr):
+        return Device("cuda", int(arr.device.id))
+    raise TypeError(f"not a NumPy or CuPy array: {type(arr).__name__}")
+
+
+def _numpy_from_dlpack(obj: Any) -> np.ndarray:
+    try:
+        return np.from_dlpack(obj, copy=False)
+    except TypeError:  # NumPy < 2.1 has no copy keyword and never copies
+        return np.from_dlpack(obj)
+
+
+def as_array(obj: Any, name: str, *, writable: bool = False) -> Any:
+    """A zero-copy NumPy or CuPy view of ``obj`` (any DLPack producer), or ValueError naming ``name``.
+
+    ``writable=True`` marks an output: a read-only import (a NumPy array with ``writeable=False``, or a
+    producer that exports read-only memory) is refused rather than silently copied.
+    """
+    if isinstance(obj, np.ndarray) or is_cupy_array(obj):
+        arr = obj
+    elif hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
+        if getattr(obj, "requires_grad", False) and hasattr(obj, "detach"):
+            obj = obj.detach()  # a view that shares storage; DLPack refuses tensors that track gradients
+        try:
+            dev_type, dev_id = obj.__dlpack_device__()
+        except Exception as exc:
+            fail(f"{name} reports no DLPack device ({exc})")
+        dev_type = int(dev_type)
+        try:
+            if dev_type in (_DL_CPU, _DL_CUDA_HOST):
+                arr = _numpy_from_dlpack(obj)
+            elif dev_type in (_DL_CUDA, _DL_CUDA_MANAGED):
+                cupy = cupy_module()
+                if cupy is None:
+                    fail(f"{name} lives on a CUDA device but CuPy is not installed "
+                         "(install the cuda12 or cuda13 extra)")
+                arr = cupy.from_dlpack(obj)
+            else:
+                fail(f"{name} lives on DLPack device type {dev_type}, which is neither CPU nor CUDA")
+        except ValueError:
+            raise
+        except Exception as exc:  # unsupported dtype (bfloat16, fp8...) or a producer-side refusal
+            fail(f"{name} cannot be imported through DLPack ({exc})")
+        del dev_id
+    else:
+        fail(f"{name} must be an array (NumPy, CuPy, or any DLPack producer such as a torch tensor), "
+             f"got {type(obj).__name__}")
+    if writable and not _is_writable(arr):
+        fail(f"{name} is read-only; it is an output and must be writable")
+    return arr
+
+
+def _is_writable(arr: Any) -> bool:
+    flags = getattr(arr, "flags", None)
+    if flags is None:
+        return True
+    try:
+        return bool(flags.writeable)
+    except AttributeError:  # CuPy arrays have no writeable flag: device memory is always writable
+        return True
+
+
+def as_byte_rows(obj: Any, name: str) -> Any:
+    """A ``uint8 [rows, row_bytes]`` view of an array of any dtype with ndim >= 2 (dims after 0 contiguous).
+
+    Dtypes NumPy cannot represent (bfloat16, fp8) are viewed as bytes on the producer's side first when the
+    producer can do that without a copy (torch ``Tensor.view(torch.uint8)``).
+    """
+    if not (isinstance(obj, np.ndarray) or is_cupy_array(obj)):
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            if obj.ndim < 2:
+                fail(f"{name} must be at least 2-D, got shape {tuple(obj.shape)}")
+            obj = obj.detach()
+            if obj.dtype != torch.uint8 and obj.stride(-1) == 1:
+                obj = obj.view(torch.uint8)
+    arr = as_array(obj, name)
+    if arr.ndim < 2:
+        fail(f"{name} must be at least 2-D, got shape {tuple(arr.shape)}")
+    itemsize = arr.dtype.itemsize
+    # Dims 1.. must form one contiguous run of bytes per row; dim 0 may have any (positive) stride.
+    expected = itemsize
+    for size, stride in zip(reversed(arr.shape[1:]), reversed(arr.strides[1:]), strict=True):
+        if size > 1 and stride != expected:
+            fail(f"{name} must be contiguous within each dim-0 row (strides {arr.strides}, shape {arr.shape})")
+        expected *= size
+    row_bytes = expected
+    rows = arr.shape[0]
+    row_stride = arr.strides[0] if rows > 1 else row_bytes
+    if row_stride <= 0:
+        fail(f"{name} must have a positive dim-0 stride, got {arr.strides[0]} bytes")
+    xp = np if isinstance(arr, np.ndarray) else sys.modules["cupy"]
+    flat = arr.reshape(rows, -1) if arr.ndim > 2 else arr
+    if flat.dtype != np.uint8:
+        flat = flat.view(np.uint8)
+    if flat.shape != (rows, row_bytes):
+        # a zero-copy strided reinterpretation: same memory, rows of row_bytes bytes, row_stride apart
+        flat = xp.lib.stride_tricks.as_strided(flat, shape=(rows, row_bytes), strides=(row_stride, 1))
+    return flat
+
+
+def export(arr: Any, to: Any) -> Any:
+    """Hand ``arr`` (NumPy or CuPy) to a framework module that has ``from_dlpack`` (torch, cupy, numpy,
+    ``jax.dlpack``); the result shares memory with ``arr``."""
+    from_dlpack = getattr(to, "from_dlpack", None)
+    if from_dlpack is None:
+        raise TypeError(f"{getattr(to, '__name__', to)!r} has no from_dlpack")
+    return from_dlpack(arr)
+
+
+def _flatten(values: Iterable[Any]) -> Iterable[Any]:
+    for value in values:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            yield from _flatten(getattr(value, f.name) for f in dataclasses.fields(value))
+        elif isinstance(value, (tuple, list)):
+            yield from _flatten(value)
+        else:
+            yield value
+
+
+def stream_scope(*values: Any) -> contextlib.AbstractContextManager:
+    """The CuPy device and stream a launch must use.
+
+    When an argument (or a field of a plan or context argument) is a torch CUDA tensor, kernels go to torch's
+    current stream on that device, wrapped as a ``cupy.cuda.ExternalStream``: ordering with the engine's own
+    kernels then holds without any synchronisation, and DLPack imports done inside the scope name that same
+    stream, so the producer inserts no cross-stream wait. Otherwise CuPy's current stream is used unchanged.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        for value in _flatten(values):
+            if isinstance(value, torch.Tensor) and value.is_cuda:
+                cupy = cupy_module()
+                if cupy is None:
+                    fail("a torch CUDA tensor was given but CuPy is not installed (install the cuda12 or "
+                         "cuda13 extra)")
+                index = value.device.index if value.device.index is not None else torch.cuda.current_device()
+                stream = torch.cuda.current_stream(value.device)
+                scope = contextlib.ExitStack()
+                scope.enter_context(cupy.cuda.Device(index))
+                scope.enter_context(cupy.cuda.ExternalStream(stream.cuda_stream, index))
+                return scope
+    return contextlib.nullcontext()

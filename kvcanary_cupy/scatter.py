@@ -1,0 +1,57 @@
+"""The expected-token scatter: copy each request's token history into its row of the expected-token pool.
+
+Owns :func:`launch_scatter_req_token_ids` (SPEC §6). The plan later gathers expected tokens from that pool,
+bounded by per-request valid lengths, because a recycled row keeps the stale tail of its previous owner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._validate import array_arg, optional_array_arg, same_device
+from .backends import resolve_backend
+from .dlpack import Device, stream_scope
+
+
+@dataclass(frozen=True)
+class ScatterLaunch:
+    flat_in: Any
+    offsets: Any
+    req_pool_indices: Any
+    pool_out: Any
+    status: Any | None
+    device: Device
+
+
+def launch_scatter_req_token_ids(
+    *,
+    flat_in: Any,
+    offsets: Any,
+    req_pool_indices: Any,
+    pool_out: Any,
+    status: Any | None = None,
+    backend: str = "auto",
+    on_invalid: str | None = None,
+) -> None:
+    """``pool_out[rp_r, :n] = int32(flat_in[offsets[r]:offsets[r] + n])`` with ``n = min(len_r, width)``.
+
+    ``flat_in`` int64 [total] (requests concatenated in batch order), ``offsets`` int64 [bs+1],
+    ``req_pool_indices`` int64 [bs], ``pool_out`` int32 [rows, width]. Columns past ``n`` and rows not
+    addressed keep their content. A request whose row or segment lies outside its buffer is skipped by the
+    kernels and reported in ``status`` (int32 [1], :class:`~kvcanary_cupy.constants.CanaryStatus`) when one
+    is given; the NumPy reference raises ValueError for it unless ``on_invalid="flag"``.
+    """
+    with stream_scope(pool_out, flat_in):
+        flat = array_arg(flat_in, "flat_in", dtype=np.int64, ndim=1)
+        rpi = array_arg(req_pool_indices, "req_pool_indices", dtype=np.int64, ndim=1)
+        bs = int(rpi.shape[0])
+        offs = array_arg(offsets, "offsets", dtype=np.int64, ndim=1, shape=(bs + 1,))
+        pool = array_arg(pool_out, "pool_out", dtype=np.int32, ndim=2, writable=True)
+        status_arr = optional_array_arg(status, "status", dtype=np.int32, ndim=1, shape=(1,), writable=True)
+        device = same_device([("flat_in", flat), ("offsets", offs), ("req_pool_indices", rpi),
+                              ("pool_out", pool), ("status", status_arr)])
+        launch = ScatterLaunch(flat, offs, rpi, pool, status_arr, device)
+        resolve_backend(backend, device, on_invalid).scatter(launch)
