@@ -13,6 +13,7 @@ used when present and asked for.
 from __future__ import annotations
 
 from .backends import available_backends
+from .bind import BoundLaunch, bind_plan, bind_scatter, bind_verify, bind_write
 from .constants import (
     CANARY_CHAIN_ANCHOR,
     CANARY_SLOT_BYTES,
@@ -36,6 +37,7 @@ __all__ = [
     "CANARY_CHAIN_ANCHOR",
     "CANARY_SLOT_BYTES",
     "MAX_REAL_KV_SOURCES",
+    "BoundLaunch",
     "CanaryLaunchTag",
     "CanaryStatus",
     "FailReason",
@@ -48,6 +50,10 @@ __all__ = [
     "ViolationReport",
     "WritePlan",
     "available_backends",
+    "bind_plan",
+    "bind_scatter",
+    "bind_verify",
+    "bind_write",
     "format_violations",
     "launch_canary_plan_kernels",
     "launch_canary_verify_kernel",

@@ -21,23 +21,35 @@ _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 U64_MASK = (1 << 64) - 1
 
 
-def splitmix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finalizer of a ``uint64`` array (a new array; the input is not modified)."""
-    x = x ^ (x >> _S30)
-    x *= _MUL1
-    x ^= x >> _S27
-    x *= _MUL2
-    x ^= x >> _S31
+def splitmix64_(x: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
+    """splitmix64 finalizer of a ``uint64`` array, in place (``scratch``: optional same-shape uint64 buffer)."""
+    tmp = np.empty_like(x) if scratch is None else scratch
+    for shift, multiplier in ((_S30, _MUL1), (_S27, _MUL2)):
+        np.right_shift(x, shift, out=tmp)
+        x ^= tmp
+        x *= multiplier
+    np.right_shift(x, _S31, out=tmp)
+    x ^= tmp
     return x
 
 
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finalizer of a ``uint64`` array (a new array; the input is not modified)."""
+    return splitmix64_(x.copy())
+
+
+def mix3_(acc: np.ndarray, b: np.ndarray, c: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
+    """``acc = sm(sm(sm(acc) ^ b) ^ c)`` in place on ``uint64`` arrays (order-sensitive)."""
+    splitmix64_(acc, scratch)
+    acc ^= b
+    splitmix64_(acc, scratch)
+    acc ^= c
+    return splitmix64_(acc, scratch)
+
+
 def mix3(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """``sm(sm(sm(a) ^ b) ^ c)`` elementwise on ``uint64`` arrays (order-sensitive)."""
-    h = splitmix64(a)
-    h ^= b
-    h = splitmix64(h)
-    h ^= c
-    return splitmix64(h)
+    """``sm(sm(sm(a) ^ b) ^ c)`` elementwise on ``uint64`` arrays, as a new array."""
+    return mix3_(a.copy(), b, c)
 
 
 def splitmix64_int(x: int) -> int:
@@ -55,12 +67,26 @@ def chain_hash(fields: np.ndarray, slots: np.ndarray) -> np.ndarray:
     ``fields`` is the canary buffer viewed as ``int64 [num_slots, >=4]``. Negative slots are chain heads and
     hash to ``splitmix64(ANCHOR)``; non-negative slots must be in range (callers mask them first).
     """
-    head = slots < 0
-    safe = np.where(head, 0, slots)
-    rows = fields[safe]
-    h = mix3(rows[:, 2].view(np.uint64), rows[:, 0].view(np.uint64), rows[:, 1].view(np.uint64))
-    h[head] = ANCHOR_HASH_U64
+    flat = fields.reshape(-1)
+    base = np.maximum(slots, 0) * fields.shape[1]
+    h = flat.take(base + 2).view(np.uint64)
+    mix3_(h, flat.take(base).view(np.uint64), flat.take(base + 1).view(np.uint64))
+    h[slots < 0] = ANCHOR_HASH_U64
     return h
+
+
+def _slot_words(data: np.ndarray, page_size: int, bytes_per_token: int, nbytes: int,
+                slots: np.ndarray) -> np.ndarray:
+    """The leading ``nbytes`` of each slot's bytes as little-endian uint64 words, ``[nbytes // 8, n]``."""
+    rows = data.shape[0]
+    row_stride = data.strides[0] if rows > 1 else data.shape[1]
+    # Every access is 16-byte aligned (checked when the source was built), so the bytes can be read as
+    # uint64 words: view the first word of each row, then stride over (row, slot in page, word).
+    first_words = data[:, :8].view(np.uint64)
+    words = np.lib.stride_tricks.as_strided(
+        first_words, shape=(rows, page_size, bytes_per_token // 8), strides=(row_stride, bytes_per_token, 8),
+        writeable=False)
+    return np.ascontiguousarray(words[slots // page_size, slots % page_size, : nbytes // 8].T)
 
 
 def fold_real_kv(
@@ -74,21 +100,17 @@ def fold_real_kv(
     ``uint8 [rows, row_bytes]`` view (row stride may exceed ``row_bytes``). Every slot must address a row
     inside each source; callers guarantee that. NONE mode or no sources gives 0 without touching memory.
     """
-    total = np.zeros(slots.shape[0], dtype=np.uint64)
-    if mode == RealKvHashMode.NONE or not sources or slots.shape[0] == 0:
+    n = slots.shape[0]
+    total = np.zeros(n, dtype=np.uint64)
+    if mode == RealKvHashMode.NONE or not sources or n == 0:
         return total
+    scratch = np.empty(n, np.uint64)
     for data, page_size, bytes_per_token, read_bytes in sources:
         nbytes = REAL_KV_PARTIAL_BYTES if mode == RealKvHashMode.PARTIAL else read_bytes
-        rows = slots // page_size
-        cols = (slots % page_size) * bytes_per_token
-        # Gather each slot's leading bytes as little-endian uint64 words: [n, nbytes // 8].
-        byte_idx = cols[:, None] + np.arange(nbytes, dtype=np.int64)[None, :]
-        raw = data[rows[:, None], byte_idx]
-        words = np.ascontiguousarray(raw).view("<u8")
-        acc = np.zeros(slots.shape[0], dtype=np.uint64)
-        for w in range(words.shape[1]):
-            acc ^= words[:, w]
-            acc = splitmix64(acc)
+        acc = np.zeros(n, dtype=np.uint64)
+        for word in _slot_words(data, page_size, bytes_per_token, nbytes, slots):
+            acc ^= word
+            splitmix64_(acc, scratch)
         total ^= acc
-        total = splitmix64(total)
+        splitmix64_(total, scratch)
     return total

@@ -324,7 +324,9 @@ def launch_canary_plan_kernels(
     can instead flag them exactly like the kernels ("flag": bits in ``verify_plan_out.status`` and
     neutralised entries); the kernel backends always flag, since they cannot raise without a host sync.
     """
-    with stream_scope(verify_plan_out, write_plan_out, req_pool_indices, req_to_token):
+    with stream_scope(verify_plan_out, write_plan_out, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token,
+                      full_to_swa_index_mapping, req_to_verify_expected_tokens,
+                      req_to_verify_expected_tokens_valid_lens):
         launch = prepare_plan_launch(
             verify_plan_out=verify_plan_out, write_plan_out=write_plan_out, req_pool_indices=req_pool_indices,
             prefix_lens=prefix_lens, extend_seq_lens=extend_seq_lens, req_to_token=req_to_token,

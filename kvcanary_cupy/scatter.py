@@ -26,6 +26,20 @@ class ScatterLaunch:
     device: Device
 
 
+def prepare_scatter_launch(*, flat_in: Any, offsets: Any, req_pool_indices: Any, pool_out: Any,
+                           status: Any | None = None) -> ScatterLaunch:
+    """Every host-visible check of a scatter launch, for all backends."""
+    flat = array_arg(flat_in, "flat_in", dtype=np.int64, ndim=1)
+    rpi = array_arg(req_pool_indices, "req_pool_indices", dtype=np.int64, ndim=1)
+    bs = int(rpi.shape[0])
+    offs = array_arg(offsets, "offsets", dtype=np.int64, ndim=1, shape=(bs + 1,))
+    pool = array_arg(pool_out, "pool_out", dtype=np.int32, ndim=2, writable=True)
+    status_arr = optional_array_arg(status, "status", dtype=np.int32, ndim=1, shape=(1,), writable=True)
+    device = same_device([("flat_in", flat), ("offsets", offs), ("req_pool_indices", rpi),
+                          ("pool_out", pool), ("status", status_arr)])
+    return ScatterLaunch(flat, offs, rpi, pool, status_arr, device)
+
+
 def launch_scatter_req_token_ids(
     *,
     flat_in: Any,
@@ -44,14 +58,7 @@ def launch_scatter_req_token_ids(
     kernels and reported in ``status`` (int32 [1], :class:`~kvcanary_cupy.constants.CanaryStatus`) when one
     is given; the NumPy reference raises ValueError for it unless ``on_invalid="flag"``.
     """
-    with stream_scope(pool_out, flat_in):
-        flat = array_arg(flat_in, "flat_in", dtype=np.int64, ndim=1)
-        rpi = array_arg(req_pool_indices, "req_pool_indices", dtype=np.int64, ndim=1)
-        bs = int(rpi.shape[0])
-        offs = array_arg(offsets, "offsets", dtype=np.int64, ndim=1, shape=(bs + 1,))
-        pool = array_arg(pool_out, "pool_out", dtype=np.int32, ndim=2, writable=True)
-        status_arr = optional_array_arg(status, "status", dtype=np.int32, ndim=1, shape=(1,), writable=True)
-        device = same_device([("flat_in", flat), ("offsets", offs), ("req_pool_indices", rpi),
-                              ("pool_out", pool), ("status", status_arr)])
-        launch = ScatterLaunch(flat, offs, rpi, pool, status_arr, device)
-        resolve_backend(backend, device, on_invalid).scatter(launch)
+    with stream_scope(flat_in, offsets, req_pool_indices, pool_out, status):
+        launch = prepare_scatter_launch(flat_in=flat_in, offsets=offsets, req_pool_indices=req_pool_indices,
+                                        pool_out=pool_out, status=status)
+        resolve_backend(backend, launch.device, on_invalid).scatter(launch)

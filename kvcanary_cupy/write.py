@@ -106,7 +106,8 @@ def launch_canary_write_kernel(
     ``enable_write_input_assert`` the actual token/position of each entry is compared with the expected
     tensors and mismatches become violation rows. ``backend`` and ``on_invalid`` as for the plan launcher.
     """
-    with stream_scope(context, plan, input_ids):
+    with stream_scope(context, plan, input_ids, positions, out_cache_loc, expected_input_tokens,
+                      expected_input_positions):
         launch = prepare_write_launch(
             context=context, plan=plan, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
             enable_write_input_assert=enable_write_input_assert, expected_input_tokens=expected_input_tokens,

@@ -46,9 +46,9 @@ def plan_matches_oracle(out: dict[str, np.ndarray], expect: Any, case: Any) -> N
     assert int(out["verify.status"][0]) == expect.status
     if expect.entries is not None:
         n = len(expect.entries)
-        got = list(zip(out["verify.verify_slot_indices"][:n].tolist(), out["verify.verify_expected_tokens"][:n].tolist(),
-                       out["verify.verify_expected_positions"][:n].tolist(),
-                       out["verify.verify_prev_slot_indices"][:n].tolist(), strict=True))
+        columns = [out[f"verify.{name}"][:n].tolist() for name in (
+            "verify_slot_indices", "verify_expected_tokens", "verify_expected_positions", "verify_prev_slot_indices")]
+        got = list(zip(*columns, strict=True))
         assert got == [tuple(e) for e in expect.entries]
         untouched = slice(n, None)
     else:
@@ -130,7 +130,7 @@ def run_chain(backend: Any, case: Any) -> tuple[ChainResult, ChainResult]:
 
 
 def chain_matches_oracle(case: Any, after_write: ChainResult, after_verify: ChainResult) -> None:
-    import oracle  # noqa: PLC0415
+    import oracle
 
     state = case.initial_state()
     oracle.write_oracle(state, **case.write_kwargs())

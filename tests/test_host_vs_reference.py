@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import strategies
+from differential import chain_results_equal, run_chain, run_plan, run_scatter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import strategies
-from differential import chain_results_equal, run_chain, run_plan, run_scatter
 from kvcanary_cupy.backends import resolve_backend, unavailable_reason
 from kvcanary_cupy.backends.host import HOST_SHAPE
 from kvcanary_cupy.backends.kernel_backend import KernelBackend, LaunchShape
@@ -118,9 +118,17 @@ def test_scatter_matches_reference(case, shape):
     assert got_status == want_status
 
 
+def test_host_modules_match_the_sanitize_request():
+    """In the sanitized child below this proves the kernels really ran instrumented; here, that they did not."""
+    from kvcanary_cupy.backends import host_sanitize_requested
+
+    module = resolve_backend("host", CPU)._load_module("plan.cu")
+    assert module.sanitize is host_sanitize_requested()
+
+
 def test_sanitized_differential_run_has_zero_reports(tmp_path: Path):
     """A slice of this file under ASan + UBSan (each a hard error): the child must pass and print no report."""
-    from kvcanary_cupy.hostcuda import sanitizer_preload  # noqa: PLC0415
+    from kvcanary_cupy.hostcuda import sanitizer_preload
 
     preload = sanitizer_preload()
     if not Path(preload).is_file():

@@ -7,13 +7,13 @@ give them in "flag" mode and a ValueError, with nothing written, in "raise" mode
 from __future__ import annotations
 
 import numpy as np
+import oracle
 import pytest
+import strategies
+from differential import chain_matches_oracle, plan_matches_oracle, run_chain, run_plan, run_scatter
 from hypothesis import given, settings
 
 import kvcanary_cupy as kc
-import oracle
-import strategies
-from differential import chain_matches_oracle, plan_matches_oracle, run_chain, run_plan, run_scatter
 
 
 @settings(max_examples=400)

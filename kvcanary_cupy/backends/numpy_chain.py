@@ -56,8 +56,13 @@ def verify_reference(launch: Any, on_invalid: str) -> None:
     slots = launch.slots[:active]
     nonzero = slots != 0
     outside = nonzero & ((slots < 0) | (slots >= num_slots))
-    idx = np.flatnonzero(nonzero & ~outside)
-    prevs = launch.prev_slots[:active][idx]
+    checked = nonzero & ~outside
+    if checked.all():  # the common case: no slot-0 padding, nothing out of range; no compaction needed
+        idx = None
+        s, prevs = slots, launch.prev_slots[:active]
+    else:
+        idx = np.flatnonzero(checked)
+        s, prevs = slots[idx], launch.prev_slots[:active][idx]
     prev_outside = prevs >= num_slots
     status = 0
     if outside.any() or prev_outside.any():
@@ -66,31 +71,45 @@ def verify_reference(launch: Any, on_invalid: str) -> None:
             if outside.any():
                 k = int(np.argmax(outside))
                 fail(f"plan.verify_slot_indices[{k}]={int(slots[k])} is outside canary_buf's {num_slots} slots")
-            k = int(idx[np.argmax(prev_outside)])
+            k = int(np.argmax(prev_outside))
+            k = k if idx is None else int(idx[k])
             fail(f"plan.verify_prev_slot_indices[{k}]={int(launch.prev_slots[k])} is outside canary_buf's "
                  f"{num_slots} slots")
 
-    s = slots[idx]
-    stored = fields[s]
-    stored_token, stored_pos, stored_chain, stored_rkv = (stored[:, f] for f in range(4))
-    reachable = (prevs != 0) & ~prev_outside
-    expected_chain = np.where(reachable, chain_hash(fields, np.where(reachable, prevs, -1)).view(np.int64),
-                              stored_chain)
-    if launch.check_verify_expected_token:
-        expected_token = launch.expected_tokens[:active][idx]
-    else:
-        expected_token = np.full(idx.shape[0], -1, np.int64)
-    expected_pos = launch.expected_positions[:active][idx]
-    expected_rkv = fold_real_kv(s, ctx.sources, ctx.mode).view(np.int64)
+    # Stored fields, gathered field by field from the flat int64 view (contiguous results).
+    flat = fields.reshape(-1)
+    base = s * fields.shape[1]
+    stored_token = flat.take(base)
+    stored_pos = flat.take(base + 1)
+    stored_chain = flat.take(base + 2)
+    stored_rkv = flat.take(base + 3)
 
-    bits = np.where(reachable & (stored_chain != expected_chain), int(FailReason.VERIFY_CHAIN_HASH_MISMATCH), 0)
-    bits |= np.where(stored_pos != expected_pos, int(FailReason.VERIFY_POSITION_MISMATCH), 0)
-    bits |= np.where(stored_rkv != expected_rkv, int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH), 0)
+    reachable = (prevs != 0) & ~prev_outside
+    expected_chain = chain_hash(fields, np.where(reachable, prevs, -1)).view(np.int64)
+    np.copyto(expected_chain, stored_chain, where=~reachable)  # unreachable: the check is skipped
+    expected_pos = launch.expected_positions[:active]
+    if idx is not None:
+        expected_pos = expected_pos[idx]
+
+    bits = np.zeros(s.shape[0], np.int64)
+    bits[stored_chain != expected_chain] |= int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
+    bits[stored_pos != expected_pos] |= int(FailReason.VERIFY_POSITION_MISMATCH)
+    if ctx.mode and ctx.sources:
+        expected_rkv = fold_real_kv(s, ctx.sources, ctx.mode).view(np.int64)
+    else:
+        expected_rkv = np.zeros(1, np.int64)  # broadcasts: NONE mode, or no sources, expects 0
+    bits[stored_rkv != expected_rkv] |= int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
     if launch.check_verify_expected_token:
-        token_bad = (expected_token != -1) & (stored_token != expected_token)
-        bits |= np.where(token_bad, int(FailReason.VERIFY_TOKEN_MISMATCH), 0)
+        expected_token = launch.expected_tokens[:active]
+        if idx is not None:
+            expected_token = expected_token[idx]
+        bits[(expected_token != -1) & (stored_token != expected_token)] |= int(FailReason.VERIFY_TOKEN_MISMATCH)
     bad = np.flatnonzero(bits)
-    rows = _rows([ctx.kernel_kind, s[bad], stored_pos[bad], stored_token[bad], expected_token[bad],
+    if launch.check_verify_expected_token:
+        bad_expected_token = expected_token[bad]
+    else:
+        bad_expected_token = np.full(bad.shape[0], -1, np.int64)
+    rows = _rows([ctx.kernel_kind, s[bad], stored_pos[bad], stored_token[bad], bad_expected_token,
                   stored_chain[bad], expected_chain[bad], bits[bad]], bad.shape[0])
 
     ctx.kernel_run_counter[0] += 1

@@ -7,19 +7,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import strategies
+from differential import SENTINEL, chain_results_equal, run_chain, run_plan, run_scatter
 from hypothesis import given, settings
 
 import kvcanary_cupy as kc
-import strategies
-from differential import SENTINEL, chain_results_equal, run_chain, run_plan, run_scatter
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 
 def _cuda_backend():
-    from kvcanary_cupy.backends import resolve_backend  # noqa: PLC0415
-    from kvcanary_cupy.dlpack import Device  # noqa: PLC0415
+    from kvcanary_cupy.backends import resolve_backend
+    from kvcanary_cupy.dlpack import Device
 
     return resolve_backend("cuda", Device("cuda", 0))
 
@@ -63,7 +63,7 @@ class _OnGpu:
 
     @staticmethod
     def _to_device(obj):
-        import dataclasses  # noqa: PLC0415
+        import dataclasses
 
         if isinstance(obj, np.ndarray):
             return cp.asarray(obj)
@@ -76,7 +76,7 @@ class _OnGpu:
 
     @staticmethod
     def _copy_back(host, device) -> None:
-        import dataclasses  # noqa: PLC0415
+        import dataclasses
 
         if isinstance(host, np.ndarray):
             host[...] = device.get()

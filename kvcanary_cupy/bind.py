@@ -1,0 +1,230 @@
+"""Bind once, launch many: convert and validate a launch's buffers at setup time, then launch with no per-call
+conversion and no per-call validation.
+
+Owns :class:`BoundLaunch` and its four constructors :func:`bind_plan`, :func:`bind_verify`,
+:func:`bind_write` and :func:`bind_scatter`, which take exactly the keyword arguments of the matching public
+launchers. A serving engine keeps its batch tensors, plans, canary buffers and rings alive for its whole life
+and refills their *contents* every step; binding views them through DLPack once, checks every host-visible
+fact once and resolves the backend once. Calling the bound launch then only enters the right CUDA stream and
+launches the kernels, which is what a CUDA-graph capture needs:
+
+* a ``__dlpack__`` call that names a stream may make the producer insert a cross-stream wait, and the import
+  itself costs host time on every step; neither belongs inside a captured region;
+* kernels of a call on torch CUDA tensors go to torch's current stream *at call time* (inside
+  ``torch.cuda.graph`` that is the capture stream), so they are ordered after the engine's own kernels
+  without any synchronisation.
+
+Contract of a bound launch:
+
+* Device values may be refilled in place between calls (``tensor.copy_(...)``, ``tensor[:] = ...``,
+  ``array[...] = ...``): every call reads them afresh.
+* Shapes, dtypes and the buffers themselves may not change: a tensor that is reallocated, resized or
+  replaced by another object is not seen (the bound view keeps the old memory alive and keeps using it).
+  Bind again after changing capacities.
+* The first call on a GPU compiles and loads the kernels (NVRTC), which is not capture-safe: call every
+  bound launch once (warm-up) before capturing it in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .backends import Backend, resolve_backend
+from .context import VerifyOrWriteContext
+from .dlpack import Device, stream_scope
+from .plan import OnInvalid, VerifyPlan, WritePlan, prepare_plan_launch
+from .scatter import prepare_scatter_launch
+from .verify import prepare_verify_launch
+from .write import prepare_write_launch
+
+__all__ = ["BoundLaunch", "bind_plan", "bind_scatter", "bind_verify", "bind_write"]
+
+# One ExternalStream wrapper per (device, stream pointer): building one per call would cost host time on
+# every step, and the pointers an engine launches on (its compute stream, the graph-capture stream) are few
+# and live as long as the process.
+_EXTERNAL_STREAMS: dict[tuple[int, int], Any] = {}
+
+
+def _external_stream(cupy: Any, device_index: int, pointer: int) -> Any:
+    key = (device_index, pointer)
+    stream = _EXTERNAL_STREAMS.get(key)
+    if stream is None:
+        stream = _EXTERNAL_STREAMS.setdefault(key, cupy.cuda.ExternalStream(pointer, device_index))
+    return stream
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class BoundLaunch:
+    """One validated launch, ready to be called any number of times.
+
+    Attributes:
+        step: "plan", "verify", "write" or "scatter" — the backend method a call runs.
+        launch: the normalized launch (NumPy/CuPy views of the bound buffers, plain-int scalars).
+        backend: the backend object resolved at bind time.
+        device: where the bound buffers live.
+        follows_torch_stream: True when a bound buffer is a torch CUDA tensor; calls then run on
+            ``torch.cuda.current_stream(device)`` as it is at call time. Otherwise CUDA launches run on CuPy's
+            current stream at call time, and CPU launches run inline.
+    """
+
+    step: str
+    launch: Any
+    backend: Backend
+    device: Device
+    follows_torch_stream: bool
+
+    def __call__(self) -> None:
+        """Run the bound launch once on the buffers' current contents. No conversion, no validation."""
+        run = getattr(self.backend, self.step)
+        if self.device.kind == "cpu":
+            run(self.launch)
+            return
+        with self._cuda_scope():
+            run(self.launch)
+
+    @contextlib.contextmanager
+    def _cuda_scope(self) -> Iterator[None]:
+        cupy = sys.modules["cupy"]  # imported at bind time: the bound CuPy views exist
+        index = self.device.index
+        with cupy.cuda.Device(index):
+            if not self.follows_torch_stream:
+                yield
+                return
+            torch = sys.modules["torch"]
+            pointer = int(torch.cuda.current_stream(index).cuda_stream)
+            with _external_stream(cupy, index, pointer):
+                yield
+
+    @property
+    def backend_name(self) -> str:
+        return str(getattr(self.backend, "name", type(self.backend).__name__))
+
+    def __repr__(self) -> str:
+        stream = "torch current stream" if self.follows_torch_stream else "CuPy current stream"
+        where = "inline" if self.device.kind == "cpu" else stream
+        return f"BoundLaunch({self.step}, backend={self.backend_name}, device={self.device}, {where})"
+
+
+def _walk(values: Iterable[Any]) -> Iterator[Any]:
+    """Every leaf of the arguments: dataclass fields (plans, contexts, real-KV sources) and tuples opened."""
+    for value in values:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            yield from _walk(getattr(value, f.name) for f in dataclasses.fields(value))
+        elif isinstance(value, (tuple, list)):
+            yield from _walk(value)
+        else:
+            yield value
+
+
+def _holds_torch_cuda_tensor(values: Iterable[Any]) -> bool:
+    torch = sys.modules.get("torch")  # never imported here: a torch tensor implies torch is loaded
+    if torch is None:
+        return False
+    return any(isinstance(v, torch.Tensor) and v.is_cuda for v in _walk(values))
+
+
+def _bind(step: str, arguments: tuple[Any, ...], prepare: Callable[[], Any], backend: str,
+          on_invalid: str | None) -> BoundLaunch:
+    # Conversion, validation and backend resolution happen exactly as in the launchers, inside the same
+    # stream scope (so DLPack imports of torch CUDA tensors name torch's current stream and need no wait).
+    with stream_scope(*arguments):
+        launch = prepare()
+        resolved = resolve_backend(backend, launch.device, on_invalid)
+    follows_torch = launch.device.kind == "cuda" and _holds_torch_cuda_tensor(arguments)
+    return BoundLaunch(step, launch, resolved, launch.device, follows_torch)
+
+
+def bind_plan(
+    *,
+    verify_plan_out: VerifyPlan,
+    write_plan_out: WritePlan,
+    req_pool_indices: Any,
+    prefix_lens: Any,
+    extend_seq_lens: Any,
+    req_to_token: Any,
+    swa_window_size: int,
+    full_to_swa_index_mapping: Any | None,
+    verify_capacity: int,
+    req_to_verify_expected_tokens: Any | None = None,
+    req_to_verify_expected_tokens_valid_lens: Any | None = None,
+    kv_token_id_vs_position_offset: int = 0,
+    backend: str = "auto",
+    on_invalid: OnInvalid | None = None,
+) -> BoundLaunch:
+    """Bind :func:`~kvcanary_cupy.launch_canary_plan_kernels` (same arguments). Scalars such as
+    ``swa_window_size`` and ``kv_token_id_vs_position_offset`` are fixed at bind time; the contents of every
+    array argument are read at call time."""
+    arguments = (verify_plan_out, write_plan_out, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token,
+                 full_to_swa_index_mapping, req_to_verify_expected_tokens,
+                 req_to_verify_expected_tokens_valid_lens)
+    return _bind("plan", arguments, lambda: prepare_plan_launch(
+        verify_plan_out=verify_plan_out, write_plan_out=write_plan_out, req_pool_indices=req_pool_indices,
+        prefix_lens=prefix_lens, extend_seq_lens=extend_seq_lens, req_to_token=req_to_token,
+        swa_window_size=swa_window_size, full_to_swa_index_mapping=full_to_swa_index_mapping,
+        verify_capacity=verify_capacity, req_to_verify_expected_tokens=req_to_verify_expected_tokens,
+        req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
+        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, function="bind_plan",
+    ), backend, on_invalid)
+
+
+def bind_verify(
+    *,
+    context: VerifyOrWriteContext,
+    plan: VerifyPlan,
+    check_verify_expected_token: bool,
+    backend: str = "auto",
+    on_invalid: str | None = None,
+) -> BoundLaunch:
+    """Bind :func:`~kvcanary_cupy.launch_canary_verify_kernel` (same arguments)."""
+    return _bind("verify", (context, plan), lambda: prepare_verify_launch(
+        context=context, plan=plan, check_verify_expected_token=check_verify_expected_token,
+    ), backend, on_invalid)
+
+
+def bind_write(
+    *,
+    context: VerifyOrWriteContext,
+    plan: WritePlan,
+    input_ids: Any,
+    positions: Any,
+    out_cache_loc: Any,
+    enable_write_input_assert: bool,
+    expected_input_tokens: Any | None = None,
+    expected_input_positions: Any | None = None,
+    backend: str = "auto",
+    on_invalid: str | None = None,
+) -> BoundLaunch:
+    """Bind :func:`~kvcanary_cupy.launch_canary_write_kernel` (same arguments). ``input_ids``, ``positions``
+    and ``out_cache_loc`` are bound at their padded length; pad unused tails with ``out_cache_loc = -1``."""
+    arguments = (context, plan, input_ids, positions, out_cache_loc, expected_input_tokens,
+                 expected_input_positions)
+    return _bind("write", arguments, lambda: prepare_write_launch(
+        context=context, plan=plan, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
+        enable_write_input_assert=enable_write_input_assert, expected_input_tokens=expected_input_tokens,
+        expected_input_positions=expected_input_positions,
+    ), backend, on_invalid)
+
+
+def bind_scatter(
+    *,
+    flat_in: Any,
+    offsets: Any,
+    req_pool_indices: Any,
+    pool_out: Any,
+    status: Any | None = None,
+    backend: str = "auto",
+    on_invalid: str | None = None,
+) -> BoundLaunch:
+    """Bind :func:`~kvcanary_cupy.launch_scatter_req_token_ids` (same arguments)."""
+    arguments = (flat_in, offsets, req_pool_indices, pool_out, status)
+    return _bind("scatter", arguments,
+                 lambda: prepare_scatter_launch(flat_in=flat_in, offsets=offsets, req_pool_indices=req_pool_indices,
+                                                pool_out=pool_out, status=status),
+                 backend, on_invalid)
+
+

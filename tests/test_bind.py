@@ -1,0 +1,270 @@
+"""Bind once, launch many (kvcanary_cupy.bind) on CPU: bound launches equal unbound ones across refills, and a
+bound call performs no DLPack conversion and no validation.
+
+The engine-like scenario keeps every shape fixed (padding rows, padded token arrays with ``out_cache_loc = -1``)
+and refills contents in place between steps, as a serving engine does around a captured CUDA graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from plan_helpers import linear_rtt
+
+import kvcanary_cupy as kc
+import kvcanary_cupy._validate
+import kvcanary_cupy.bind
+import kvcanary_cupy.dlpack
+from kvcanary_cupy.backends import unavailable_reason
+from kvcanary_cupy.bind import BoundLaunch, bind_plan, bind_scatter, bind_verify, bind_write
+
+torch = pytest.importorskip("torch")
+
+ROWS, WIDTH, BS, TOKENS, CAPACITY = 4, 16, 3, 8, 32
+RTT = linear_rtt(ROWS, WIDTH, base=1)  # distinct nonzero slots: row r, column c -> 1 + 16 r + c
+NUM_SLOTS = ROWS * WIDTH + 1
+
+# (req_pool_indices, prefix_lens, extend_seq_lens) per step; row 0 of the pool is padding
+STEPS = [
+    ([1, 2, 0], [0, 0, 0], [3, 2, 0]),  # two prefills
+    ([1, 2, 0], [3, 2, 0], [1, 1, 0]),  # two decodes
+    ([1, 0, 3], [4, 0, 0], [1, 0, 4]),  # request 2 finished, request 3 arrives
+    ([1, 3, 0], [5, 4, 0], [1, 2, 0]),  # decode + a two-token extend
+]
+HISTORY = (np.arange(ROWS * WIDTH, dtype=np.int32).reshape(ROWS, WIDTH) * 7 + 3)  # tokens per pool row
+
+
+def step_inputs(step: int) -> dict[str, np.ndarray]:
+    """Every array input of one step, at the bound (padded) shapes."""
+    rpi, prefix, extend = (np.array(v, np.int64) for v in STEPS[step])
+    ids, pos, loc = np.zeros(TOKENS, np.int64), np.zeros(TOKENS, np.int64), np.full(TOKENS, -1, np.int64)
+    k = 0
+    for rp, p, e in zip(rpi, prefix, extend, strict=True):
+        if rp == 0:
+            continue
+        for position in range(p, p + e):
+            ids[k], pos[k], loc[k] = HISTORY[rp, position], position, RTT[rp, position]
+            k += 1
+    return {"req_pool_indices": rpi, "prefix_lens": prefix, "extend_seq_lens": extend,
+            "valid_lens": prefix + extend, "input_ids": ids, "positions": pos, "out_cache_loc": loc}
+
+
+class Engine:
+    """The persistent buffers of one canary group, in one framework (``to`` turns NumPy into it)."""
+
+    def __init__(self, to):
+        self.to = to
+        first = step_inputs(0)
+        self.inputs = {k: to(v) for k, v in first.items()}
+        self.req_to_token = to(RTT)
+        self.pool = to(HISTORY)
+        # Plans start from a sentinel so that "left untouched" is compared too.
+        self.vp = kc.VerifyPlan(**{f.name: to(np.full(shape, 0x5A5A, dtype)) for f, (shape, dtype) in zip(
+            dataclasses.fields(kc.VerifyPlan), [(CAPACITY, np.int64)] * 4 + [(1, np.int32)] * 3, strict=True)})
+        self.wp = kc.WritePlan(**{f.name: to(np.full(shape, 0x5A5A, dtype)) for f, (shape, dtype) in zip(
+            dataclasses.fields(kc.WritePlan), [(BS + 1, np.int64), (BS, np.int64), (1, np.int32), (BS + 1, np.int64)],
+            strict=True)})
+        ctx = kc.VerifyOrWriteContext.allocate(num_slots=NUM_SLOTS, ring_capacity=16,
+                                               enable_chain_position_assert=True)
+        self.ctx = kc.VerifyOrWriteContext(**{f.name: to(getattr(ctx, f.name)) if isinstance(
+            getattr(ctx, f.name), np.ndarray) else getattr(ctx, f.name) for f in dataclasses.fields(ctx)})
+
+    def plan_kwargs(self) -> dict:
+        i = self.inputs
+        return {"verify_plan_out": self.vp, "write_plan_out": self.wp, "req_pool_indices": i["req_pool_indices"],
+                "prefix_lens": i["prefix_lens"], "extend_seq_lens": i["extend_seq_lens"],
+                "req_to_token": self.req_to_token, "swa_window_size": 0, "full_to_swa_index_mapping": None,
+                "verify_capacity": CAPACITY, "req_to_verify_expected_tokens": self.pool,
+                "req_to_verify_expected_tokens_valid_lens": i["valid_lens"]}
+
+    def verify_kwargs(self) -> dict:
+        return {"context": self.ctx, "plan": self.vp, "check_verify_expected_token": True}
+
+    def write_kwargs(self) -> dict:
+        i = self.inputs
+        return {"context": self.ctx, "plan": self.wp, "input_ids": i["input_ids"], "positions": i["positions"],
+                "out_cache_loc": i["out_cache_loc"], "enable_write_input_assert": False}
+
+    def refill(self, step: int) -> None:
+        for name, values in step_inputs(step).items():
+            target = self.inputs[name]
+            if isinstance(target, torch.Tensor):
+                target.copy_(torch.from_numpy(values))
+            else:
+                target[...] = values
+
+    def state(self) -> dict[str, np.ndarray]:
+        out = {}
+        for prefix, obj in (("verify", self.vp), ("write", self.wp), ("ctx", self.ctx)):
+            for f in dataclasses.fields(obj):
+                value = getattr(obj, f.name)
+                if isinstance(value, (np.ndarray, torch.Tensor)):
+                    out[f"{prefix}.{f.name}"] = np.asarray(value).copy()
+        del out["write.verify_offsets"]  # scratch: only [0, bs] is defined, and backends may differ beyond
+        return out
+
+
+def numpy_engine() -> Engine:
+    return Engine(lambda a: np.array(a, copy=True))
+
+
+def torch_engine() -> Engine:
+    return Engine(lambda a: torch.from_numpy(np.array(a, copy=True)))
+
+
+def run_unbound(engine: Engine, step: int) -> None:
+    engine.refill(step)
+    kc.launch_canary_plan_kernels(**engine.plan_kwargs())
+    kc.launch_canary_verify_kernel(**engine.verify_kwargs())
+    kc.launch_canary_write_kernel(**engine.write_kwargs())
+
+
+def assert_same_state(a: dict, b: dict, step: int) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=f"step {step}: {name}")
+
+
+CPU_BACKENDS = [
+    "numpy",
+    pytest.param("host", marks=pytest.mark.skipif(unavailable_reason("host") is not None,
+                                                  reason=f"host backend: {unavailable_reason('host')}")),
+]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_bound_steps_on_torch_tensors_equal_unbound_steps_on_numpy(backend):
+    bound, reference = torch_engine(), numpy_engine()
+    on_invalid = None if backend == "numpy" else "flag"
+    plan = bind_plan(**bound.plan_kwargs(), backend=backend, on_invalid=on_invalid)
+    verify = bind_verify(**bound.verify_kwargs(), backend=backend, on_invalid=on_invalid)
+    write = bind_write(**bound.write_kwargs(), backend=backend, on_invalid=on_invalid)
+    for step in range(len(STEPS)):
+        if step == 3:  # a corrupted token of request 1 must be reported the same way by both
+            for engine in (bound, reference):
+                np.asarray(engine.ctx.canary_buf).view(np.int64)[RTT[1, 2], 0] = -12345
+        bound.refill(step)
+        plan()
+        verify()
+        write()
+        run_unbound(reference, step)
+        assert_same_state(bound.state(), reference.state(), step)
+    report = kc.read_violations(bound.ctx)
+    assert sorted((v.slot, v.reason_bits) for v in report.rows) == [
+        (int(RTT[1, 2]), int(kc.FailReason.VERIFY_TOKEN_MISMATCH)),
+        (int(RTT[1, 3]), int(kc.FailReason.VERIFY_CHAIN_HASH_MISMATCH)),
+    ]
+
+
+def test_bound_steps_on_numpy_arrays_equal_unbound_steps():
+    bound, reference = numpy_engine(), numpy_engine()
+    launches = [bind_plan(**bound.plan_kwargs()), bind_verify(**bound.verify_kwargs()),
+                bind_write(**bound.write_kwargs())]
+    for step in range(len(STEPS)):
+        bound.refill(step)
+        for launch in launches:
+            launch()
+        run_unbound(reference, step)
+        assert_same_state(bound.state(), reference.state(), step)
+
+
+def test_bound_scatter_equals_unbound_scatter_across_refills():
+    flat, offsets, rpi = torch.zeros(6, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), torch.zeros(
+        2, dtype=torch.int64)
+    pool, status = torch.full((4, 5), -1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    bound = bind_scatter(flat_in=flat, offsets=offsets, req_pool_indices=rpi, pool_out=pool, status=status)
+    want = np.full((4, 5), -1, np.int32)
+    refills = [([1, 2, 3, 4, 5, 6], [0, 2, 6], [1, 3]), ([9, 8, 7, 6, 5, 4], [0, 6, 6], [2, 1]),
+               ([5, 5, 5, 5, 5, 5], [0, 0, 3], [3, 0])]
+    for values, offs, rows in refills:
+        flat.copy_(torch.tensor(values))
+        offsets.copy_(torch.tensor(offs))
+        rpi.copy_(torch.tensor(rows))
+        bound()
+        kc.launch_scatter_req_token_ids(flat_in=np.array(values, np.int64), offsets=np.array(offs, np.int64),
+                                        req_pool_indices=np.array(rows, np.int64), pool_out=want)
+        np.testing.assert_array_equal(pool.numpy(), want)
+    assert int(status) == 0
+
+
+FORBIDDEN_DURING_A_BOUND_CALL = (
+    "kvcanary_cupy.dlpack.as_array", "kvcanary_cupy._validate.as_array", "kvcanary_cupy.context.as_byte_rows",
+    "kvcanary_cupy.bind.prepare_plan_launch", "kvcanary_cupy.bind.prepare_verify_launch",
+    "kvcanary_cupy.bind.prepare_write_launch", "kvcanary_cupy.bind.resolve_backend",
+    "kvcanary_cupy.bind.stream_scope",
+)
+
+
+def test_bound_calls_do_no_conversion_and_no_validation(monkeypatch):
+    bound, reference = torch_engine(), numpy_engine()
+    launches = [bind_plan(**bound.plan_kwargs()), bind_verify(**bound.verify_kwargs()),
+                bind_write(**bound.write_kwargs())]
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("converted or validated during a bound call")
+
+    def forbid() -> None:
+        for target in FORBIDDEN_DURING_A_BOUND_CALL:
+            monkeypatch.setattr(target, forbidden)
+
+    forbid()
+    with pytest.raises(AssertionError, match="converted or validated"):  # the patches do bite unbound calls
+        kc.launch_canary_plan_kernels(**bound.plan_kwargs())
+    for step in range(len(STEPS)):
+        forbid()
+        bound.refill(step)
+        for launch in launches:
+            launch()
+        monkeypatch.undo()  # the unbound reference needs the bridge
+        run_unbound(reference, step)
+        assert_same_state(bound.state(), reference.state(), step)
+
+
+def test_binding_validates_once_and_writes_nothing_when_it_refuses():
+    engine = torch_engine()
+    before = engine.state()
+    kwargs = engine.plan_kwargs()
+    kwargs["prefix_lens"] = kwargs["prefix_lens"].to(torch.int32)
+    with pytest.raises(ValueError, match=r"^kv-canary: prefix_lens must have dtype int64, got int32"):
+        bind_plan(**kwargs)
+    kwargs = engine.plan_kwargs()
+    kwargs["req_to_verify_expected_tokens_valid_lens"] = None
+    with pytest.raises(ValueError, match=r"^kv-canary: bind_plan requires req_to_verify_expected_tokens_valid_lens"):
+        bind_plan(**kwargs)
+    with pytest.raises(ValueError, match=r"kv-canary: backend='cuda' needs CUDA arrays"):
+        bind_verify(**engine.verify_kwargs(), backend="cuda")
+    with pytest.raises(ValueError, match=r"kv-canary: input_ids must be contiguous"):
+        bind_write(**{**engine.write_kwargs(), "input_ids": torch.zeros(2 * TOKENS, dtype=torch.int64)[::2]})
+    with pytest.raises(ValueError, match=r"kv-canary: offsets must have shape \(3,\)"):
+        bind_scatter(flat_in=torch.zeros(2, dtype=torch.int64), offsets=torch.zeros(2, dtype=torch.int64),
+                     req_pool_indices=torch.zeros(2, dtype=torch.int64), pool_out=torch.zeros(2, 2, dtype=torch.int32))
+    assert_same_state(engine.state(), before, -1)
+
+
+def test_a_bound_launch_describes_itself():
+    engine = torch_engine()
+    launch = bind_plan(**engine.plan_kwargs())
+    assert isinstance(launch, BoundLaunch)
+    assert (launch.step, launch.backend_name, str(launch.device), launch.follows_torch_stream) == (
+        "plan", "numpy", "cpu", False)
+    assert repr(launch) == "BoundLaunch(plan, backend=numpy, device=cpu, inline)"
+
+
+def test_a_replaced_tensor_is_not_seen_until_bound_again():
+    # Binding fixes the buffers: refill contents in place, never rebind a name to a new tensor.
+    engine = torch_engine()
+    plan = bind_plan(**engine.plan_kwargs())
+    engine.refill(1)
+    engine.inputs["prefix_lens"] = torch.zeros(BS, dtype=torch.int64)  # a new tensor, invisible to `plan`
+    plan()
+    assert int(engine.vp.verify_num_valid) == 5  # prefixes 3 + 2 of the step-1 refill, not zeros
+    plan = bind_plan(**engine.plan_kwargs())
+    plan()
+    assert int(engine.vp.verify_num_valid) == 0
+
+
+def test_bind_is_importable_from_the_package_module():
+    assert kvcanary_cupy.bind.__all__ == ["BoundLaunch", "bind_plan", "bind_scatter", "bind_verify", "bind_write"]
+    assert kvcanary_cupy._validate is not None and kvcanary_cupy.dlpack is not None
