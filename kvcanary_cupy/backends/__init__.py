@@ -31,8 +31,10 @@ class Backend(Protocol):
     def scatter(self, launch: Any) -> None: ...
 
 
+@functools.cache
 def unavailable_reason(name: str) -> str | None:
-    """None if backend ``name`` can run on this machine, else why not."""
+    """None if backend ``name`` can run on this machine, else why not (asked once per process: launches
+    resolve their backend every call, and probing a driver or PATH each time would cost host time)."""
     if name == "numpy":
         return None
     if name == "host":
