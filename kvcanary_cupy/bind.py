@@ -28,15 +28,14 @@ Contract of a bound launch:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from .backends import Backend, resolve_backend
 from .context import VerifyOrWriteContext
-from .dlpack import Device, stream_scope
+from .dlpack import Device, first_torch_cuda_tensor, stream_scope
 from .plan import OnInvalid, VerifyPlan, WritePlan, prepare_plan_launch
 from .scatter import prepare_scatter_launch
 from .verify import prepare_verify_launch
@@ -110,24 +109,6 @@ class BoundLaunch:
         return f"BoundLaunch({self.step}, backend={self.backend_name}, device={self.device}, {where})"
 
 
-def _walk(values: Iterable[Any]) -> Iterator[Any]:
-    """Every leaf of the arguments: dataclass fields (plans, contexts, real-KV sources) and tuples opened."""
-    for value in values:
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            yield from _walk(getattr(value, f.name) for f in dataclasses.fields(value))
-        elif isinstance(value, (tuple, list)):
-            yield from _walk(value)
-        else:
-            yield value
-
-
-def _holds_torch_cuda_tensor(values: Iterable[Any]) -> bool:
-    torch = sys.modules.get("torch")  # never imported here: a torch tensor implies torch is loaded
-    if torch is None:
-        return False
-    return any(isinstance(v, torch.Tensor) and v.is_cuda for v in _walk(values))
-
-
 def _bind(step: str, arguments: tuple[Any, ...], prepare: Callable[[], Any], backend: str,
           on_invalid: str | None) -> BoundLaunch:
     # Conversion, validation and backend resolution happen exactly as in the launchers, inside the same
@@ -135,7 +116,7 @@ def _bind(step: str, arguments: tuple[Any, ...], prepare: Callable[[], Any], bac
     with stream_scope(*arguments):
         launch = prepare()
         resolved = resolve_backend(backend, launch.device, on_invalid)
-    follows_torch = launch.device.kind == "cuda" and _holds_torch_cuda_tensor(arguments)
+    follows_torch = launch.device.kind == "cuda" and first_torch_cuda_tensor(arguments) is not None
     return BoundLaunch(step, launch, resolved, launch.device, follows_torch)
 
 

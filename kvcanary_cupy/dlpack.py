@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,14 +169,24 @@ def export(arr: Any, to: Any) -> Any:
     return from_dlpack(arr)
 
 
-def _flatten(values: Iterable[Any]) -> Iterable[Any]:
+def leaves(values: Iterable[Any]) -> Iterator[Any]:
+    """Every leaf of launch arguments: dataclass fields (plans, contexts, real-KV sources) and sequences opened."""
     for value in values:
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            yield from _flatten(getattr(value, f.name) for f in dataclasses.fields(value))
+            yield from leaves(getattr(value, f.name) for f in dataclasses.fields(value))
         elif isinstance(value, (tuple, list)):
-            yield from _flatten(value)
+            yield from leaves(value)
         else:
             yield value
+
+
+def first_torch_cuda_tensor(values: Iterable[Any]) -> Any | None:
+    """The first torch CUDA tensor among the leaves of ``values`` (torch is never imported here: a torch
+    tensor can only exist if torch is loaded)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    return next((v for v in leaves(values) if isinstance(v, torch.Tensor) and v.is_cuda), None)
 
 
 def stream_scope(*values: Any) -> contextlib.AbstractContextManager:
@@ -187,18 +197,16 @@ def stream_scope(*values: Any) -> contextlib.AbstractContextManager:
     kernels then holds without any synchronisation, and DLPack imports done inside the scope name that same
     stream, so the producer inserts no cross-stream wait. Otherwise CuPy's current stream is used unchanged.
     """
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        for value in _flatten(values):
-            if isinstance(value, torch.Tensor) and value.is_cuda:
-                cupy = cupy_module()
-                if cupy is None:
-                    fail("a torch CUDA tensor was given but CuPy is not installed (install the cuda12 or "
-                         "cuda13 extra)")
-                index = value.device.index if value.device.index is not None else torch.cuda.current_device()
-                stream = torch.cuda.current_stream(value.device)
-                scope = contextlib.ExitStack()
-                scope.enter_context(cupy.cuda.Device(index))
-                scope.enter_context(cupy.cuda.ExternalStream(stream.cuda_stream, index))
-                return scope
-    return contextlib.nullcontext()
+    tensor = first_torch_cuda_tensor(values)
+    if tensor is None:
+        return contextlib.nullcontext()
+    cupy = cupy_module()
+    if cupy is None:
+        fail("a torch CUDA tensor was given but CuPy is not installed (install the cuda12 or cuda13 extra)")
+    torch = sys.modules["torch"]
+    index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(tensor.device)
+    scope = contextlib.ExitStack()
+    scope.enter_context(cupy.cuda.Device(index))
+    scope.enter_context(cupy.cuda.ExternalStream(stream.cuda_stream, index))
+    return scope
