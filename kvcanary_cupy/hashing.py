@@ -67,10 +67,10 @@ def chain_hash(fields: np.ndarray, slots: np.ndarray) -> np.ndarray:
     ``fields`` is the canary buffer viewed as ``int64 [num_slots, >=4]``. Negative slots are chain heads and
     hash to ``splitmix64(ANCHOR)``; non-negative slots must be in range (callers mask them first).
     """
-    flat = fields.reshape(-1)
-    base = np.maximum(slots, 0) * fields.shape[1]
-    h = flat.take(base + 2).view(np.uint64)
-    mix3_(h, flat.take(base).view(np.uint64), flat.take(base + 1).view(np.uint64))
+    # One gather of whole slot rows beats one gather per field: a slot's 32 bytes share a cache line.
+    rows = fields.take(np.maximum(slots, 0), axis=0)
+    h = rows[:, 2].view(np.uint64).copy()
+    mix3_(h, rows[:, 0].view(np.uint64), rows[:, 1].view(np.uint64))
     h[slots < 0] = ANCHOR_HASH_U64
     return h
 

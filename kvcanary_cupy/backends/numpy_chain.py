@@ -76,13 +76,9 @@ def verify_reference(launch: Any, on_invalid: str) -> None:
             fail(f"plan.verify_prev_slot_indices[{k}]={int(launch.prev_slots[k])} is outside canary_buf's "
                  f"{num_slots} slots")
 
-    # Stored fields, gathered field by field from the flat int64 view (contiguous results).
-    flat = fields.reshape(-1)
-    base = s * fields.shape[1]
-    stored_token = flat.take(base)
-    stored_pos = flat.take(base + 1)
-    stored_chain = flat.take(base + 2)
-    stored_rkv = flat.take(base + 3)
+    # Stored fields: one gather of whole slot rows (a slot's fields share a cache line), then columns.
+    stored = fields.take(s, axis=0)
+    stored_token, stored_pos, stored_chain, stored_rkv = (stored[:, f] for f in range(4))
 
     reachable = (prevs != 0) & ~prev_outside
     expected_chain = chain_hash(fields, np.where(reachable, prevs, -1)).view(np.int64)
