@@ -22,7 +22,7 @@ $(VENV)/.test: pyproject.toml $(VENV)/.base
 
 demo: $(VENV)/.base
 	$(BIN)/kvcanary simulate --preset mixed --inject all --steps 200 --requests 48 --seed 7 \
-		--json report/demo.json --html report/demo.html
+		--json report/demo.json --html report/demo.html --dump-failures report/dumps
 
 test: $(VENV)/.test
 	$(BIN)/ruff check kvcanary_cupy tests bench

@@ -61,6 +61,9 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     reason = None
     for item in items:
+        # This hook sees the whole session (tests/ too): only label the benchmarks of this folder.
+        if not Path(item.path).is_relative_to(BENCH_DIR):
+            continue
         if "gpu" in item.keywords and not any(m.name == "skip" for m in item.iter_markers()):
             if reason is None:
                 reason = unavailable_reason("cuda") or ""

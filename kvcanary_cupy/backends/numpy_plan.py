@@ -147,7 +147,10 @@ def _entries(launch, counts, window_start, verify_offsets, row_ok, flag):
     has = counts > 0
     ws = workspace()
     index = ws.arange(total)
-    pos = ws.repeat("pos", first - window_start, counts, first, total)
+    # owner[k]: the batch row of entry k. Per-entry values are then small-table gathers through it.
+    owner = ws.repeat("owner", np.arange(bs, dtype=np.int64), counts, first, total)
+    pos = ws.array("pos", total, np.int64)
+    np.take(first - window_start, owner, out=pos, mode="clip")
     np.subtract(index, pos, out=pos)
 
     ok = None  # None: no entry neutralised so far
@@ -169,7 +172,8 @@ def _entries(launch, counts, window_start, verify_offsets, row_ok, flag):
                  f"prefix_lens[{r}]={int(prefix[r])} reaches beyond req_to_token's row width {width}")
         flat = np.where(ok, np.repeat(np.where(row_ok, rpi, 0) * width, counts) + pos, 0)
     else:
-        flat = ws.repeat("flat", np.where(has, rpi, 0) * width + window_start - first, counts, first, total)
+        flat = ws.array("flat", total, np.int64)
+        np.take(np.where(has, rpi, 0) * width + window_start - first, owner, out=flat, mode="clip")
         np.add(index, flat, out=flat)
     raw = ws.array("raw", total, np.int32)
     np.take(rtt_flat, flat, out=raw, mode="clip")  # in bounds; "clip" only avoids the buffered "raise" mode
@@ -210,7 +214,7 @@ def _entries(launch, counts, window_start, verify_offsets, row_ok, flag):
         tokens = ws.array("tokens", total, np.int64)
         tokens.fill(-1)
     else:
-        tokens, ok = _expected_tokens(launch, verify_offsets, counts, window_start, pos, ok, flag)
+        tokens, ok = _expected_tokens(launch, verify_offsets, counts, owner, window_start, pos, ok, flag)
     if ok is not None:
         bad = ~ok
         slot[bad] = 0
@@ -219,7 +223,7 @@ def _entries(launch, counts, window_start, verify_offsets, row_ok, flag):
     return slot, tokens, pos, prev
 
 
-def _expected_tokens(launch, verify_offsets, counts, window_start, pos, ok, flag):
+def _expected_tokens(launch, verify_offsets, counts, owner, window_start, pos, ok, flag):
     """pool[rp, pos + offset] where 0 <= pos + offset < valid_lens[r], else -1; bounds-checked."""
     pool = launch.req_to_verify_expected_tokens
     rpi = launch.req_pool_indices
@@ -234,17 +238,19 @@ def _expected_tokens(launch, verify_offsets, counts, window_start, pos, ok, flag
     sot = ws.array("sot", total, np.int64)
     np.add(pos, offset, out=sot)
     # Unsigned compare: a negative source position is never wanted (valid_lens >= 0 here).
+    limit = ws.array("limit", total, np.int64)
+    np.take(valid_lens, owner, out=limit, mode="clip")
     unwanted = ws.array("unwanted", total, np.bool_)
-    np.greater_equal(sot.view(np.uint64), ws.repeat("valid", valid_lens, counts, first, total).view(np.uint64),
-                     out=unwanted)
+    np.greater_equal(sot.view(np.uint64), limit.view(np.uint64), out=unwanted)
     if ok is None:
         # Per request, the wanted source positions form one range [lo, hi): check it instead of each entry.
         lo = np.maximum(window_start + offset, 0)
         hi = np.minimum(np.maximum(launch.prefix_lens, 0) + offset, valid_lens)
         reads = (counts > 0) & (hi > lo)
         if not (reads & ((rpi >= pool_rows) | (hi > pool_width))).any():
-            source = ws.repeat("source", np.where(reads, rpi, 0) * pool_width + window_start + offset - first,
-                               counts, first, total)
+            source = ws.array("source", total, np.int64)
+            np.take(np.where(reads, rpi, 0) * pool_width + window_start + offset - first, owner, out=source,
+                    mode="clip")
             np.add(ws.arange(total), source, out=source)
             gathered = ws.array("gathered", total, np.int32)
             np.take(pool_flat, source, out=gathered, mode="clip")  # unwanted entries may point anywhere

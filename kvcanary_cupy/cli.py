@@ -1,0 +1,236 @@
+"""The ``kvcanary`` command (also ``python -m kvcanary_cupy``).
+
+``kvcanary simulate`` drives the canary through a synthetic serving workload, injects KV-cache faults and
+reports what was caught; ``kvcanary replay`` reruns a launch dumped by ``simulate --dump-failures`` on the CPU.
+:func:`main` returns the exit status instead of exiting: 0 success, 1 a failed run (a fault kind missed, a false
+positive, a replay that does not reproduce), 2 bad arguments, 3 an internal error, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+PROG = "kvcanary"
+
+
+class _UsageError(Exception):
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
+class BadArguments(Exception):
+    """Arguments that parse but cannot run (unknown fault kind, unavailable backend, missing file...)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # never exits: main() turns it into status 2
+        raise _UsageError(self, message)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"the seed must be >= 0, got {value}")
+    return value
+
+
+def _simulate_epilog() -> str:
+    from .sim.faults import DEFAULT_RATE, FAULT_KINDS
+    from .sim.runner import PRESETS
+
+    kinds = "\n".join(f"  {name:<16} {kind.title}" + ("  (needs an SWA preset)" if kind.needs == "swa" else "")
+                      for name, kind in FAULT_KINDS.items())
+    presets = "\n".join(f"  {p.name:<8} {p.description}" for p in PRESETS.values())
+    return f"""\
+examples:
+  {PROG} simulate --preset mixed --inject all --steps 200 --requests 48 --seed 7
+  {PROG} simulate --preset decode --steps 100             (a clean run must show no violation)
+  {PROG} simulate --preset swa --inject swa-early-evict:0.1 --inject kv-bitflip
+  {PROG} simulate --inject all --json report/run.json --html report/run.html --dump-failures report/dumps
+  {PROG} replay report/dumps/kv-bitflip-step12-TAIL_K_FULL-verify.npz --backend host --sanitize
+
+fault kinds (--inject KIND[:RATE]; RATE = expected injections per step, default {DEFAULT_RATE};
+'all' = every kind the preset can host; each requested kind is injected at least once):
+{kinds}
+
+presets:
+{presets}
+
+exit status: 0 when every injected fault kind was detected and nothing else was flagged,
+1 otherwise, 2 for bad arguments."""
+
+
+REPLAY_EPILOG = f"""\
+examples:
+  {PROG} replay report/dumps/double-alloc-step9-HEAD_K_FULL-verify.npz
+  {PROG} replay FILE --backend host --sanitize     (the kernels under AddressSanitizer + UBSan)
+  {PROG} replay FILE --backend numpy               (the NumPy reference instead of the kernels)
+
+The file holds one launch's inputs (canary buffer before the launch, plan, real-KV bytes, flags) and the
+violation rows it produced; the replay runs it again and compares the rows.
+exit status: 0 reproduced, 1 not reproduced, 2 bad arguments."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    from .backends import BACKEND_NAMES
+    from .sim.runner import PRESETS
+
+    parser = _Parser(prog=PROG, description="KV-cache canary: simulate a serving engine with injected faults, "
+                     "or replay a dumped failing launch on the CPU.",
+                     epilog=f"run '{PROG} simulate --help' or '{PROG} replay --help' for the options and examples",
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{simulate,replay}", parser_class=_Parser)
+
+    sim = sub.add_parser("simulate", help="run the synthetic engine with fault injection and report detections",
+                         description="Drive the canary through a synthetic serving workload, inject KV-cache "
+                         "faults, and report per fault kind what was detected, how fast, the false positives and "
+                         "the canary's cost.", epilog=_simulate_epilog(),
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    sim.add_argument("--preset", choices=list(PRESETS), default="mixed", help="scenario (default: mixed)")
+    sim.add_argument("--steps", type=_positive, default=200, help="engine steps to run (default: 200)")
+    sim.add_argument("--requests", type=_positive, default=48, help="requests in the workload (default: 48)")
+    sim.add_argument("--seed", type=_seed, default=0, help="seed of the workload and the faults (default: 0)")
+    sim.add_argument("--backend", choices=["auto", *BACKEND_NAMES], default="auto",
+                     help="canary implementation: auto (cuda with a GPU, else numpy), numpy (reference), "
+                     "cuda (CuPy kernels), host (the CUDA kernels compiled for the CPU)")
+    sim.add_argument("--inject", action="append", default=[], metavar="KIND[:RATE]",
+                     help="inject a fault kind (repeatable; 'all' for every kind)")
+    sim.add_argument("--sweep-interval", type=_non_negative, default=8, metavar="N",
+                     help="verify every prefix-cache slot every N steps (0: never; default: 8)")
+    sim.add_argument("--with-v", action="store_true", help="add V endpoints next to K")
+    sim.add_argument("--real-kv-hash", choices=["all", "partial"], default="all",
+                     help="bytes of real KV fingerprinted per slot: all, or the first 16 (default: all)")
+    sim.add_argument("--warmup", type=_non_negative, default=4, metavar="N",
+                     help="steps before the chain-position assert and the faults start (default: 4)")
+    sim.add_argument("--cooldown", type=_non_negative, default=None, metavar="N",
+                     help="last steps without new faults (default: min(16, steps/5))")
+    sim.add_argument("--ring-capacity", type=_positive, default=16384, metavar="ROWS",
+                     help="violation ring rows per model (default: 16384)")
+    sim.add_argument("--json", metavar="PATH", help="write the report as JSON (schema: kvcanary_cupy.sim.report)")
+    sim.add_argument("--html", metavar="PATH", help="write an HTML report with a plot")
+    sim.add_argument("--dump-failures", metavar="DIR",
+                     help="save the first failing launch of each fault kind as .npz for 'kvcanary replay'")
+    sim.add_argument("--quiet", action="store_true", help="no progress display")
+    sim.add_argument("--plain", action="store_true", help="plain-text table even when rich is installed")
+    sim.set_defaults(func=_cmd_simulate)
+
+    rep = sub.add_parser("replay", help="rerun a dumped launch on the CPU and print its violations",
+                         description="Rerun a launch saved by 'simulate --dump-failures' through the exact kernel "
+                         "code on the CPU and print the violations.", epilog=REPLAY_EPILOG,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    rep.add_argument("file", metavar="FILE", help="a .npz written by --dump-failures")
+    rep.add_argument("--backend", choices=["host", "numpy"], default=None,
+                     help="host (the CUDA kernels compiled for the CPU; default when g++ is present) or numpy")
+    rep.add_argument("--sanitize", action="store_true",
+                     help="run the host backend under AddressSanitizer and UBSan (re-executes Python)")
+    rep.set_defaults(func=_cmd_replay)
+    return parser
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from .sim.faults import parse_inject
+    from .sim.report import ProgressDisplay, print_report, write_html, write_json
+    from .sim.runner import SimConfig, Simulation, applicable_kinds
+
+    try:
+        inject = parse_inject(args.inject, applicable_kinds(args.preset))
+        cfg = SimConfig(preset=args.preset, steps=args.steps, requests=args.requests, seed=args.seed,
+                        backend=args.backend, inject=inject, sweep_interval=args.sweep_interval,
+                        with_v=args.with_v, real_kv_hash=args.real_kv_hash, warmup_steps=args.warmup,
+                        cooldown_steps=args.cooldown, ring_capacity=args.ring_capacity,
+                        dump_dir=args.dump_failures)
+        sim = Simulation(cfg)
+    except (ValueError, OSError) as exc:
+        raise BadArguments(str(exc)) from None
+    with ProgressDisplay(cfg.steps, enabled=not args.quiet) as progress:
+        report = sim.run(progress)
+    print_report(report, plain=args.plain)
+    for path, writer in ((args.json, write_json), (args.html, write_html)):
+        if path:
+            try:
+                print(f"wrote {writer(report, path)}")
+            except OSError as exc:
+                print(f"{PROG} simulate: error: cannot write {path}: {exc}", file=sys.stderr)
+                return 2
+    if sim.recorder is not None:
+        for kind, path in sim.recorder.dumped.items():
+            print(f"dumped the first failing launch of {kind}: {path}")
+        if sim.recorder.dumped:
+            first = next(iter(sim.recorder.dumped.values()))
+            print(f"replay one on the CPU with: {PROG} replay {first} --backend host --sanitize")
+    return int(report["exit_code"])
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from .backends import unavailable_reason
+    from .sim.replay import run_replay
+
+    backend = args.backend or ("host" if unavailable_reason("host") is None else "numpy")
+    reason = unavailable_reason(backend)
+    if reason is not None:
+        raise BadArguments(f"--backend {backend} is not available here: {reason}")
+    return run_replay(args.file, backend, sanitize=args.sanitize)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``) and return the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except _UsageError as exc:
+        exc.parser.print_usage(sys.stderr)
+        print(f"{exc.parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # --help, --version
+        return exc.code if isinstance(exc.code, int) else 0
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args.func(args))
+    except BadArguments as exc:
+        message = str(exc).removeprefix("kv-canary: ")
+        print(f"{PROG} {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if os.environ.get("KVCANARY_DEBUG"):
+            raise
+        print(f"{PROG} {args.command}: internal error: {type(exc).__name__}: {exc} "
+              "(set KVCANARY_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

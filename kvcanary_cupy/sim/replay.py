@@ -1,0 +1,356 @@
+"""Dump a failing launch to ``.npz`` and run it again, anywhere — the way to debug a GPU-only failure on a laptop.
+
+During a simulation with ``--dump-failures DIR`` the :class:`LaunchRecorder` keeps host copies of every
+launch's inputs for the current and the previous step (violations are read one step late). When the first
+violation explaining a fault kind is read, the launch that produced it is saved as
+``DIR/<kind>-step<N>-<TAG>-<op>.npz``:
+
+* ``meta`` — a JSON string: format, kind, step, model (target/draft), group, launch tag, op (verify/write),
+  role, the backend it ran on, hash mode, real-KV source geometry, flags (``check_verify_expected_token``,
+  ``enable_write_input_assert``, ``enable_chain_position_assert``), ring capacity and, for HEAD/TAIL launches,
+  the plan scalars (SWA window, token offset, capacities);
+* ``canary_buf`` — the canary buffer *before* the launch; ``source_<i>`` — the real-KV bytes of each source;
+* verify: ``plan_slots``, ``plan_expected_tokens``, ``plan_expected_positions``, ``plan_prev_slots``,
+  ``plan_num_valid``, ``plan_enable``; write: ``write_offsets``, ``write_seeds``, ``write_num_valid_reqs``,
+  ``input_ids``, ``positions``, ``out_cache_loc``, ``expected_input_tokens``, ``expected_input_positions``;
+* HEAD/TAIL launches: the plan inputs ``in_req_pool_indices``, ``in_prefix_lens``, ``in_extend_seq_lens``,
+  ``in_req_to_token``, ``in_expected_pool``, ``in_valid_lens`` (and ``in_lut`` for SWA), and the plan the
+  engine computed (``plan_*``/``write_*`` above), so a replay can also check the plan kernels;
+* ``expected_rows`` — the violation rows that launch produced (int64 ``[n, 8]``).
+
+:func:`replay_case` rebuilds a fresh context from those arrays, recomputes the plan when its inputs are there,
+reruns the launch on the chosen backend (``host`` runs the exact ``kernels/*.cu`` code on the CPU, under
+AddressSanitizer and UBSan when the process was started for it, see :func:`run_replay`) and compares the
+violation rows with the recorded ones as multisets (the kernels append rows in atomic order).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+import numpy as np
+
+from ..constants import FailReason, RealKvHashMode
+from ..context import RealKvSource, VerifyOrWriteContext
+from ..plan import VerifyPlan, WritePlan, launch_canary_plan_kernels
+from ..verify import launch_canary_verify_kernel
+from ..violations import ViolationReport, read_violations, to_host
+from ..write import launch_canary_write_kernel
+
+if TYPE_CHECKING:
+    from .engine import Batch, Engine
+    from .runner import CanaryGroup, Endpoint
+
+FORMAT = "kvcanary-replay/1"
+_WRITE_BITS = int(FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH)
+
+
+def _h(arr: Any) -> np.ndarray:
+    return np.ascontiguousarray(to_host(arr))
+
+
+class LaunchRecorder:
+    """Host copies of the last two steps' launches, dumped when a fault kind is first detected."""
+
+    def __init__(self, directory: str | Path, *, preset: str, seed: int, backend: str) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.preset, self.seed, self.backend = preset, seed, backend
+        self._launches: dict[int, list[dict[str, Any]]] = {}
+        self._plans: dict[tuple[int, str], dict[str, Any]] = {}
+        self.dumped: dict[str, Path] = {}
+
+    def begin_step(self, step: int) -> None:
+        for old in [s for s in self._launches if s < step - 1]:
+            del self._launches[old]
+        for key in [k for k in self._plans if k[0] < step - 1]:
+            del self._plans[key]
+        self._launches.setdefault(step, [])
+
+    def plan(self, step: int, group: CanaryGroup, batch: Batch, engine: Engine) -> None:
+        vp, wp = group.verify_plan, group.write_plan
+        arrays = {
+            "in_req_pool_indices": _h(batch.req_pool_indices), "in_prefix_lens": _h(batch.prefix_lens),
+            "in_extend_seq_lens": _h(batch.extend_seq_lens), "in_req_to_token": _h(engine.req_to_token),
+            "in_expected_pool": _h(engine.expected_pool), "in_valid_lens": _h(batch.valid_lens),
+            "plan_slots": _h(vp.verify_slot_indices), "plan_expected_tokens": _h(vp.verify_expected_tokens),
+            "plan_expected_positions": _h(vp.verify_expected_positions),
+            "plan_prev_slots": _h(vp.verify_prev_slot_indices), "plan_num_valid": _h(vp.verify_num_valid),
+            "plan_enable": _h(vp.enable), "write_offsets": _h(wp.write_offsets),
+            "write_seeds": _h(wp.write_seed_slot_indices), "write_num_valid_reqs": _h(wp.write_num_valid_reqs),
+        }
+        if group.lut is not None:
+            arrays["in_lut"] = _h(group.lut)
+        meta = {"swa_window": group.window, "offset": group.offset, "verify_capacity": group.verify_capacity,
+                "write_req_capacity": int(wp.write_seed_slot_indices.shape[0])}
+        self._plans[(step, group.name)] = {"arrays": arrays, "meta": meta}
+
+    def _context(self, ctx: VerifyOrWriteContext) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        arrays = {"canary_buf": _h(ctx.canary_buf)}
+        sources = []
+        for i, src in enumerate(ctx.real_kv_sources):
+            arrays[f"source_{i}"] = _h(src.byte_rows)
+            sources.append({"page_size": int(src.page_size), "num_bytes_per_token": int(src.num_bytes_per_token),
+                            "read_bytes": int(src.read_bytes)})
+        meta = {"tag": int(ctx.kernel_kind), "real_kv_hash_mode": int(ctx.real_kv_hash_mode), "sources": sources,
+                "enable_chain_position_assert": int(_h(ctx.enable_chain_position_assert)[0]),
+                "ring_capacity": int(ctx.violation_ring.shape[0])}
+        return arrays, meta
+
+    def verify(self, step: int, group: CanaryGroup, ep: Endpoint, plan: VerifyPlan, check: bool) -> None:
+        arrays, meta = self._context(ep.verify_ctx)
+        arrays.update({
+            "plan_slots": _h(plan.verify_slot_indices), "plan_expected_tokens": _h(plan.verify_expected_tokens),
+            "plan_expected_positions": _h(plan.verify_expected_positions),
+            "plan_prev_slots": _h(plan.verify_prev_slot_indices), "plan_num_valid": _h(plan.verify_num_valid),
+            "plan_enable": _h(plan.enable),
+        })
+        meta.update(op="verify", role=ep.role, check_verify_expected_token=bool(check))
+        self._add(step, group, ep, arrays, meta)
+
+    def write(self, step: int, group: CanaryGroup, ep: Endpoint, args: dict[str, Any]) -> None:
+        assert ep.write_ctx is not None
+        arrays, meta = self._context(ep.write_ctx)
+        wp = group.write_plan
+        arrays.update({
+            "write_offsets": _h(wp.write_offsets), "write_seeds": _h(wp.write_seed_slot_indices),
+            "write_num_valid_reqs": _h(wp.write_num_valid_reqs), "input_ids": _h(args["input_ids"]),
+            "positions": _h(args["positions"]), "out_cache_loc": _h(args["out_cache_loc"]),
+            "expected_input_tokens": _h(args["expected_input_tokens"]),
+            "expected_input_positions": _h(args["expected_input_positions"]),
+        })
+        meta.update(op="write", role=ep.role, enable_write_input_assert=True)
+        self._add(step, group, ep, arrays, meta)
+
+    def _add(self, step: int, group: CanaryGroup, ep: Endpoint, arrays: dict[str, np.ndarray],
+             meta: dict[str, Any]) -> None:
+        meta.update(step=step, model=group.model, group=group.name, tag_name=ep.tag.name)
+        self._launches.setdefault(step, []).append({"arrays": arrays, "meta": meta})
+
+    def dump(self, kind: str, launch_step: int, model: str, group: str, violation: Any,
+             rows: list[Any]) -> Path | None:
+        """Save the launch of ``launch_step`` that produced ``violation`` (first detection of ``kind``)."""
+        if kind in self.dumped:
+            return None
+        op = "write" if violation.reason_bits & _WRITE_BITS else "verify"
+        tag = violation.launch_tag
+        record = next((r for r in self._launches.get(launch_step, ())
+                       if r["meta"]["model"] == model and r["meta"]["tag_name"] == tag and r["meta"]["op"] == op),
+                      None)
+        if record is None:
+            return None
+        same = [r.raw for r in rows if r.launch_tag == tag and bool(r.reason_bits & _WRITE_BITS) == (op == "write")]
+        arrays = dict(record["arrays"])
+        meta = dict(record["meta"], format=FORMAT, kind=kind, backend=self.backend, preset=self.preset,
+                    seed=self.seed)
+        plan = self._plans.get((launch_step, group)) if meta["role"] != "SWEEP" else None
+        if plan is not None:
+            meta["plan"] = plan["meta"]
+            for key, value in plan["arrays"].items():
+                arrays.setdefault(key, value)  # the launch's own plan arrays win (they are the same)
+                if key.startswith("in_"):
+                    arrays[key] = value
+        arrays["expected_rows"] = np.asarray(same, np.int64).reshape(-1, 8)
+        arrays["meta"] = np.array(json.dumps(meta))
+        path = self.dir / f"{kind}-step{launch_step}-{tag}-{op}.npz"
+        np.savez_compressed(path, **arrays)
+        self.dumped[kind] = path
+        return path
+
+
+# ---- loading and replaying ---------------------------------------------------------------------------------
+
+
+@dataclass
+class ReplayCase:
+    path: Path
+    meta: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+
+    @property
+    def title(self) -> str:
+        m = self.meta
+        where = f"{m['role']} {m['op']} of the {m['model']} model's {m['group']} group ({m['tag_name']})"
+        return f"{m['kind']}: {where} at step {m['step']}, recorded on {m['backend']}"
+
+
+def load_case(path: str | Path) -> ReplayCase:
+    """Read a dump; ValueError with a readable message if it is not one."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {k: data[k] for k in data.files}
+    except Exception as exc:  # not a zip, truncated, ...
+        raise ValueError(f"{path}: not a kvcanary replay file ({type(exc).__name__}: {exc})") from None
+    if "meta" not in arrays:
+        raise ValueError(f"{path}: not a kvcanary replay file (no meta entry)")
+    meta = json.loads(str(arrays.pop("meta")))
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: unsupported replay format {meta.get('format')!r} (expected {FORMAT})")
+    return ReplayCase(path, meta, arrays)
+
+
+def _aligned(a: np.ndarray, align: int = 64) -> np.ndarray:
+    buf = np.empty(a.nbytes + align, np.uint8)
+    start = (-buf.ctypes.data) % align
+    out = buf[start : start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+@dataclass
+class ReplayOutcome:
+    report: ViolationReport
+    expected_rows: np.ndarray
+    reproduced: bool
+    plan_check: str | None
+
+    @property
+    def rows(self) -> list[tuple[int, ...]]:
+        return [tuple(r.raw) for r in self.report.rows]
+
+
+def _recompute_plan(case: ReplayCase, backend: str) -> str | None:
+    a, meta = case.arrays, case.meta.get("plan")
+    if meta is None or "in_req_to_token" not in a:
+        return None
+    vp = VerifyPlan.allocate(verify_capacity=meta["verify_capacity"])
+    wp = WritePlan.allocate(write_req_capacity=meta["write_req_capacity"])
+    launch_canary_plan_kernels(
+        verify_plan_out=vp, write_plan_out=wp, req_pool_indices=a["in_req_pool_indices"],
+        prefix_lens=a["in_prefix_lens"], extend_seq_lens=a["in_extend_seq_lens"], req_to_token=a["in_req_to_token"],
+        swa_window_size=meta["swa_window"], full_to_swa_index_mapping=a.get("in_lut"),
+        verify_capacity=meta["verify_capacity"], req_to_verify_expected_tokens=a["in_expected_pool"],
+        req_to_verify_expected_tokens_valid_lens=a["in_valid_lens"],
+        kv_token_id_vs_position_offset=meta["offset"], backend=backend,
+        on_invalid="flag" if backend == "numpy" else None)
+    diffs = []
+    n = int(vp.verify_num_valid[0])
+    if n != int(a["plan_num_valid"][0]) or int(vp.enable[0]) != int(a["plan_enable"][0]):
+        diffs.append("num_valid/enable")
+    elif int(vp.enable[0]):
+        pairs = ((vp.verify_slot_indices, "plan_slots"), (vp.verify_expected_tokens, "plan_expected_tokens"),
+                 (vp.verify_expected_positions, "plan_expected_positions"),
+                 (vp.verify_prev_slot_indices, "plan_prev_slots"))
+        for mine, theirs in pairs:
+            if theirs in a and not np.array_equal(mine[:n], a[theirs][:n]):
+                diffs.append(theirs.removeprefix("plan_"))
+    bs = int(a["in_req_pool_indices"].shape[0])
+    if "write_offsets" in a and not (np.array_equal(wp.write_offsets[: bs + 1], a["write_offsets"][: bs + 1])
+                                     and np.array_equal(wp.write_seed_slot_indices[:bs], a["write_seeds"][:bs])):
+        diffs.append("write offsets/seeds")
+    if diffs:
+        return f"plan: recomputed on {backend}, DIFFERS from the recorded plan in {', '.join(diffs)}"
+    return f"plan: recomputed on {backend} ({n} verify entries, {bs} batch rows), identical to the recorded plan"
+
+
+def replay_case(case: ReplayCase, backend: str = "host") -> ReplayOutcome:
+    """Rerun the recorded launch on ``backend`` (CPU arrays: ``host`` or ``numpy``)."""
+    a, m = case.arrays, case.meta
+    sources = tuple(RealKvSource(_aligned(a[f"source_{i}"]), page_size=s["page_size"],
+                                 num_bytes_per_token=s["num_bytes_per_token"], read_bytes=s["read_bytes"])
+                    for i, s in enumerate(m["sources"]))
+    canary = a["canary_buf"]
+    ctx = VerifyOrWriteContext.allocate(
+        num_slots=int(canary.shape[0]), ring_capacity=max(1, int(m["ring_capacity"])), kernel_kind=int(m["tag"]),
+        real_kv_sources=sources, real_kv_hash_mode=RealKvHashMode(m["real_kv_hash_mode"]),
+        slot_stride_bytes=int(canary.shape[1]),
+        enable_chain_position_assert=bool(m["enable_chain_position_assert"]))
+    ctx.canary_buf[...] = canary
+    plan_check = _recompute_plan(case, backend)
+    if m["op"] == "verify":
+        plan = VerifyPlan(verify_slot_indices=a["plan_slots"].copy(),
+                          verify_expected_tokens=a["plan_expected_tokens"].copy(),
+                          verify_expected_positions=a["plan_expected_positions"].copy(),
+                          verify_prev_slot_indices=a["plan_prev_slots"].copy(),
+                          verify_num_valid=a["plan_num_valid"].copy(), enable=a["plan_enable"].copy(),
+                          status=np.zeros(1, np.int32))
+        launch_canary_verify_kernel(context=ctx, plan=plan,
+                                    check_verify_expected_token=bool(m["check_verify_expected_token"]),
+                                    backend=backend, on_invalid="flag" if backend == "numpy" else None)
+    else:
+        plan = WritePlan.from_tensors(write_offsets=a["write_offsets"].copy(),
+                                      write_seed_slot_indices=a["write_seeds"].copy(),
+                                      write_num_valid_reqs=a["write_num_valid_reqs"].copy())
+        assert_inputs = bool(m["enable_write_input_assert"])
+        launch_canary_write_kernel(
+            context=ctx, plan=plan, input_ids=a["input_ids"], positions=a["positions"],
+            out_cache_loc=a["out_cache_loc"], enable_write_input_assert=assert_inputs,
+            expected_input_tokens=a["expected_input_tokens"] if assert_inputs else None,
+            expected_input_positions=a["expected_input_positions"] if assert_inputs else None,
+            backend=backend, on_invalid="flag" if backend == "numpy" else None)
+    report = read_violations(ctx)
+    expected = a["expected_rows"].reshape(-1, 8)
+    got = sorted(tuple(int(x) for x in r.raw) for r in report.rows)
+    want = sorted(tuple(int(x) for x in row) for row in expected)
+    return ReplayOutcome(report, expected, got == want and report.total == len(want), plan_check)
+
+
+SANITIZE_ENV = "KVCANARY_HOST_SANITIZE"
+_CHILD_ENV = "KVCANARY_REPLAY_SANITIZED_CHILD"
+
+
+def run_replay(path: str | Path, backend: str = "host", *, sanitize: bool = False, out: TextIO | None = None) -> int:
+    """The ``kvcanary replay`` command: 0 when the recorded rows are reproduced, 1 when not, 2 for bad input.
+
+    ``sanitize=True`` runs the host backend built with AddressSanitizer and UBSan. The sanitizer runtime must
+    be loaded before Python starts, so this re-executes the current interpreter with ``LD_PRELOAD`` set to
+    the compiler's ``libasan.so``, ``ASAN_OPTIONS=detect_leaks=0`` and ``KVCANARY_HOST_SANITIZE=1``.
+    """
+    out = out or sys.stdout
+    if sanitize and os.environ.get(_CHILD_ENV) != "1":
+        if backend != "host":
+            print(f"kvcanary replay: --sanitize needs --backend host (got {backend})", file=sys.stderr)
+            return 2
+        return _reexec_sanitized(path)
+    try:
+        case = load_case(path)
+    except ValueError as exc:
+        print(f"kvcanary replay: {exc}", file=sys.stderr)
+        return 2
+    print(f"replaying {case.path.name}", file=out)
+    print(f"  {case.title}", file=out)
+    under = " under AddressSanitizer + UBSan" if sanitize else ""
+    print(f"  backend: {backend}{under}", file=out)
+    outcome = replay_case(case, backend)
+    if outcome.plan_check:
+        print(outcome.plan_check, file=out)
+    print(outcome.report.table(), file=out)
+    n = len(outcome.expected_rows)
+    if outcome.reproduced:
+        print(f"reproduced: the {n} recorded violation row(s), exactly (compared as a multiset)", file=out)
+        return 0
+    print(f"NOT reproduced: {outcome.report.total} row(s) now, {n} recorded", file=out)
+    return 1
+
+
+def _reexec_sanitized(path: str | Path) -> int:
+    from ..hostcuda import HostBuildError, sanitizer_preload
+
+    try:
+        preload = sanitizer_preload()
+    except HostBuildError as exc:
+        print(f"kvcanary replay: --sanitize needs g++: {exc}", file=sys.stderr)
+        return 2
+    if not os.path.isfile(preload):
+        print(f"kvcanary replay: --sanitize needs the AddressSanitizer runtime, but the compiler has none "
+              f"({preload!r})", file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = " ".join(p for p in (preload, env.get("LD_PRELOAD", "")) if p)
+    env["ASAN_OPTIONS"] = ":".join(p for p in ("detect_leaks=0", env.get("ASAN_OPTIONS", "")) if p)
+    env[SANITIZE_ENV] = "1"
+    env[_CHILD_ENV] = "1"
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "kvcanary_cupy", "replay", str(path), "--backend", "host", "--sanitize"]
+    sys.stdout.flush()
+    return subprocess.call(cmd, env=env)

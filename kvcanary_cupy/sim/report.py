@@ -1,0 +1,543 @@
+"""The simulation report: one JSON-ready dict, rendered as a terminal table, a JSON file or an HTML page.
+
+JSON schema (``schema: "kvcanary-sim-report/1"``; :data:`SCHEMA` is the same thing as a JSON Schema, and
+:func:`validate` checks a report against it). Every field except those under ``cost`` and ``wall_s`` is a
+deterministic function of the run's arguments (same seed, same report).
+
+* ``schema`` (str), ``passed`` (bool), ``exit_code`` (int: 0 passed, 1 failed).
+* ``config``: ``preset``, ``steps``, ``requests``, ``seed``, ``backend`` (requested), ``inject`` ({kind: rate
+  per step}), ``sweep_interval``, ``warmup_steps``, ``cooldown_steps``, ``with_v``, ``real_kv_hash``
+  ("all"/"partial"), ``ring_capacity``, ``engine`` (pool and model sizes: ``num_slots``, ``max_reqs``,
+  ``max_seq_len``, ``max_running``, ``chunk_size``, ``page_size``, ``kv_bytes_per_token``, ``num_layers``,
+  ``with_v``, ``swa_window``, ``swa_slots``, ``eagle``).
+* ``workload``: what the engine did — ``steps_run``, ``requests_admitted``, ``requests_finished``,
+  ``prefill_tokens``, ``decode_tokens``, ``prefix_tokens_reused``, ``rows_recycled``, ``padding_rows``,
+  ``tree_evicted_slots``, ``swa_evicted_slots``, ``peak_running``, ``peak_slots_used``, ``sweeps``.
+* ``kinds``: one entry per requested fault kind — ``kind``, ``title``, ``injected``, ``detected``, ``missed``
+  (counts of faults), ``status`` ("detected": at least one of its faults was caught, "missed": none was,
+  "not injected"), ``latency_steps`` ({``min``, ``median``, ``max``} steps from injection to the host reading
+  the first violation, over detected faults; null when none), ``reasons`` (FailReason names that fired on its
+  violations), ``violations`` (rows attributed to it).
+* ``faults``: every injected fault — ``id``, ``kind``, ``step``, ``group`` (FULL/SWA/DRAFT), ``request``,
+  ``position``, ``slot``, ``detail``, ``detected``, ``detection_step`` (read step), ``latency_steps``,
+  ``detected_by`` (launch tag of the first violation), ``reasons``, ``violations``.
+* ``violations``: ``total`` rows read, ``explained``, ``false_positives``, ``dropped`` (rows lost to a full
+  ring), ``status`` (CanaryStatus names the kernels reported), ``by_tag`` ({launch tag: rows}; "/draft" marks
+  the EAGLE draft's ring), ``by_reason`` ({FailReason name: rows}).
+* ``false_positives``: the first 200 unexplained rows — ``read_step``, ``launch_step``, ``group``,
+  ``launch_tag``, ``slot``, ``position``, ``stored_token``, ``expected_token``, ``reasons``.
+* ``cost``: ``backend`` (the one used), ``device``, ``wall_s``, ``ms_per_step`` ({phase: wall-clock ms per
+  step} for ``scatter``, ``plan``, ``verify``, ``write``, ``sweep``, ``read`` and the engine's own ``engine``),
+  ``canary_ms_per_step`` (sum of the canary phases), ``device_ms_per_step`` (CUDA-event times on the cuda
+  backend, else null), ``verify_entries``, ``write_entries``, ``launches`` (kernel counters),
+  ``verify_entries_per_s`` (entries / verify and sweep time).
+* ``timeline``: per step ``0..steps`` (index = step), lists ``violations``, ``explained``,
+  ``false_positives`` and ``detected`` (counted at the step they were read) and ``injected``.
+
+``rich`` (terminal table, progress bar) and ``matplotlib`` (the HTML plot) are optional: without them the
+table is plain text and the HTML page has no plot.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from ..constants import reason_names
+from .faults import FAULT_KINDS
+
+if TYPE_CHECKING:
+    from .runner import Simulation
+
+SCHEMA_ID = "kvcanary-sim-report/1"
+
+_INT = {"type": "integer"}
+_NUM = {"type": "number"}
+_STR = {"type": "string"}
+_BOOL = {"type": "boolean"}
+_INT_OR_NULL = {"type": ["integer", "null"]}
+_STR_OR_NULL = {"type": ["string", "null"]}
+_STR_LIST = {"type": "array", "items": _STR}
+_INT_LIST = {"type": "array", "items": _INT}
+_COUNTS = {"type": "object", "additionalProperties": _INT}
+
+
+def _obj(props: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
+    return {"type": "object", "properties": props, "required": list(props) if required is None else required}
+
+
+SCHEMA: dict[str, Any] = _obj({
+    "schema": {"type": "string", "const": SCHEMA_ID},
+    "passed": _BOOL,
+    "exit_code": _INT,
+    "config": _obj({
+        "preset": _STR, "steps": _INT, "requests": _INT, "seed": _INT, "backend": _STR,
+        "inject": {"type": "object", "additionalProperties": _NUM}, "sweep_interval": _INT,
+        "warmup_steps": _INT, "cooldown_steps": _INT, "with_v": _BOOL,
+        "real_kv_hash": {"type": "string", "enum": ["all", "partial"]}, "ring_capacity": _INT,
+        "engine": _obj({
+            "num_slots": _INT, "max_reqs": _INT, "max_seq_len": _INT, "max_running": _INT, "chunk_size": _INT,
+            "page_size": _INT, "kv_bytes_per_token": _INT, "num_layers": _INT, "with_v": _BOOL,
+            "swa_window": _INT, "swa_slots": _INT, "eagle": _BOOL,
+        }),
+    }),
+    "workload": _obj({k: _INT for k in (
+        "steps_run", "requests_admitted", "requests_finished", "prefill_tokens", "decode_tokens",
+        "prefix_tokens_reused", "rows_recycled", "padding_rows", "tree_evicted_slots", "swa_evicted_slots",
+        "peak_running", "peak_slots_used", "sweeps")}),
+    "kinds": {"type": "array", "items": _obj({
+        "kind": {"type": "string", "enum": list(FAULT_KINDS)}, "title": _STR, "injected": _INT, "detected": _INT,
+        "missed": _INT, "status": {"type": "string", "enum": ["detected", "missed", "not injected"]},
+        "latency_steps": {"type": ["object", "null"], "properties": {"min": _INT, "median": _NUM, "max": _INT},
+                          "required": ["min", "median", "max"]},
+        "reasons": _STR_LIST, "violations": _INT,
+    })},
+    "faults": {"type": "array", "items": _obj({
+        "id": _INT, "kind": {"type": "string", "enum": list(FAULT_KINDS)}, "step": _INT,
+        "group": {"type": "string", "enum": ["FULL", "SWA", "DRAFT"]}, "request": _INT_OR_NULL,
+        "position": _INT_OR_NULL, "slot": _INT_OR_NULL, "detail": _STR, "detected": _BOOL,
+        "detection_step": _INT_OR_NULL, "latency_steps": _INT_OR_NULL, "detected_by": _STR_OR_NULL,
+        "reasons": _STR_LIST, "violations": _INT,
+    })},
+    "violations": _obj({
+        "total": _INT, "explained": _INT, "false_positives": _INT, "dropped": _INT, "status": _STR_LIST,
+        "by_tag": _COUNTS, "by_reason": _COUNTS,
+    }),
+    "false_positives": {"type": "array", "items": _obj({
+        "read_step": _INT, "launch_step": _INT, "group": _STR, "launch_tag": _STR, "slot": _INT, "position": _INT,
+        "stored_token": _INT, "expected_token": _INT, "reasons": _STR_LIST,
+    })},
+    "cost": _obj({
+        "backend": _STR, "device": _STR, "wall_s": _NUM,
+        "ms_per_step": {"type": "object", "additionalProperties": _NUM,
+                        "required": ["scatter", "plan", "verify", "write", "sweep", "read", "engine"]},
+        "canary_ms_per_step": _NUM,
+        "device_ms_per_step": {"type": ["object", "null"], "additionalProperties": _NUM},
+        "verify_entries": _INT, "write_entries": _INT, "launches": _INT, "verify_entries_per_s": _NUM,
+    }),
+    "timeline": _obj({k: _INT_LIST for k in ("violations", "explained", "false_positives", "detected", "injected")}),
+})
+
+NONDETERMINISTIC = ("cost",)  # everything else is reproducible from the arguments
+
+
+# ---- validation ------------------------------------------------------------------------------------------
+
+
+def _type_ok(value: Any, kind: str) -> bool:
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return {"string": str, "boolean": bool, "object": dict, "array": list, "null": type(None)}[kind] is type(value) \
+        or (kind == "object" and isinstance(value, dict))
+
+
+def validate(report: Any, schema: dict[str, Any] = SCHEMA, path: str = "$") -> list[str]:
+    """Errors of ``report`` against ``schema`` (the subset of JSON Schema that :data:`SCHEMA` uses)."""
+    errors: list[str] = []
+    kinds = schema.get("type")
+    if kinds is not None:
+        allowed = kinds if isinstance(kinds, list) else [kinds]
+        if not any(_type_ok(report, k) for k in allowed):
+            return [f"{path}: expected {' or '.join(allowed)}, got {type(report).__name__}"]
+    if "const" in schema and report != schema["const"]:
+        errors.append(f"{path}: expected {schema['const']!r}, got {report!r}")
+    if "enum" in schema and report not in schema["enum"]:
+        errors.append(f"{path}: {report!r} is not one of {schema['enum']}")
+    if isinstance(report, dict):
+        for key in schema.get("required", []):
+            if key not in report:
+                errors.append(f"{path}: missing {key!r}")
+        props = schema.get("properties", {})
+        extra = schema.get("additionalProperties")
+        for key, value in report.items():
+            if key in props:
+                errors.extend(validate(value, props[key], f"{path}.{key}"))
+            elif isinstance(extra, dict):
+                errors.extend(validate(value, extra, f"{path}.{key}"))
+    if isinstance(report, list) and "items" in schema:
+        for i, item in enumerate(report):
+            errors.extend(validate(item, schema["items"], f"{path}[{i}]"))
+    return errors
+
+
+# ---- building ----------------------------------------------------------------------------------------------
+
+
+def short_reason(name: str) -> str:
+    """``VERIFY_CHAIN_HASH_MISMATCH`` -> ``chain``, ``WRITE_POSITION_MISMATCH`` -> ``write-position``."""
+    label = name.removeprefix("VERIFY_").removesuffix("_MISMATCH").removesuffix("_HASH")
+    return label.lower().replace("_", "-")
+
+
+def build_report(sim: Simulation) -> dict[str, Any]:
+    cfg, eng = sim.cfg, sim.engine
+    faults = sim.tracker.faults
+    kinds = []
+    for name, kind in FAULT_KINDS.items():
+        if name not in cfg.inject:
+            continue
+        mine = [f for f in faults if f.kind == name]
+        caught = [f for f in mine if f.detected]
+        latencies = sorted(int(f.latency) for f in caught if f.latency is not None)
+        bits = 0
+        for f in mine:
+            bits |= f.reason_bits
+        kinds.append({
+            "kind": name, "title": kind.title, "injected": len(mine), "detected": len(caught),
+            "missed": len(mine) - len(caught),
+            "status": "not injected" if not mine else ("detected" if caught else "missed"),
+            "latency_steps": {"min": latencies[0], "median": float(statistics.median(latencies)),
+                              "max": latencies[-1]} if latencies else None,
+            "reasons": reason_names(bits), "violations": sum(f.violations for f in mine),
+        })
+    fault_rows = [{
+        "id": f.fid, "kind": f.kind, "step": f.step, "group": f.group, "request": f.request, "position": f.position,
+        "slot": f.slot, "detail": f.detail, "detected": f.detected, "detection_step": f.detection_read_step,
+        "latency_steps": f.latency, "detected_by": f.detected_by, "reasons": reason_names(f.reason_bits),
+        "violations": f.violations,
+    } for f in faults]
+    tl = sim.timeline
+    fp_total = sum(tl["false_positives"])
+    status_names = _status_names(sim.status_bits)
+    passed = (all(k["status"] == "detected" for k in kinds) and fp_total == 0 and not sim.status_bits
+              and sim.dropped == 0)
+
+    steps = max(1, sim.steps_run)
+    ms = {phase: 1000.0 * sim.timer.wall.get(phase, 0.0) / steps
+          for phase in ("scatter", "plan", "verify", "write", "sweep", "read", "engine")}
+    device = sim.timer.device_seconds()
+    totals = {"verify_entries": 0, "write_entries": 0, "launches": 0}
+    for group in sim.groups:
+        for key, value in group.counters().items():
+            totals[key] += value
+    verify_time = sim.timer.wall.get("verify", 0.0) + sim.timer.wall.get("sweep", 0.0)
+    stats = dict(eng.stats)
+    stats.update(steps_run=sim.steps_run, sweeps=sim.sweeps)
+    return {
+        "schema": SCHEMA_ID,
+        "passed": passed,
+        "exit_code": 0 if passed else 1,
+        "config": {
+            "preset": cfg.preset, "steps": cfg.steps, "requests": cfg.requests, "seed": cfg.seed,
+            "backend": cfg.backend, "inject": dict(cfg.inject), "sweep_interval": cfg.sweep_interval,
+            "warmup_steps": cfg.warmup_steps, "cooldown_steps": cfg.cooldown, "with_v": cfg.with_v,
+            "real_kv_hash": cfg.real_kv_hash, "ring_capacity": cfg.ring_capacity,
+            "engine": sim.engine_cfg.as_dict(),
+        },
+        "workload": {k: int(v) for k, v in stats.items()},
+        "kinds": kinds,
+        "faults": fault_rows,
+        "violations": {
+            "total": sum(tl["violations"]), "explained": sum(tl["explained"]), "false_positives": fp_total,
+            "dropped": sim.dropped, "status": status_names, "by_tag": dict(sorted(sim.by_tag.items())),
+            "by_reason": dict(sorted(sim.by_reason.items())),
+        },
+        "false_positives": sim.false_positives,
+        "cost": {
+            "backend": sim.backend, "device": sim.device, "wall_s": round(sim.wall, 4),
+            "ms_per_step": {k: round(v, 4) for k, v in ms.items()},
+            "canary_ms_per_step": round(sum(v for k, v in ms.items() if k != "engine"), 4),
+            "device_ms_per_step": None if device is None else {k: round(1000 * v / steps, 4)
+                                                                for k, v in device.items()},
+            **totals,
+            "verify_entries_per_s": round(totals["verify_entries"] / verify_time, 1) if verify_time > 0 else 0.0,
+        },
+        "timeline": {k: list(v) for k, v in tl.items()},
+    }
+
+
+def _status_names(bits: int) -> list[str]:
+    from ..constants import CanaryStatus
+
+    return [m.name for m in CanaryStatus if bits & m.value]
+
+
+def deterministic_view(report: dict[str, Any]) -> dict[str, Any]:
+    """The report without its timing fields: equal for equal arguments."""
+    return {k: v for k, v in report.items() if k not in NONDETERMINISTIC}
+
+
+# ---- terminal ----------------------------------------------------------------------------------------------
+
+HEADERS = ("fault kind", "injected", "detected", "missed", "steps to detect (min/med/max)", "reasons fired")
+
+
+def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
+    rows = []
+    for k in report["kinds"]:
+        lat = k["latency_steps"]
+        latency = "-" if lat is None else f"{lat['min']} / {lat['median']:g} / {lat['max']}"
+        reasons = ", ".join(short_reason(r) for r in k["reasons"]) or "-"
+        rows.append((k["kind"], str(k["injected"]), str(k["detected"]), str(k["missed"]), latency, reasons))
+    return rows
+
+
+def headline(report: dict[str, Any]) -> str:
+    c = report["config"]
+    return (f"kv-canary simulation: preset {c['preset']}, {report['workload']['steps_run']} steps, "
+            f"{c['requests']} requests, seed {c['seed']}, backend {report['cost']['backend']}")
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    v, cost, w = report["violations"], report["cost"], report["workload"]
+    ms = cost["ms_per_step"]
+    lines = [
+        f"false positives: {v['false_positives']} (of {v['total']} violations read, {v['explained']} explained by "
+        f"injected faults" + (f", {v['dropped']} dropped by a full ring" if v["dropped"] else "") + ")",
+        f"workload: {w['requests_finished']}/{w['requests_admitted']} requests finished, {w['prefill_tokens']} "
+        f"prefill + {w['decode_tokens']} decode tokens, {w['prefix_tokens_reused']} prefix tokens reused, "
+        f"{w['rows_recycled']} rows recycled, {w['sweeps']} sweeps",
+        f"canary cost per step ({cost['backend']}): plan {ms['plan']:.2f} ms, verify {ms['verify']:.2f} ms, "
+        f"write {ms['write']:.2f} ms, scatter {ms['scatter']:.2f} ms, sweep {ms['sweep']:.2f} ms, "
+        f"read {ms['read']:.2f} ms = {cost['canary_ms_per_step']:.2f} ms "
+        f"(engine {ms['engine']:.2f} ms); {cost['verify_entries_per_s']:,.0f} entries verified/s",
+    ]
+    if v["status"]:
+        lines.append(f"kernel status flags: {', '.join(v['status'])}")
+    return lines
+
+
+def verdict(report: dict[str, Any]) -> str:
+    if report["passed"]:
+        if report["kinds"]:
+            return "PASS: every injected fault kind was detected, no false positive"
+        return "PASS: no violation in a clean run"
+    problems = []
+    missed = [k["kind"] for k in report["kinds"] if k["status"] == "missed"]
+    absent = [k["kind"] for k in report["kinds"] if k["status"] == "not injected"]
+    if missed:
+        problems.append(f"missed {', '.join(missed)}")
+    if absent:
+        problems.append(f"never injected (no target found) {', '.join(absent)}")
+    if report["violations"]["false_positives"]:
+        problems.append(f"{report['violations']['false_positives']} false positive(s)")
+    if report["violations"]["dropped"]:
+        problems.append(f"{report['violations']['dropped']} violation(s) dropped by a full ring")
+    if report["violations"]["status"]:
+        problems.append(f"kernel status {', '.join(report['violations']['status'])}")
+    return "FAIL: " + "; ".join(problems)
+
+
+def render_text(report: dict[str, Any]) -> str:
+    """The plain-text rendering (no optional dependency)."""
+    out = [headline(report), ""]
+    rows = table_rows(report)
+    if rows:
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
+        fmt = "  ".join(f"{{:<{w}}}" if i in (0, 4, 5) else f"{{:>{w}}}" for i, w in enumerate(widths))
+        out.append(fmt.format(*HEADERS).rstrip())
+        out.append("  ".join("-" * w for w in widths))
+        out.extend(fmt.format(*r).rstrip() for r in rows)
+        out.append("")
+    else:
+        out.append("(clean run: no fault injected)")
+        out.append("")
+    out.extend(summary_lines(report))
+    out.extend(_fp_lines(report))
+    out.append(verdict(report))
+    return "\n".join(out)
+
+
+def _fp_lines(report: dict[str, Any], limit: int = 10) -> list[str]:
+    fps = report["false_positives"]
+    if not fps:
+        return []
+    lines = [f"first false positives (of {report['violations']['false_positives']}):"]
+    for fp in fps[:limit]:
+        lines.append(f"  step {fp['launch_step']} {fp['launch_tag']} ({fp['group']}) slot {fp['slot']} position "
+                     f"{fp['position']} token {fp['stored_token']} expected {fp['expected_token']}: "
+                     f"{', '.join(short_reason(r) for r in fp['reasons'])}")
+    return lines
+
+
+def _rich() -> Any | None:
+    try:
+        import rich.console
+        import rich.table
+    except ImportError:
+        return None
+    return rich
+
+
+def print_report(report: dict[str, Any], stream: TextIO | None = None, *, plain: bool = False) -> None:
+    """Print the table and summary: with rich when installed (and ``plain`` is False), else plain text."""
+    stream = stream or sys.stdout
+    rich = None if plain else _rich()
+    if rich is None:
+        print(render_text(report), file=stream)
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=stream, highlight=False, width=max(160, Console(file=stream).width))
+    console.print(headline(report), markup=False, soft_wrap=True)
+    table = Table()
+    for i, head in enumerate(HEADERS):
+        table.add_column(head, justify="right" if i in (1, 2, 3) else "left", no_wrap=True)
+    for row, kind in zip(table_rows(report), report["kinds"], strict=True):
+        style = {"detected": "green", "missed": "bold red", "not injected": "yellow"}[kind["status"]]
+        table.add_row(*row, style=style)
+    if report["kinds"]:
+        console.print(table)
+    else:
+        console.print("(clean run: no fault injected)")
+    for line in summary_lines(report) + _fp_lines(report):
+        console.print(line, markup=False, soft_wrap=True)
+    console.print(verdict(report), style="bold green" if report["passed"] else "bold red", markup=False, soft_wrap=True)
+
+
+# ---- files -------------------------------------------------------------------------------------------------
+
+
+def write_json(report: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path
+
+
+def plot_png(report: dict[str, Any]) -> bytes | None:
+    """A PNG of violations, injections and detections over the steps, or None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    tl = report["timeline"]
+    steps = list(range(len(tl["violations"])))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True, height_ratios=(3, 1.3))
+    top.bar(steps, tl["explained"], width=1.0, color="#4c78a8", label="violations explained by a fault")
+    top.bar(steps, tl["false_positives"], bottom=tl["explained"], width=1.0, color="#e45756", label="false positives")
+    top.set_yscale("symlog", linthresh=10)
+    top.set_ylabel("violations read")
+    top.legend(loc="upper left", fontsize=8)
+    by_kind: dict[str, list[tuple[int, int | None]]] = {k["kind"]: [] for k in reversed(report["kinds"])}
+    for f in report["faults"]:
+        by_kind.setdefault(f["kind"], []).append((f["step"], f["detection_step"]))
+    names = list(by_kind)  # the table's order, top to bottom
+    for y, name in enumerate(names):
+        inj = [s for s, _ in by_kind[name]]
+        det = [d for _, d in by_kind[name] if d is not None]
+        bottom.scatter(inj, [y] * len(inj), marker="v", color="#f58518", s=22, zorder=3)
+        bottom.scatter(det, [y] * len(det), marker="o", facecolors="none", edgecolors="#54a24b", s=30, zorder=3)
+        for s, d in by_kind[name]:
+            if d is not None:
+                bottom.plot([s, d], [y, y], color="#54a24b", linewidth=1)
+    bottom.set_yticks(range(len(names)), names, fontsize=7)
+    bottom.set_ylim(-0.7, max(0.7, len(names) - 0.3))
+    bottom.set_xlabel("step (orange ▼ injected, green ○ first detection read)")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _html_table(headers: list[str], rows: list[list[Any]]) -> str:
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def render_html(report: dict[str, Any]) -> str:
+    png = plot_png(report)
+    plot = (f'<img alt="violations and detections over steps" src="data:image/png;base64,'
+            f'{base64.b64encode(png).decode()}">' if png else
+            "<p><em>No plot: install matplotlib (the <code>report</code> extra) to get one.</em></p>")
+    kinds = _html_table(list(HEADERS), [list(r) for r in table_rows(report)])
+    faults = _html_table(
+        ["id", "kind", "step", "group", "request", "detail", "detected at", "latency", "first tag", "reasons",
+         "violations"],
+        [[f["id"], f["kind"], f["step"], f["group"], f["request"], f["detail"], f["detection_step"],
+          f["latency_steps"], f["detected_by"], ", ".join(short_reason(r) for r in f["reasons"]), f["violations"]]
+         for f in report["faults"]])
+    fps = _html_table(["read step", "tag", "group", "slot", "position", "stored token", "expected token", "reasons"],
+                      [[f["read_step"], f["launch_tag"], f["group"], f["slot"], f["position"], f["stored_token"],
+                        f["expected_token"], ", ".join(short_reason(r) for r in f["reasons"])]
+                       for f in report["false_positives"]])
+    cost = report["cost"]
+    cost_rows = [[phase, f"{ms:.3f}"] for phase, ms in cost["ms_per_step"].items()]
+    colour = "#2e7d32" if report["passed"] else "#c62828"
+    summary = "".join(f"<li>{html.escape(line)}</li>" for line in summary_lines(report))
+    config = html.escape(json.dumps(report["config"], indent=2))
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>kv-canary simulation report</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1200px; }}
+table {{ border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.9em; }}
+th, td {{ border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }}
+th {{ background: #f3f3f3; }}
+.verdict {{ font-weight: bold; color: {colour}; font-size: 1.2em; }}
+img {{ max-width: 100%; }}
+pre {{ background: #f7f7f7; padding: 1em; font-size: 0.85em; }}
+</style></head><body>
+<h1>kv-canary simulation report</h1>
+<p>{html.escape(headline(report))}</p>
+<p class="verdict">{html.escape(verdict(report))}</p>
+<h2>Detection by fault kind</h2>{kinds}
+<h2>Violations and detections over the run</h2>{plot}
+<h2>Summary</h2><ul>{summary}</ul>
+<h2>Canary cost (ms per step, {html.escape(cost['backend'])})</h2>{_html_table(["phase", "ms/step"], cost_rows)}
+<h2>Injected faults</h2>{faults}
+<h2>False positives</h2>{fps if report["false_positives"] else "<p>None.</p>"}
+<h2>Configuration</h2><pre>{config}</pre>
+</body></html>
+"""
+
+
+def write_html(report: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_html(report))
+    return path
+
+
+# ---- progress ----------------------------------------------------------------------------------------------
+
+
+class ProgressDisplay:
+    """A live progress bar on a terminal (rich), plain progress lines otherwise, or nothing (``enabled=False``)."""
+
+    def __init__(self, total: int, *, enabled: bool = True, stream: TextIO | None = None) -> None:
+        self.total = total
+        self.enabled = enabled
+        self.stream = stream or sys.stderr
+        self._rich_progress: Any = None
+        self._task: Any = None
+        self._every = max(1, total // 10)
+
+    def __enter__(self) -> ProgressDisplay:
+        if self.enabled and self.stream.isatty() and _rich() is not None:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._rich_progress = Progress(
+                TextColumn("[bold]simulating"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(), console=Console(file=self.stream), transient=True)
+            self._rich_progress.__enter__()
+            self._task = self._rich_progress.add_task("steps", total=self.total, info="")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._rich_progress is not None:
+            self._rich_progress.__exit__(*exc)
+
+    def __call__(self, step: int, counts: dict[str, int]) -> None:
+        if not self.enabled:
+            return
+        info = (f"faults {counts['detected']}/{counts['injected']} detected, "
+                f"{counts['false_positives']} false positives, {counts['running']} running")
+        if self._rich_progress is not None:
+            self._rich_progress.update(self._task, completed=step, info=info)
+        elif step % self._every == 0 or step == self.total:
+            print(f"step {step}/{self.total}: {info}", file=self.stream, flush=True)

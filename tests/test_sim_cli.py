@@ -1,0 +1,96 @@
+"""The ``kvcanary`` command line: help with examples, exit codes, files, and clear messages for bad arguments."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcanary_cupy.cli import main
+from kvcanary_cupy.sim import FAULT_KINDS, PRESETS, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_help_lists_commands_examples_fault_kinds_and_presets(capsys):
+    assert main(["--help"]) == 0
+    assert "simulate" in capsys.readouterr().out
+    assert main(["simulate", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out and "kvcanary simulate --preset mixed --inject all" in out
+    for name in (*FAULT_KINDS, *PRESETS, "--backend", "--dump-failures", "--json", "--html", "exit status"):
+        assert name in out, name
+    assert main(["replay", "--help"]) == 0
+    assert "--sanitize" in capsys.readouterr().out
+
+
+def test_no_command_prints_help_and_fails(capsys):
+    assert main([]) == 2
+    assert "simulate" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["simulate", "--steps", "0"], "--steps: expected a positive integer"),
+    (["simulate", "--steps", "many"], "--steps: expected a positive integer"),
+    (["simulate", "--preset", "nope"], "invalid choice: 'nope'"),
+    (["simulate", "--backend", "tpu"], "invalid choice: 'tpu'"),
+    (["simulate", "--inject", "gremlins"], "unknown fault kind 'gremlins'"),
+    (["simulate", "--inject", "kv-bitflip:2"], "the rate must be in (0, 1]"),
+    (["simulate", "--inject", "kv-bitflip:often"], "the rate must be a number"),
+    (["simulate", "--preset", "decode", "--inject", "swa-early-evict"], "needs an SWA group"),
+    (["simulate", "--inject", "all", "--steps", "5", "--warmup", "4"], "no step is left to inject faults"),
+    (["simulate", "--seed", "-3"], "the seed must be >= 0"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["replay"], "the following arguments are required: FILE"),
+])
+def test_bad_arguments_give_a_message_and_status_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err
+
+
+def test_an_unavailable_backend_is_a_clear_error(capsys):
+    from kvcanary_cupy.backends import unavailable_reason
+
+    if unavailable_reason("cuda") is None:
+        pytest.skip("a GPU is available here")
+    assert main(["simulate", "--backend", "cuda", "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--backend cuda is not available here" in err and "Traceback" not in err
+
+
+def test_a_small_simulation_writes_its_reports_and_exits_0(tmp_path, capsys):
+    argv = ["simulate", "--preset", "mixed", "--inject", "all", "--steps", "30", "--requests", "8", "--seed", "2",
+            "--backend", "numpy", "--json", str(tmp_path / "r.json"), "--html", str(tmp_path / "r.html"),
+            "--dump-failures", str(tmp_path / "dumps"), "--plain"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "fault kind" in captured.out and "PASS" in captured.out
+    assert "step 30/30" in captured.err  # plain progress lines when stderr is not a terminal
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert validate(report) == [] and report["passed"]
+    assert (tmp_path / "r.html").read_text().startswith("<!doctype html>")
+    dumped = sorted(p.name.split("-step")[0] for p in (tmp_path / "dumps").glob("*.npz"))
+    assert dumped == sorted(FAULT_KINDS)
+    assert "kvcanary replay" in captured.out
+
+
+def test_quiet_runs_print_no_progress(capsys):
+    assert main(["simulate", "--preset", "decode", "--steps", "10", "--requests", "3", "--quiet",
+                 "--backend", "numpy"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_python_dash_m_is_the_same_command():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "kvcanary_cupy", "simulate", "--help"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == 0 and "examples:" in done.stdout
+    done = subprocess.run([sys.executable, "-m", "kvcanary_cupy", "simulate", "--steps", "-1"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
