@@ -20,6 +20,7 @@ fires once right after the warm-up, so each is exercised at least once.
 
 from __future__ import annotations
 
+import abc
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -237,7 +238,7 @@ def _choice(rng: np.random.Generator, items: list[Any]) -> Any:
     return items[int(rng.integers(len(items)))]
 
 
-class FaultKind:
+class FaultKind(abc.ABC):
     """One kind of KV-cache bug. Subclasses set the class attributes and implement :meth:`inject`."""
 
     name: ClassVar[str]
@@ -251,8 +252,9 @@ class FaultKind:
     def applicable(self, engine: Engine) -> bool:
         return self.needs != "swa" or engine.swa
 
-    def inject(self, ctx: InjectionContext) -> Any:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def inject(self, ctx: InjectionContext) -> Fault | None:
+        """Corrupt the engine state once; return the fault record, or None when no target exists now."""
 
 
 def _written_rows(batch: Batch, min_prefix: int) -> list[int]:
