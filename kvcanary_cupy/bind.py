@@ -35,27 +35,13 @@ from typing import Any
 
 from .backends import Backend, resolve_backend
 from .context import VerifyOrWriteContext
-from .dlpack import Device, first_torch_cuda_tensor, stream_scope
+from .dlpack import Device, cupy_stream_for, first_torch_cuda_tensor, stream_scope
 from .plan import OnInvalid, VerifyPlan, WritePlan, prepare_plan_launch
 from .scatter import prepare_scatter_launch
 from .verify import prepare_verify_launch
 from .write import prepare_write_launch
 
 __all__ = ["BoundLaunch", "bind_plan", "bind_scatter", "bind_verify", "bind_write"]
-
-# One ExternalStream wrapper per (device, stream pointer): building one per call would cost host time on
-# every step, and the pointers an engine launches on (its compute stream, the graph-capture stream) are few
-# and live as long as the process.
-_EXTERNAL_STREAMS: dict[tuple[int, int], Any] = {}
-
-
-def _external_stream(cupy: Any, device_index: int, pointer: int) -> Any:
-    key = (device_index, pointer)
-    stream = _EXTERNAL_STREAMS.get(key)
-    if stream is None:
-        stream = _EXTERNAL_STREAMS.setdefault(key, cupy.cuda.ExternalStream(pointer, device_index))
-    return stream
-
 
 @dataclass(frozen=True, eq=False, repr=False)
 class BoundLaunch:
@@ -96,7 +82,7 @@ class BoundLaunch:
                 return
             torch = sys.modules["torch"]
             pointer = int(torch.cuda.current_stream(index).cuda_stream)
-            with _external_stream(cupy, index, pointer):
+            with cupy_stream_for(cupy, index, pointer):
                 yield
 
     @property

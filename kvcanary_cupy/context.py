@@ -174,6 +174,8 @@ def prepare_context(context: Any, name: str = "context", *, need_chain_flag: boo
     if stride < CANARY_SLOT_BYTES or stride % 8:
         fail(f"{name}.canary_buf slot stride must be a multiple of 8 holding at least "
              f"{CANARY_FIELDS_PER_SLOT} int64 fields, got {stride} bytes")
+    if _data_ptr(buf) % 8:
+        fail(f"{name}.canary_buf must start at an 8-byte aligned address (its fields are read as int64)")
     kind = int_arg(context.kernel_kind, f"{name}.kernel_kind", minimum=-(1 << 63), maximum=(1 << 63) - 1)
     ring = array_arg(context.violation_ring, f"{name}.violation_ring", dtype=np.int64, ndim=2,
                      shape=(None, VIOLATION_FIELDS), writable=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -138,6 +139,8 @@ def as_byte_rows(obj: Any, name: str) -> Any:
     arr = as_array(obj, name)
     if arr.ndim < 2:
         fail(f"{name} must be at least 2-D, got shape {tuple(arr.shape)}")
+    if arr.shape[0] == 0 or arr.size == 0:
+        fail(f"{name} must not be empty, got shape {tuple(arr.shape)}")
     itemsize = arr.dtype.itemsize
     # Dims 1.. must form one contiguous run of bytes per row; dim 0 may have any (positive) stride.
     expected = itemsize
@@ -189,13 +192,31 @@ def first_torch_cuda_tensor(values: Iterable[Any]) -> Any | None:
     return next((v for v in leaves(values) if isinstance(v, torch.Tensor) and v.is_cuda), None)
 
 
+# One CuPy wrapper per (device, stream pointer): the streams an engine launches on (its compute stream, a
+# graph-capture stream) are few and live as long as the process, and building a wrapper costs host time.
+_CUPY_STREAMS: dict[tuple[int, int], Any] = {}
+
+
+def cupy_stream_for(cupy: Any, device_index: int, pointer: int) -> Any:
+    """A CuPy stream object for the external CUDA stream ``pointer`` on ``device_index``."""
+    key = (device_index, pointer)
+    stream = _CUPY_STREAMS.get(key)
+    if stream is None:
+        with warnings.catch_warnings():
+            # CuPy 14 deprecates ExternalStream in favour of Stream.from_external, which needs an object
+            # speaking the CUDA stream protocol; a raw pointer is what every torch version can give.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            stream = _CUPY_STREAMS.setdefault(key, cupy.cuda.ExternalStream(pointer, device_index))
+    return stream
+
+
 def stream_scope(*values: Any) -> contextlib.AbstractContextManager:
     """The CuPy device and stream a launch must use.
 
     When an argument (or a field of a plan or context argument) is a torch CUDA tensor, kernels go to torch's
-    current stream on that device, wrapped as a ``cupy.cuda.ExternalStream``: ordering with the engine's own
-    kernels then holds without any synchronisation, and DLPack imports done inside the scope name that same
-    stream, so the producer inserts no cross-stream wait. Otherwise CuPy's current stream is used unchanged.
+    current stream on that device, wrapped as a CuPy external stream: ordering with the engine's own kernels
+    then holds without any synchronisation, and DLPack imports done inside the scope name that same stream, so
+    the producer inserts no cross-stream wait. Otherwise CuPy's current stream is used unchanged.
     """
     tensor = first_torch_cuda_tensor(values)
     if tensor is None:
@@ -205,8 +226,16 @@ def stream_scope(*values: Any) -> contextlib.AbstractContextManager:
         fail("a torch CUDA tensor was given but CuPy is not installed (install the cuda12 or cuda13 extra)")
     torch = sys.modules["torch"]
     index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
-    stream = torch.cuda.current_stream(tensor.device)
+    pointer = int(torch.cuda.current_stream(tensor.device).cuda_stream)
     scope = contextlib.ExitStack()
     scope.enter_context(cupy.cuda.Device(index))
-    scope.enter_context(cupy.cuda.ExternalStream(stream.cuda_stream, index))
+    scope.enter_context(cupy_stream_for(cupy, index, pointer))
     return scope
+
+
+def device_scope(device: Device) -> contextlib.AbstractContextManager:
+    """Make ``device`` CuPy's current device for a launch (kernels run where the arrays are, also when the
+    caller's current device is another GPU); nothing to do for CPU arrays."""
+    if device.kind != "cuda":
+        return contextlib.nullcontext()
+    return sys.modules["cupy"].cuda.Device(device.index)

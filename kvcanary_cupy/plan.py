@@ -17,7 +17,7 @@ from ._errors import fail
 from ._validate import array_arg, int_arg, optional_array_arg, same_device
 from .backends import resolve_backend
 from .constants import MAX_PLAN_BATCH_SIZE
-from .dlpack import Device, stream_scope
+from .dlpack import Device, device_scope, stream_scope
 
 OnInvalid = Literal["raise", "flag"]
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
@@ -40,7 +40,12 @@ def _allocate(device: Any, shape: int, dtype: type, fill: int | None = None) -> 
     if ctx is None:
         return np.full(shape, fill, dtype) if fill is not None else np.empty(shape, dtype)
     with ctx:
-        return xp.full(shape, fill, dtype) if fill is not None else xp.empty(shape, dtype)
+        arr = xp.full(shape, fill, dtype) if fill is not None else xp.empty(shape, dtype)
+        if fill is not None:
+            # The fill ran on CuPy's current stream; a first launch on another stream (torch's) must see it.
+            # Allocation is setup-time work, never inside a captured region, so waiting here is harmless.
+            xp.cuda.get_current_stream().synchronize()
+        return arr
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,8 @@ class VerifyPlan:
         capacity = int_arg(verify_capacity, "verify_capacity")
         if capacity <= 0:
             fail(f"VerifyPlan verify_capacity must be positive, got {capacity}")
+        if capacity > _INT32_MAX:  # verify_num_valid is int32
+            fail(f"VerifyPlan verify_capacity must be <= {_INT32_MAX}, got {capacity}")
         return cls(
             verify_slot_indices=_allocate(device, capacity, np.int64),
             verify_expected_tokens=_allocate(device, capacity, np.int64),
@@ -220,7 +227,7 @@ def prepare_plan_launch(
     window = int_arg(swa_window_size, "swa_window_size", minimum=0)
     offset = int_arg(kv_token_id_vs_position_offset, "kv_token_id_vs_position_offset",
                      minimum=_INT32_MIN, maximum=_INT32_MAX)
-    capacity = int_arg(verify_capacity, "verify_capacity", minimum=1)
+    capacity = int_arg(verify_capacity, "verify_capacity", minimum=1, maximum=_INT32_MAX)
     if window > 0 and full_to_swa_index_mapping is None:
         fail(f"swa_window_size={window} needs full_to_swa_index_mapping (the full-to-SWA slot LUT)")
     if req_to_verify_expected_tokens is not None and req_to_verify_expected_tokens_valid_lens is None:
@@ -336,4 +343,6 @@ def launch_canary_plan_kernels(
             kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
             function="launch_canary_plan_kernels",
         )
-        resolve_backend(backend, launch.device, on_invalid).plan(launch)
+        impl = resolve_backend(backend, launch.device, on_invalid)
+        with device_scope(launch.device):
+            impl.plan(launch)

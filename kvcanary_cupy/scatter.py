@@ -13,7 +13,7 @@ import numpy as np
 
 from ._validate import array_arg, optional_array_arg, same_device
 from .backends import resolve_backend
-from .dlpack import Device, stream_scope
+from .dlpack import Device, device_scope, stream_scope
 
 
 @dataclass(frozen=True)
@@ -61,4 +61,6 @@ def launch_scatter_req_token_ids(
     with stream_scope(flat_in, offsets, req_pool_indices, pool_out, status):
         launch = prepare_scatter_launch(flat_in=flat_in, offsets=offsets, req_pool_indices=req_pool_indices,
                                         pool_out=pool_out, status=status)
-        resolve_backend(backend, launch.device, on_invalid).scatter(launch)
+        impl = resolve_backend(backend, launch.device, on_invalid)
+        with device_scope(launch.device):
+            impl.scatter(launch)

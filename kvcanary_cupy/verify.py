@@ -17,7 +17,7 @@ from ._errors import fail
 from ._validate import array_arg, bool_arg, same_device
 from .backends import resolve_backend
 from .context import ContextArrays, VerifyOrWriteContext, prepare_context
-from .dlpack import Device, stream_scope
+from .dlpack import Device, device_scope, stream_scope
 from .plan import VerifyPlan
 
 
@@ -73,4 +73,6 @@ def launch_canary_verify_kernel(
     with stream_scope(context, plan):
         launch = prepare_verify_launch(context=context, plan=plan,
                                        check_verify_expected_token=check_verify_expected_token)
-        resolve_backend(backend, launch.device, on_invalid).verify(launch)
+        impl = resolve_backend(backend, launch.device, on_invalid)
+        with device_scope(launch.device):
+            impl.verify(launch)

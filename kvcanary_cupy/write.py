@@ -17,7 +17,7 @@ from ._errors import fail
 from ._validate import array_arg, bool_arg, optional_array_arg, same_device
 from .backends import resolve_backend
 from .context import ContextArrays, VerifyOrWriteContext, prepare_context
-from .dlpack import Device, stream_scope
+from .dlpack import Device, device_scope, stream_scope
 from .plan import WritePlan
 
 
@@ -113,4 +113,6 @@ def launch_canary_write_kernel(
             enable_write_input_assert=enable_write_input_assert, expected_input_tokens=expected_input_tokens,
             expected_input_positions=expected_input_positions,
         )
-        resolve_backend(backend, launch.device, on_invalid).write(launch)
+        impl = resolve_backend(backend, launch.device, on_invalid)
+        with device_scope(launch.device):
+            impl.write(launch)

@@ -43,6 +43,10 @@ class TestRealKvSource:
         with rejects(fragment):
             kc.RealKvSource(np.zeros((4, 64), np.uint8), **args)
 
+    def test_empty_tensor(self):
+        with rejects("RealKvSource.tensor must not be empty"):
+            kc.RealKvSource(np.zeros((0, 64), np.uint8), page_size=1, num_bytes_per_token=16, read_bytes=16)
+
     def test_one_dimensional_tensor(self):
         with rejects("RealKvSource.tensor must be at least 2-D"):
             kc.RealKvSource(np.zeros(64, np.uint8), page_size=1, num_bytes_per_token=16, read_bytes=16)
@@ -124,6 +128,15 @@ class TestLaunchValidation:
         ctx = dataclasses.replace(context(num_slots=8), **{field: value})
         before = snapshot(ctx)
         with rejects(fragment):
+            launch_all(ctx, backend)
+        assert_untouched(ctx, before)
+
+    def test_misaligned_canary_buffer(self, backend):
+        raw = np.zeros(8 * 32 + 16, np.uint8)
+        start = 1 + (-raw.ctypes.data) % 8  # one byte past an 8-byte boundary
+        ctx = dataclasses.replace(context(num_slots=8), canary_buf=raw[start: start + 8 * 32].reshape(8, 32))
+        before = snapshot(ctx)
+        with rejects("canary_buf must start at an 8-byte aligned address"):
             launch_all(ctx, backend)
         assert_untouched(ctx, before)
 
@@ -257,3 +270,31 @@ class TestReadingViolations:
         report = kc.read_violations(ctx)
         assert report.status_names == ["SLOT_OUT_OF_RANGE", "SCATTER_OUT_OF_RANGE"]
         assert "status: SLOT_OUT_OF_RANGE, SCATTER_OUT_OF_RANGE" in report.table()
+
+
+def test_verify_capacity_beyond_int32_is_refused_before_allocating():
+    with rejects("verify_capacity must be <= 2147483647"):
+        kc.VerifyPlan.allocate(verify_capacity=1 << 31)
+
+
+def test_the_cuda_backend_passes_absent_pointers_as_an_explicit_null():
+    """CuPy would turn None into a null *parameter* pointer; the kernels need a null *argument*."""
+    from kvcanary_cupy.backends.host import HOST_SHAPE
+    from kvcanary_cupy.backends.kernel_backend import KernelBackend
+    from kvcanary_cupy.dlpack import CPU
+    from kvcanary_cupy.scatter import ScatterLaunch
+
+    calls = []
+
+    class Module:
+        def get_function(self, name):
+            return lambda grid, block, args: calls.append((name, args))
+
+    backend = KernelBackend("cuda", lambda file: Module(), HOST_SHAPE, null=np.uint64(0))
+    pool = np.zeros((2, 4), np.int32)
+    backend.scatter(ScatterLaunch(np.arange(3, dtype=np.int64), np.array([0, 3], np.int64),
+                                  np.array([1], np.int64), pool, None, CPU))
+    ((name, args),) = calls
+    assert name == "kvc_scatter"
+    assert all(a is not None for a in args)
+    assert isinstance(args[-1], np.uint64) and int(args[-1]) == 0

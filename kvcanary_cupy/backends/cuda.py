@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import numpy as np
+
 from ..dlpack import cupy_module
 from .kernel_backend import KernelBackend, LaunchShape, kernel_source, kernels_dir, source_hash
 
@@ -54,4 +56,4 @@ def _gpu_shape() -> LaunchShape:
 
 
 def make_cuda_backend() -> KernelBackend:
-    return KernelBackend("cuda", _raw_module, _gpu_shape())
+    return KernelBackend("cuda", _raw_module, _gpu_shape(), null=np.uint64(0))

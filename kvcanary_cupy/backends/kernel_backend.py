@@ -78,19 +78,34 @@ def _real_kv_args(ctx: Any) -> tuple[Any, ...]:
 
 
 class KernelBackend:
-    """Plan / write / verify / scatter as kernel launches on modules from ``load_module(file)``."""
+    """Plan / write / verify / scatter as kernel launches on modules from ``load_module(file)``.
 
-    def __init__(self, name: str, load_module: Callable[[str], Any], shape: LaunchShape) -> None:
+    ``null`` is what an absent pointer argument (``None`` below) becomes: CuPy turns ``None`` into a null
+    *parameter* pointer rather than a null argument, so the CUDA backend passes an explicit 8-byte zero; the
+    host launcher takes ``None`` itself.
+    """
+
+    def __init__(self, name: str, load_module: Callable[[str], Any], shape: LaunchShape, null: Any = None) -> None:
         self.name = name
         self._load_module = load_module
         self.shape = shape
+        self._null = null
         self._functions: dict[str, Any] = {}
 
     def function(self, file: str, name: str) -> Any:
         key = f"{file}:{name}"
         fn = self._functions.get(key)
         if fn is None:
-            fn = self._functions[key] = self._load_module(file).get_function(name)
+            kernel = self._load_module(file).get_function(name)
+            if self._null is None:
+                fn = kernel
+            else:
+                null = self._null
+
+                def fn(grid: Any, block: Any, args: tuple[Any, ...], _kernel: Any = kernel) -> None:
+                    _kernel(grid, block, tuple(null if a is None else a for a in args))
+
+            self._functions[key] = fn
         return fn
 
     def plan(self, launch: Any) -> None:

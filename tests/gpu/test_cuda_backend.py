@@ -5,6 +5,8 @@ Every test is marked ``gpu``; the suite's conftest skips them with a reason wher
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import strategies
@@ -56,36 +58,37 @@ def test_plan_flags_hostile_values_like_the_reference(case):
 
 
 class _OnGpu:
-    """Runs a backend's launches on CuPy copies of the NumPy launch arrays and copies results back."""
+    """Runs a backend's launches on CuPy copies of the NumPy launch arrays and copies the outputs back."""
+
+    # The arrays each launch kind writes; everything else is only read.
+    WRITTEN = ("canary_bytes", "ring", "write_index", "slot_run_counter", "kernel_run_counter", "status",
+               "pool_out")
 
     def __init__(self) -> None:
         self.backend = _cuda_backend()
 
     @staticmethod
     def _to_device(obj):
-        import dataclasses
-
         if isinstance(obj, np.ndarray):
             return cp.asarray(obj)
         if isinstance(obj, tuple):
             return tuple(_OnGpu._to_device(v) for v in obj)
         if dataclasses.is_dataclass(obj):
-            return dataclasses.replace(obj, **{f.name: _OnGpu._to_device(getattr(obj, f.name))
-                                               for f in dataclasses.fields(obj) if f.init})
+            fields = {f.name: _OnGpu._to_device(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+            if "canary_bytes" in fields:  # the int64 view must alias the device bytes, as on the host
+                fields["canary"] = fields["canary_bytes"].view(cp.int64)
+            return dataclasses.replace(obj, **fields)
         return obj
 
     @staticmethod
     def _copy_back(host, device) -> None:
-        import dataclasses
-
-        if isinstance(host, np.ndarray):
-            host[...] = device.get()
-        elif isinstance(host, tuple):
-            for h, d in zip(host, device, strict=True):
-                _OnGpu._copy_back(h, d)
-        elif dataclasses.is_dataclass(host):
-            for f in dataclasses.fields(host):
-                _OnGpu._copy_back(getattr(host, f.name), getattr(device, f.name))
+        for name in _OnGpu.WRITTEN:
+            if isinstance(getattr(host, name, None), np.ndarray):
+                getattr(host, name)[...] = getattr(device, name).get()
+        for f in dataclasses.fields(host):
+            value = getattr(host, f.name)
+            if dataclasses.is_dataclass(value):
+                _OnGpu._copy_back(value, getattr(device, f.name))
 
     def _run(self, method: str, launch) -> None:
         on_device = self._to_device(launch)
@@ -215,6 +218,27 @@ def test_plan_verify_write_capture_and_replay_in_a_cuda_graph():
     # a corrupted token is caught by the replayed graph's verify
     graphed.ctx.canary_buf.view(cp.int64)[1, 0] += 1
     graphed.fill(width - 1)
+    cp.cuda.Device().synchronize()  # the corruption and refill ran on another stream than the graph
     graph.launch(stream)
     stream.synchronize()
     assert int(graphed.ctx.violation_write_index.get()[0]) >= 1
+
+
+def test_a_call_that_raises_leaves_every_device_buffer_unchanged():
+    vp = kc.VerifyPlan.allocate(verify_capacity=8, device="cuda")
+    wp = kc.WritePlan.allocate(write_req_capacity=2, device="cuda")
+    for arr in (*vars(vp).values(), *vars(wp).values()):
+        arr.fill(SENTINEL)
+    before = [arr.get() for arr in (*vars(vp).values(), *vars(wp).values())]
+    good = {"req_pool_indices": cp.array([1], cp.int64), "prefix_lens": cp.array([2], cp.int64),
+            "extend_seq_lens": cp.array([1], cp.int64), "req_to_token": cp.zeros((2, 4), cp.int32),
+            "swa_window_size": 0, "full_to_swa_index_mapping": None, "verify_capacity": 8}
+    for bad, fragment in (({"prefix_lens": cp.array([2], cp.int32)}, "prefix_lens must have dtype int64"),
+                          ({"req_to_token": np.zeros((2, 4), np.int32)}, "req_to_token is on cpu"),
+                          ({"verify_capacity": 7}, "verify_capacity=7"),
+                          ({"req_to_verify_expected_tokens": cp.zeros((2, 4), cp.int32)},
+                           "requires req_to_verify_expected_tokens_valid_lens")):
+        with pytest.raises(ValueError, match=r"^kv-canary: .*" + fragment):
+            kc.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, **{**good, **bad})
+    after = [arr.get() for arr in (*vars(vp).values(), *vars(wp).values())]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
