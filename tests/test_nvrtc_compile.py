@@ -30,10 +30,9 @@ pytestmark = pytest.mark.skipif(_nvrtc_usable() is not None, reason=str(_nvrtc_u
 
 
 def compile_for(file: str, arch: str) -> tuple[bytes, str]:
-    # CuPy's binding takes the source and its name as str, the headers and their names as bytes.
-    headers = sorted(kernels_dir().glob("*.cuh"))
-    program = nvrtc.createProgram(kernel_source(file), file,
-                                  [h.read_bytes() for h in headers], [h.name.encode() for h in headers])
+    # Headers are found through the backend's own --include-path, exactly as cupy.RawModule compiles them.
+    # (CuPy's binding takes the source and its name as str.)
+    program = nvrtc.createProgram(kernel_source(file), file, [], [])
     try:
         nvrtc.compileProgram(program, [f"--gpu-architecture={arch}", "--display-error-number", *nvrtc_options()])
     except Exception as exc:
