@@ -2,7 +2,7 @@
 //
 // The kernels are compiled twice from the same text: by NVRTC for the GPU and by g++ through the host shim
 // (kvcanary_cupy/hostcuda) for the CPU. Hence: no standard headers, and integers are `long long` /
-// `unsigned long long` / `int` only (NVRTC and g++ disagree on what int64_t is).
+// `unsigned long long` / `int` only (NVRTC and g++ disagree on the fixed-width typedefs).
 #pragma once
 
 #define KVC_DEVICE __device__ __forceinline__

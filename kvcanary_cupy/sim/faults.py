@@ -414,6 +414,17 @@ class KvMisdirectedWrite(FaultKind):
         return fault, token, victim
 
 
+def _pick_new_token(ctx: InjectionContext) -> tuple[int, Request, int, int] | None:
+    """A random token of this step's batch: (flat index, its request, position, slot), or None if empty."""
+    batch = ctx.batch
+    assert batch is not None
+    if batch.num_real_tokens == 0:
+        return None
+    token = int(ctx.rng.integers(batch.num_real_tokens))
+    req = batch.reqs[int(batch.token_row[token])]
+    return token, req, int(batch.token_pos[token]), int(batch.token_slot[token])
+
+
 class WrongInputToken(FaultKind):
     """The forward is fed a wrong token id (a stale ``input_ids`` buffer, a detokenizer or speculative
     accept bug). The write's input assert compares it with the engine's token oracle (WRITE_TOKEN), and every
@@ -427,13 +438,11 @@ class WrongInputToken(FaultKind):
     allowed_bits = int(R.WRITE_TOKEN_MISMATCH | R.VERIFY_TOKEN_MISMATCH | R.VERIFY_CHAIN_HASH_MISMATCH)
 
     def inject(self, ctx: InjectionContext) -> Fault | None:
-        batch, rng = ctx.batch, ctx.rng
-        assert batch is not None
-        if batch.num_real_tokens == 0:
+        picked = _pick_new_token(ctx)
+        if picked is None:
             return None
-        token = int(rng.integers(batch.num_real_tokens))
-        req = batch.reqs[int(batch.token_row[token])]
-        pos, slot = int(batch.token_pos[token]), int(batch.token_slot[token])
+        token, req, pos, slot = picked
+        batch, rng = ctx.batch, ctx.rng
         true = int(req.tokens[pos])
         wrong = (true + 1 + int(rng.integers(1000))) % 32000 or 1
         fault = ctx.tracker.new(self, ctx.step, "FULL", f"request {req.rid} position {pos} fed token {wrong} "
@@ -458,13 +467,11 @@ class PositionOffByOne(FaultKind):
     allowed_bits = int(R.WRITE_POSITION_MISMATCH | R.VERIFY_POSITION_MISMATCH | R.VERIFY_CHAIN_HASH_MISMATCH)
 
     def inject(self, ctx: InjectionContext) -> Fault | None:
-        batch, rng = ctx.batch, ctx.rng
-        assert batch is not None
-        if batch.num_real_tokens == 0:
+        picked = _pick_new_token(ctx)
+        if picked is None:
             return None
-        token = int(rng.integers(batch.num_real_tokens))
-        req = batch.reqs[int(batch.token_row[token])]
-        pos, slot = int(batch.token_pos[token]), int(batch.token_slot[token])
+        token, req, pos, slot = picked
+        batch, rng = ctx.batch, ctx.rng
         wrong = pos - 1 if pos > 0 and rng.random() < 0.5 else pos + 1
         fault = ctx.tracker.new(self, ctx.step, "FULL", f"request {req.rid} slot {slot} written at position "
                                 f"{wrong} instead of {pos}", request=req, position=pos, slot=slot)
