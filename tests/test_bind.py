@@ -7,11 +7,9 @@ and refills contents in place between steps, as a serving engine does around a c
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
-from plan_helpers import linear_rtt
+from engine_scenario import BS, RTT, STEPS, TOKENS, Engine
 
 import kvcanary_cupy as kc
 import kvcanary_cupy._validate
@@ -21,90 +19,6 @@ from kvcanary_cupy.backends import unavailable_reason
 from kvcanary_cupy.bind import BoundLaunch, bind_plan, bind_scatter, bind_verify, bind_write
 
 torch = pytest.importorskip("torch")
-
-ROWS, WIDTH, BS, TOKENS, CAPACITY = 4, 16, 3, 8, 32
-RTT = linear_rtt(ROWS, WIDTH, base=1)  # distinct nonzero slots: row r, column c -> 1 + 16 r + c
-NUM_SLOTS = ROWS * WIDTH + 1
-
-# (req_pool_indices, prefix_lens, extend_seq_lens) per step; row 0 of the pool is padding
-STEPS = [
-    ([1, 2, 0], [0, 0, 0], [3, 2, 0]),  # two prefills
-    ([1, 2, 0], [3, 2, 0], [1, 1, 0]),  # two decodes
-    ([1, 0, 3], [4, 0, 0], [1, 0, 4]),  # request 2 finished, request 3 arrives
-    ([1, 3, 0], [5, 4, 0], [1, 2, 0]),  # decode + a two-token extend
-]
-HISTORY = (np.arange(ROWS * WIDTH, dtype=np.int32).reshape(ROWS, WIDTH) * 7 + 3)  # tokens per pool row
-
-
-def step_inputs(step: int) -> dict[str, np.ndarray]:
-    """Every array input of one step, at the bound (padded) shapes."""
-    rpi, prefix, extend = (np.array(v, np.int64) for v in STEPS[step])
-    ids, pos, loc = np.zeros(TOKENS, np.int64), np.zeros(TOKENS, np.int64), np.full(TOKENS, -1, np.int64)
-    k = 0
-    for rp, p, e in zip(rpi, prefix, extend, strict=True):
-        if rp == 0:
-            continue
-        for position in range(p, p + e):
-            ids[k], pos[k], loc[k] = HISTORY[rp, position], position, RTT[rp, position]
-            k += 1
-    return {"req_pool_indices": rpi, "prefix_lens": prefix, "extend_seq_lens": extend,
-            "valid_lens": prefix + extend, "input_ids": ids, "positions": pos, "out_cache_loc": loc}
-
-
-class Engine:
-    """The persistent buffers of one canary group, in one framework (``to`` turns NumPy into it)."""
-
-    def __init__(self, to):
-        self.to = to
-        first = step_inputs(0)
-        self.inputs = {k: to(v) for k, v in first.items()}
-        self.req_to_token = to(RTT)
-        self.pool = to(HISTORY)
-        # Plans start from a sentinel so that "left untouched" is compared too.
-        self.vp = kc.VerifyPlan(**{f.name: to(np.full(shape, 0x5A5A, dtype)) for f, (shape, dtype) in zip(
-            dataclasses.fields(kc.VerifyPlan), [(CAPACITY, np.int64)] * 4 + [(1, np.int32)] * 3, strict=True)})
-        self.wp = kc.WritePlan(**{f.name: to(np.full(shape, 0x5A5A, dtype)) for f, (shape, dtype) in zip(
-            dataclasses.fields(kc.WritePlan), [(BS + 1, np.int64), (BS, np.int64), (1, np.int32), (BS + 1, np.int64)],
-            strict=True)})
-        ctx = kc.VerifyOrWriteContext.allocate(num_slots=NUM_SLOTS, ring_capacity=16,
-                                               enable_chain_position_assert=True)
-        self.ctx = kc.VerifyOrWriteContext(**{f.name: to(getattr(ctx, f.name)) if isinstance(
-            getattr(ctx, f.name), np.ndarray) else getattr(ctx, f.name) for f in dataclasses.fields(ctx)})
-
-    def plan_kwargs(self) -> dict:
-        i = self.inputs
-        return {"verify_plan_out": self.vp, "write_plan_out": self.wp, "req_pool_indices": i["req_pool_indices"],
-                "prefix_lens": i["prefix_lens"], "extend_seq_lens": i["extend_seq_lens"],
-                "req_to_token": self.req_to_token, "swa_window_size": 0, "full_to_swa_index_mapping": None,
-                "verify_capacity": CAPACITY, "req_to_verify_expected_tokens": self.pool,
-                "req_to_verify_expected_tokens_valid_lens": i["valid_lens"]}
-
-    def verify_kwargs(self) -> dict:
-        return {"context": self.ctx, "plan": self.vp, "check_verify_expected_token": True}
-
-    def write_kwargs(self) -> dict:
-        i = self.inputs
-        return {"context": self.ctx, "plan": self.wp, "input_ids": i["input_ids"], "positions": i["positions"],
-                "out_cache_loc": i["out_cache_loc"], "enable_write_input_assert": False}
-
-    def refill(self, step: int) -> None:
-        for name, values in step_inputs(step).items():
-            target = self.inputs[name]
-            if isinstance(target, torch.Tensor):
-                target.copy_(torch.from_numpy(values))
-            else:
-                target[...] = values
-
-    def state(self) -> dict[str, np.ndarray]:
-        out = {}
-        for prefix, obj in (("verify", self.vp), ("write", self.wp), ("ctx", self.ctx)):
-            for f in dataclasses.fields(obj):
-                value = getattr(obj, f.name)
-                if isinstance(value, (np.ndarray, torch.Tensor)):
-                    out[f"{prefix}.{f.name}"] = np.asarray(value).copy()
-        del out["write.verify_offsets"]  # scratch: only [0, bs] is defined, and backends may differ beyond
-        return out
-
 
 def numpy_engine() -> Engine:
     return Engine(lambda a: np.array(a, copy=True))

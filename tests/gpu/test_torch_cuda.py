@@ -7,17 +7,16 @@ additionally needs a torch build with CUDA.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import strategies
 from differential import SENTINEL, ChainResult, chain_results_equal, run_chain, run_plan
+from engine_scenario import RTT, STEPS, Engine, to_numpy
 from hypothesis import given, settings
 from plan_helpers import linear_rtt
 
 import kvcanary_cupy as kc
-from kvcanary_cupy import bind as bind_module
+from kvcanary_cupy import dlpack as dlpack_module
 from kvcanary_cupy.bind import bind_plan, bind_scatter, bind_verify, bind_write
 from kvcanary_cupy.context import RealKvSource
 from kvcanary_cupy.dlpack import as_array, as_byte_rows
@@ -262,104 +261,20 @@ def test_a_bound_launch_runs_on_the_torch_stream_current_at_call_time():
     assert not side.query()
     side.synchronize()
     assert inputs["slots"][:10].tolist() == expected_ordered_plan()
-    assert (torch.cuda.current_device(), side.cuda_stream) in bind_module._EXTERNAL_STREAMS
+    assert (torch.cuda.current_device(), side.cuda_stream) in dlpack_module._CUPY_STREAMS
 
 
 # --- CUDA graphs -----------------------------------------------------------------------------------------------
 
-ROWS, WIDTH, BS, TOKENS, CAPACITY = 4, 16, 3, 8, 32
-RTT = linear_rtt(ROWS, WIDTH, base=1)
-NUM_SLOTS = ROWS * WIDTH + 1
-STEPS = [
-    ([1, 2, 0], [0, 0, 0], [3, 2, 0]),
-    ([1, 2, 0], [3, 2, 0], [1, 1, 0]),
-    ([1, 0, 3], [4, 0, 0], [1, 0, 4]),
-    ([1, 3, 0], [5, 4, 0], [1, 2, 0]),
-]
-HISTORY = np.arange(ROWS * WIDTH, dtype=np.int32).reshape(ROWS, WIDTH) * 7 + 3
-
-
-def step_inputs(step: int) -> dict[str, np.ndarray]:
-    rpi, prefix, extend = (np.array(v, np.int64) for v in STEPS[step])
-    ids, pos, loc = np.zeros(TOKENS, np.int64), np.zeros(TOKENS, np.int64), np.full(TOKENS, -1, np.int64)
-    k = 0
-    for rp, p, e in zip(rpi, prefix, extend, strict=True):
-        if rp == 0:
-            continue
-        for position in range(p, p + e):
-            ids[k], pos[k], loc[k] = HISTORY[rp, position], position, RTT[rp, position]
-            k += 1
-    return {"req_pool_indices": rpi, "prefix_lens": prefix, "extend_seq_lens": extend,
-            "valid_lens": prefix + extend, "input_ids": ids, "positions": pos, "out_cache_loc": loc}
-
-
-class Engine:
-    """One canary group's persistent buffers; ``to`` turns a NumPy array into the engine's framework."""
-
-    def __init__(self, to, chain_assert: int):
-        self.to = to
-        self.inputs = {k: to(v) for k, v in step_inputs(0).items()}
-        self.req_to_token, self.pool = to(RTT), to(HISTORY)
-        self.vp = kc.VerifyPlan(**{f.name: to(np.full(n, SENTINEL, d)) for f, (n, d) in zip(
-            dataclasses.fields(kc.VerifyPlan), [(CAPACITY, np.int64)] * 4 + [(1, np.int32)] * 3, strict=True)})
-        self.wp = kc.WritePlan(**{f.name: to(np.full(n, SENTINEL, d)) for f, (n, d) in zip(
-            dataclasses.fields(kc.WritePlan), [(BS + 1, np.int64), (BS, np.int64), (1, np.int32), (BS + 1, np.int64)],
-            strict=True)})
-        self.ctx = kc.VerifyOrWriteContext(
-            canary_buf=to(np.zeros((NUM_SLOTS, 32), np.uint8)), kernel_kind=kc.CanaryLaunchTag.HEAD_K_FULL,
-            violation_ring=to(np.zeros((16, 8), np.int64)), violation_write_index=to(np.zeros(1, np.int32)),
-            slot_run_counter=to(np.zeros(1, np.int64)), kernel_run_counter=to(np.zeros(1, np.int64)),
-            enable_chain_position_assert=to(np.array([chain_assert], np.int32)), status=to(np.zeros(1, np.int32)))
-
-    def plan_kwargs(self) -> dict:
-        i = self.inputs
-        return {"verify_plan_out": self.vp, "write_plan_out": self.wp, "req_pool_indices": i["req_pool_indices"],
-                "prefix_lens": i["prefix_lens"], "extend_seq_lens": i["extend_seq_lens"],
-                "req_to_token": self.req_to_token, "swa_window_size": 0, "full_to_swa_index_mapping": None,
-                "verify_capacity": CAPACITY, "req_to_verify_expected_tokens": self.pool,
-                "req_to_verify_expected_tokens_valid_lens": i["valid_lens"]}
-
-    def verify_kwargs(self) -> dict:
-        return {"context": self.ctx, "plan": self.vp, "check_verify_expected_token": True}
-
-    def write_kwargs(self) -> dict:
-        i = self.inputs
-        return {"context": self.ctx, "plan": self.wp, "input_ids": i["input_ids"], "positions": i["positions"],
-                "out_cache_loc": i["out_cache_loc"], "enable_write_input_assert": False}
-
-    def refill(self, step: int) -> None:
-        for name, values in step_inputs(step).items():
-            target = self.inputs[name]
-            if isinstance(target, torch.Tensor):
-                target.copy_(torch.from_numpy(values))  # in place, on the current stream
-            else:
-                target[...] = values
-
-    def corrupt_token(self, slot: int, value: int) -> None:
-        words = self.ctx.canary_buf.view(torch.int64) if isinstance(self.ctx.canary_buf, torch.Tensor) \
-            else self.ctx.canary_buf.view(np.int64)
-        words[slot, 0] = value
-
-    def plan_state(self) -> dict[str, np.ndarray]:
-        out = {}
-        for prefix, obj in (("verify", self.vp), ("write", self.wp)):
-            for f in dataclasses.fields(obj):
-                out[f"{prefix}.{f.name}"] = _np(getattr(obj, f.name))
-        del out["write.verify_offsets"]  # scratch
-        return out
-
-    def context_state(self) -> ChainResult:
-        ctx = self.ctx
-        index = int(_np(ctx.violation_write_index)[0])
-        ring = _np(ctx.violation_ring)
-        end = min(max(index, 0), ring.shape[0])
-        return ChainResult(canary=_np(ctx.canary_buf), ring=ring, rows=ring[:end].tolist(), landed=(0, end),
-                           write_index=index, slot_run_counter=int(_np(ctx.slot_run_counter)[0]),
-                           kernel_run_counter=int(_np(ctx.kernel_run_counter)[0]), status=int(_np(ctx.status)[0]))
-
-
-def _np(value) -> np.ndarray:
-    return host(value) if isinstance(value, torch.Tensor) else np.array(value, copy=True)
+def context_state(engine: Engine) -> ChainResult:
+    ctx = engine.ctx
+    index = int(to_numpy(ctx.violation_write_index)[0])
+    ring = to_numpy(ctx.violation_ring)
+    end = min(max(index, 0), ring.shape[0])
+    return ChainResult(canary=to_numpy(ctx.canary_buf), ring=ring, rows=ring[:end].tolist(), landed=(0, end),
+                       write_index=index, slot_run_counter=int(to_numpy(ctx.slot_run_counter)[0]),
+                       kernel_run_counter=int(to_numpy(ctx.kernel_run_counter)[0]),
+                       status=int(to_numpy(ctx.status)[0]))
 
 
 def numpy_engine() -> Engine:
@@ -439,7 +354,7 @@ def test_plan_verify_write_captured_in_a_cuda_graph_replay_like_the_reference():
         torch.cuda.current_stream().synchronize()
         reference_step(reference, step)
         assert_same_plan_state(engine.plan_state(), reference.plan_state(), step)
-        chain_results_equal(engine.context_state(), reference.context_state())
+        chain_results_equal(context_state(engine), context_state(reference))
     assert int(ctx.violation_write_index) == 2
     assert int(ctx.kernel_run_counter) == 2 * len(STEPS)  # verify + write, once per replay
 
