@@ -12,6 +12,7 @@ used when present and asked for.
 
 from __future__ import annotations
 
+from ._errors import CanaryArgumentError
 from .backends import available_backends
 from .bind import BoundLaunch, bind_plan, bind_scatter, bind_verify, bind_write
 from .constants import (
@@ -38,6 +39,7 @@ __all__ = [
     "CANARY_SLOT_BYTES",
     "MAX_REAL_KV_SOURCES",
     "BoundLaunch",
+    "CanaryArgumentError",
     "CanaryLaunchTag",
     "CanaryStatus",
     "FailReason",

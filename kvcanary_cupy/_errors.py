@@ -1,4 +1,5 @@
-"""The one way this package reports bad input: ``ValueError`` whose message starts ``kv-canary: ``."""
+"""The one way this package reports bad input: :class:`CanaryArgumentError`, a ``ValueError`` whose message
+starts ``kv-canary: `` and names the offending argument first."""
 
 from __future__ import annotations
 
@@ -7,6 +8,13 @@ from typing import NoReturn
 PREFIX = "kv-canary: "
 
 
+class CanaryArgumentError(ValueError):
+    """Bad input to a public entry point, raised before any output is written.
+
+    A ``ValueError`` subclass, so handlers written for ``ValueError`` keep working.
+    """
+
+
 def fail(message: str) -> NoReturn:
-    """Raise the package's ValueError; ``message`` names the offending argument first."""
-    raise ValueError(PREFIX + message)
+    """Raise :class:`CanaryArgumentError`; ``message`` names the offending argument first."""
+    raise CanaryArgumentError(PREFIX + message)
