@@ -186,6 +186,7 @@ class CanaryRuntime:
                        backend=cfg.backend)
             self.groups[group.name] = state
             self._by_model[group.model].append(state)
+        self._group_index = {name: i for i, name in enumerate(self.groups)}
         self._sweep_capacity = sweep_cap
         self._sweep_host = {k: space.host(sweep_cap, np.int64) for k in ("slots", "positions", "prevs")}
         self._sweep_in = {k: Buffer(*space.alloc(sweep_cap, np.int64)) for k in ("slots", "positions", "prevs")}
@@ -379,6 +380,7 @@ class CanaryRuntime:
             if snap.forwards.get(state.model, 0) and sc.value(host, f"{name}.plan.enable") == 0:
                 report.overflowed.append(name)
                 totals.overflows[name] = totals.overflows.get(name, 0) + 1
+        report.new_violations.sort(key=self._launch_order)
         report.scatter_status = sc.value(host, "scatter.status")
         totals.status_bits |= report.scatter_status
         totals.violations += len(report.new_violations)
@@ -393,6 +395,15 @@ class CanaryRuntime:
             report.health_problems = self._health(snap)
             totals.health_failures += len(report.health_problems)
         return report
+
+    def _launch_order(self, item: tuple[str, Any]) -> tuple[int, ...]:
+        """Rows of one step in the order their launches ran: per model (in order of first appearance), HEAD of
+        every group then TAIL of every group; the sweep last; ring order within a launch."""
+        group, v = item
+        role = v.launch_tag.split("_", 1)[0]
+        state = self.groups[group]
+        model = self.models.index(state.model)
+        return (role == "SWEEP", model, role == "TAIL", self._group_index[group], v.index)
 
     def _drain(self, state: GroupState, n: int) -> None:
         """Drop the ``n`` rows just read (stream-ordered after every launch enqueued since): rows appended
@@ -504,6 +515,25 @@ class CanaryRuntime:
         self._totals.sweeps += 1
         self._totals.swept_slots += n
         return n
+
+    def run_counters(self) -> dict[tuple[str, str, str], tuple[int, int]]:
+        """Synchronise and read every run counter now: ``{(group, tag, "verify"|"write"): (slots, kernels)}``.
+        Outside any graph only (tests, reports at shutdown)."""
+        if not self.enabled:
+            return {}
+        host = self.scalars.host_buffers(self.space)
+        self.space.synchronize()
+        with self.space.scope():
+            self.scalars.copy_to(self.space, host)
+        self.space.synchronize()
+        out = {}
+        for state in self.groups.values():
+            for ep in state.all_endpoints():
+                for op in ("verify", "write") if ep.write_ctx is not None else ("verify",):
+                    out[(state.name, ep.tag.name, op)] = (
+                        self.scalars.value(host, counter_name(state, ep, op, "slots")),
+                        self.scalars.value(host, counter_name(state, ep, op, "kernels")))
+        return out
 
     # -- stats ---------------------------------------------------------------------------------------------
 
