@@ -187,6 +187,11 @@ class CanaryRuntime:
             self.groups[group.name] = state
             self._by_model[group.model].append(state)
         self._group_index = {name: i for i, name in enumerate(self.groups)}
+        # (endpoint, op, slot-counter name, kernel-counter name) per group, in endpoint order
+        self._counters = {name: [(ep, op, counter_name(state, ep, op, "slots"), counter_name(state, ep, op, "kernels"))
+                                 for ep in state.all_endpoints()
+                                 for op in (("verify", "write") if ep.write_ctx is not None else ("verify",))]
+                          for name, state in self.groups.items()}
         self._sweep_capacity = sweep_cap
         self._sweep_host = {k: space.host(sweep_cap, np.int64) for k in ("slots", "positions", "prevs")}
         self._sweep_in = {k: Buffer(*space.alloc(sweep_cap, np.int64)) for k in ("slots", "positions", "prevs")}
@@ -385,12 +390,10 @@ class CanaryRuntime:
         totals.status_bits |= report.scatter_status
         totals.violations += len(report.new_violations)
         totals.dropped += report.dropped
-        for state in self.groups.values():
-            for ep in state.all_endpoints():
-                for op in ("verify", "write") if ep.write_ctx is not None else ("verify",):
-                    for what in ("slots", "kernels"):
-                        key = counter_name(state, ep, op, what)
-                        totals.counters[key] = sc.value(host, key)
+        for keys in self._counters.values():
+            for _, _, slots_key, kernels_key in keys:
+                totals.counters[slots_key] = sc.value(host, slots_key)
+                totals.counters[kernels_key] = sc.value(host, kernels_key)
         if self.config.health_check:
             report.health_problems = self._health(snap)
             totals.health_failures += len(report.health_problems)
@@ -414,9 +417,12 @@ class CanaryRuntime:
         shift = min(n, cap)
         wi, lost, temp = sc.view(f"{name}.write_index"), sc.view(f"{name}.lost"), sc.view(f"{name}.drain_temp")
         with self.space.scope():
-            if shift < cap:
-                scratch[: cap - shift] = ring[shift:]
-                ring[: cap - shift] = scratch[: cap - shift]
+            # a device write index cannot be read without a sync: move the whole tail; on the CPU move only the
+            # rows appended since the snapshot
+            end = cap if self.space.is_cuda else min(int(wi[0]), cap)
+            if shift < end:
+                scratch[: end - shift] = ring[shift:end]
+                ring[: end - shift] = scratch[: end - shift]
             # rows still held after the shift: r = max(0, min(w, cap) - shift); the rest of (w - n) was lost
             xp.minimum(wi, cap, out=temp)
             temp -= shift
@@ -442,21 +448,21 @@ class CanaryRuntime:
         for name, state in self.groups.items():
             forwards = snap.forwards.get(state.model, 0)
             ref: dict[str, int] = {}
-            for ep in state.all_endpoints():
-                for op in ("verify", "write") if ep.write_ctx is not None else ("verify",):
-                    kernels = sc.value(host, counter_name(state, ep, op, "kernels"))
-                    want = snap.sweep_launches[name] if ep.role == "SWEEP" else forwards
+            for ep, op, slots_key, kernels_key in self._counters[name]:
+                want = snap.sweep_launches[name] if ep.role == "SWEEP" else forwards
+                kernels = sc.value(host, kernels_key)
+                if kernels != want - self._health_offsets.get(kernels_key, 0):
                     whom = f"prepare() call of model {state.model!r}" if ep.role != "SWEEP" else "sweep launch"
-                    check(counter_name(state, ep, op, "kernels"), kernels, want,
-                          f"group {name}: {ep.tag.name} {op} kernel ran (count) vs one per {whom}")
-                    if ep.role == "SWEEP":
-                        continue
-                    slots = sc.value(host, counter_name(state, ep, op, "slots"))
-                    if op in ref:
-                        check(counter_name(state, ep, op, "slots"), slots, ref[op],
-                              f"group {name}: {ep.tag.name} {op} slot count vs HEAD_K (same plan, same batch)")
-                    else:
-                        ref[op] = slots
+                    check(kernels_key, kernels, want, f"group {name}: {ep.tag.name} {op} kernel ran (count) vs one "
+                                                      f"per {whom}")
+                if ep.role == "SWEEP":
+                    continue
+                slots = sc.value(host, slots_key)
+                if op not in ref:
+                    ref[op] = slots
+                elif slots != ref[op] - self._health_offsets.get(slots_key, 0):
+                    check(slots_key, slots, ref[op],
+                          f"group {name}: {ep.tag.name} {op} slot count vs HEAD_K (same plan, same batch)")
         return problems
 
     def check_health(self) -> list[str]:
@@ -526,14 +532,8 @@ class CanaryRuntime:
         with self.space.scope():
             self.scalars.copy_to(self.space, host)
         self.space.synchronize()
-        out = {}
-        for state in self.groups.values():
-            for ep in state.all_endpoints():
-                for op in ("verify", "write") if ep.write_ctx is not None else ("verify",):
-                    out[(state.name, ep.tag.name, op)] = (
-                        self.scalars.value(host, counter_name(state, ep, op, "slots")),
-                        self.scalars.value(host, counter_name(state, ep, op, "kernels")))
-        return out
+        return {(name, ep.tag.name, op): (self.scalars.value(host, slots_key), self.scalars.value(host, kernels_key))
+                for name, keys in self._counters.items() for ep, op, slots_key, kernels_key in keys}
 
     # -- stats ---------------------------------------------------------------------------------------------
 
@@ -541,11 +541,13 @@ class CanaryRuntime:
         """Counters for metrics exporters (device counters as of the last snapshot read, one step late)."""
         t = self._totals
         protected = verified = 0
-        for state in self.groups.values():
-            head_k = state.endpoints["HEAD"][0]
-            protected += t.counters.get(counter_name(state, head_k, "write", "slots"), 0)
-            for ep in state.all_endpoints():
-                verified += t.counters.get(counter_name(state, ep, "verify", "slots"), 0)
+        for name, keys in self._counters.items() if self.enabled else ():
+            head_k = self.groups[name].endpoints["HEAD"][0]
+            for ep, op, slots_key, _ in keys:
+                if op == "verify":
+                    verified += t.counters.get(slots_key, 0)
+                elif ep is head_k:
+                    protected += t.counters.get(slots_key, 0)
         return {
             "mode": self.config.mode, "steps": self.step, "forwards": dict(self.forwards),
             "protected_tokens": protected, "verified_entries": verified, "sweeps": t.sweeps,
