@@ -153,6 +153,14 @@ class KvPools:
         """The forwards, in the order their first group appears."""
         return tuple(dict.fromkeys(g.model for g in self.groups))
 
+    def engine_arrays(self) -> list[Any]:
+        """Every engine-owned array the canary reads in place (slot tables, LUTs, real-KV tensors)."""
+        out = [self.req_to_token, self.layout]
+        for g in self.groups:
+            out += [g.full_to_swa_index_mapping, g.layout, *(s.tensor for s in g.k_sources),
+                    *(s.tensor for s in g.v_sources or ())]
+        return [a for a in out if a is not None]
+
     def layout_of(self, group: KvGroup) -> tuple[str, Any]:
         """``("req_to_token", table)`` or ``("layout", layout)``: the plan keyword for ``group``."""
         if group.layout is not None:
@@ -160,3 +168,9 @@ class KvPools:
         if self.layout is not None:
             return "layout", self.layout
         return "req_to_token", self.req_to_token
+
+
+def row_less(layout: Any) -> bool:
+    """Whether a layout's table rows are batch rows, so that the plan takes no ``req_pool_indices``
+    (``BlockTable(batch_rows=True)`` and ``PageList`` of :mod:`kvcanary_cupy.layouts`)."""
+    return type(layout).__name__ == "PageList" or getattr(layout, "batch_rows", False) is True

@@ -26,11 +26,12 @@ import numpy as np
 
 from .._errors import fail
 from ..bind import BoundLaunch, bind_scatter
+from ..dlpack import first_torch_cuda_tensor
 from ..violations import ViolationReport, decode_row
 from .batch import Buffer, StagedBatch, StagedHistory, StepBatch
 from .config import CanaryConfig, Capacities
 from .groups import Endpoint, GroupState, bind_group, build_group, counter_name, gather_lut, reserve_scalars
-from .pools import KvPools
+from .pools import KvPools, row_less
 from .reporting import StepReport, publish
 from .scalars import Scalars
 from .space import ArraySpace
@@ -77,11 +78,6 @@ class _Totals:
     sweeps: int = 0
     swept_slots: int = 0
     counters: dict[str, int] = field(default_factory=dict)  # last snapshot's run counters
-
-
-def _row_less(layout: Any) -> bool:
-    """Layouts whose table rows are batch rows (no req_pool_indices needed)."""
-    return type(layout).__name__ == "PageList" or getattr(layout, "batch_rows", False) is True
 
 
 class CanaryRuntime:
@@ -145,6 +141,9 @@ class CanaryRuntime:
 
     def _build(self) -> None:
         cfg, caps, space, pools = self.config, self.capacities, self.space, self.pools
+        if space.is_cuda and space.framework != "torch" and first_torch_cuda_tensor(pools.engine_arrays()) is not None:
+            # the runtime's copies would run on CuPy's stream and the launches on torch's: no ordering between them
+            fail("the KV pools hold torch CUDA tensors: create the runtime with framework='torch'")
         table = pools.req_to_token
         pool_shape = None
         if cfg.verify_token_assert:
@@ -162,7 +161,7 @@ class CanaryRuntime:
         self.scalars.allocate(space)
         sweep_cap = caps.max_sweep_slots or max(g.num_slots for g in pools.groups)
         for model in self.models:
-            needs_rows = any(not _row_less(pools.layout_of(g)[1]) for g in pools.groups if g.model == model)
+            needs_rows = any(not row_less(pools.layout_of(g)[1]) for g in pools.groups if g.model == model)
             self.stages[model] = StagedBatch(space, model=model, max_batch_size=caps.max_batch_size,
                                              max_tokens=caps.max_tokens, with_oracle=cfg.write_input_assert,
                                              with_valid_lens=cfg.verify_token_assert, needs_rows=needs_rows)
