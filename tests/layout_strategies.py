@@ -162,7 +162,7 @@ def _token_equivalent(kwargs: dict[str, Any], block_lists: list[list[int]], pad:
     bs = len(block_lists)
     token_rps = list(rps) if rps is not None else [r + 1 for r in range(bs)]
     width = max([len(b) * size for b in block_lists] + [1])
-    rtt = np.full((max(token_rps + [0]) + 1, width), -7, np.int32)
+    rtt = np.full((max([*token_rps, 0]) + 1, width), -7, np.int32)
     for r in range(bs):
         if not pad[r]:
             slots = [b * stride + k for b in block_lists[r] for k in range(size)]

@@ -218,7 +218,6 @@ def _entries(launch, counts, window_start, verify_offsets, row_ok, flag):
 
     # Predecessors: the previous entry, except at each request's first entry, whose predecessor is the
     # slot just before the window (or -1 at position 0): the window does not reset the chain.
-    heads = first[has]
     head_reqs = np.flatnonzero(has)
     head_ws = window_start[head_reqs]
     head_prev = np.full(head_reqs.shape[0], -1, np.int64)
