@@ -15,12 +15,14 @@ from runtime_oracle import OracleGroup, ProtocolOracle
 
 import kvcanary_cupy.bind as bind_module
 from kvcanary_cupy import CanaryArgumentError, CanaryLaunchTag, CanaryStatus, FailReason
+from kvcanary_cupy.layouts import BlockTable
 from kvcanary_cupy.runtime import (
     CanaryConfig,
     CanaryHealthError,
     CanaryRuntime,
     CanaryViolationError,
     Capacities,
+    KvPools,
     StepBatch,
 )
 
@@ -159,6 +161,19 @@ def test_every_ring_row_matches_the_scalar_protocol_oracle(backend, name, inject
     for rep in reports:
         assert rep.launch_step == rep.step - 1
         assert rep.health_problems == [] and rep.status_bits == 0 and not rep.plan_status and not rep.overflowed
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_block_table_layout_gives_the_rows_of_the_token_table_it_describes(backend):
+    engine = sc.ToyEngine(swa=True, paged=True)
+    pools = KvPools(engine.groups(), layout=BlockTable(engine.block_table, sc.PAGE, num_slots=sc.NUM_SLOTS))
+    rt = CanaryRuntime.create(CanaryConfig(backend=backend, sweep_interval=2, logger=LOGGER), pools,
+                              Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS), sweep_source=engine.held)
+    oracle = oracle_for(engine, rt)  # the oracle plans from req_to_token, which the engine keeps in step
+    reports = drive(engine, rt, oracle, hooks=faults(engine))
+    want = {k: sorted(tuple(r) for r in v) for k, v in oracle.rows.items() if v}
+    assert {k: sorted(v) for k, v in rows_by_launch(reports).items()} == want and want
+    assert not any(r.health_problems or r.status_bits or r.plan_status for r in reports)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

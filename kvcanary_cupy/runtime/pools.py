@@ -16,6 +16,7 @@ from .._errors import fail
 from .._validate import int_arg
 from ..constants import MAX_REAL_KV_SOURCES
 from ..context import RealKvSource
+from ..layouts import BlockTable, PageList
 
 _INT32_MAX = (1 << 31) - 1
 
@@ -118,8 +119,11 @@ class KvPools:
     """Every attention group of the engine and the slot layout the plan reads.
 
     Exactly one of ``req_to_token`` (SGLang's int32 ``[rows, max_seq_len]`` table, the same as
-    ``layout=TokenTable(req_to_token)``) and ``layout`` is given, unless every group has its own layout. The
-    layout's arrays are bound once: the engine refills them in place and never reallocates them.
+    ``layout=TokenTable(req_to_token)``) and ``layout`` (a :mod:`kvcanary_cupy.layouts` object: ``TokenTable``,
+    ``BlockTable``, ``PageList``) is given, unless every group has its own layout. The layout's arrays are bound
+    once, at the runtime's padded batch size: the engine refills them in place and never reallocates them
+    (``BlockTable(batch_rows=True)`` needs ``max_batch_size`` table rows, ``PageList`` a ``kv_page_indptr`` of
+    ``max_batch_size + 1`` entries whose unused tail repeats the last value).
     """
 
     groups: tuple[KvGroup, ...]
@@ -172,5 +176,5 @@ class KvPools:
 
 def row_less(layout: Any) -> bool:
     """Whether a layout's table rows are batch rows, so that the plan takes no ``req_pool_indices``
-    (``BlockTable(batch_rows=True)`` and ``PageList`` of :mod:`kvcanary_cupy.layouts`)."""
-    return type(layout).__name__ == "PageList" or getattr(layout, "batch_rows", False) is True
+    (``BlockTable(batch_rows=True)`` and ``PageList``)."""
+    return isinstance(layout, PageList) or (isinstance(layout, BlockTable) and layout.batch_rows is True)
