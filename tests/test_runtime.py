@@ -242,8 +242,8 @@ def test_off_mode_allocates_and_launches_nothing(monkeypatch):
     reports = drive(engine, rt)
     assert calls == [] and rt.groups == {} and rt.stages == {}
     assert all(r.clean for r in reports) and rt.stats()["forwards"] == {"target": 0}
-    live = make(sc.ToyEngine(swa=True), sweep_interval=1)
-    drive(sc.ToyEngine(swa=True), live, steps=1)
+    engine = sc.ToyEngine(swa=True)
+    drive(engine, make(engine, sweep_interval=1), steps=1)
     assert calls  # the same loop in log mode does launch
 
 
@@ -438,6 +438,8 @@ def test_creation_validates_the_description():
     pools = engine.pools()
     with pytest.raises(CanaryArgumentError, match="model must be one of target"):
         make(engine).prepare(engine.step_batch(engine.schedule(0)), model="draft")
+    with pytest.raises(CanaryArgumentError, match="needs a sweep_source"):
+        CanaryRuntime.create(CanaryConfig(sweep_interval=4), pools, Capacities(max_batch_size=2, max_tokens=2))
     with pytest.raises(CanaryArgumentError, match="covers"):
         CanaryRuntime.create(CanaryConfig(), type(pools)(
             (type(pools.groups[0])("FULL", sc.NUM_SLOTS * 2, pools.groups[0].k_sources),),

@@ -100,6 +100,9 @@ class CanaryRuntime:
             fail(f"capacities must be a Capacities, got {type(capacities).__name__}")
         if sweep_source is not None and not callable(sweep_source):
             fail(f"sweep_source must be callable, got {type(sweep_source).__name__}")
+        if config.sweep_interval and sweep_source is None:
+            fail(f"CanaryConfig.sweep_interval={config.sweep_interval} needs a sweep_source (the slots the prefix "
+                 "cache holds)")
         self.config, self.pools, self.capacities = config, pools, capacities
         self.space = ArraySpace(device, framework)
         self.sweep_source = sweep_source
