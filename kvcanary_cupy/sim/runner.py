@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backends import BACKEND_NAMES, available_backends, unavailable_reason
+from ..backends import BACKEND_NAMES, available_backends, prepare_backend, unavailable_reason
 from ..constants import CanaryLaunchTag, RealKvHashMode
 from ..context import VerifyOrWriteContext
 from ..plan import VerifyPlan, WritePlan, launch_canary_plan_kernels
@@ -506,6 +506,7 @@ class Simulation:
             self._sweep(t)
 
     def run(self, progress: ProgressCallback | None = None) -> dict[str, Any]:
+        self.compile_s = prepare_backend(self.backend)  # before the clock starts: per-step costs exclude it
         start = time.perf_counter()
         for t in range(self.cfg.steps):
             self._step(t)
