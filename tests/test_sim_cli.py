@@ -75,7 +75,7 @@ def test_a_small_simulation_writes_its_reports_and_exits_0(tmp_path, capsys):
     report = json.loads((tmp_path / "r.json").read_text())
     assert validate(report) == [] and report["passed"]
     assert (tmp_path / "r.html").read_text().startswith("<!doctype html>")
-    dumped = sorted(p.name.split("-step")[0] for p in (tmp_path / "dumps").glob("*.npz"))
+    dumped = sorted(p.name.split("-seed2-step")[0] for p in (tmp_path / "dumps").glob("*.npz"))
     assert dumped == sorted(FAULT_KINDS)
     assert "kvcanary replay" in captured.out
 

@@ -3,7 +3,7 @@
 During a simulation with ``--dump-failures DIR`` the :class:`LaunchRecorder` keeps host copies of every
 launch's inputs for the current and the previous step (violations are read one step late). When the first
 violation explaining a fault kind is read, the launch that produced it is saved as
-``DIR/<kind>-step<N>-<TAG>-<op>.npz``:
+``DIR/<kind>-seed<S>-step<N>-<TAG>-<op>.npz`` (the seed keeps runs from overwriting each other):
 
 * ``meta`` — a JSON string: format, kind, step, model (target/draft), group, launch tag, op (verify/write),
   role, the backend it ran on, hash mode, real-KV source geometry, flags (``check_verify_expected_token``,
@@ -158,7 +158,7 @@ class LaunchRecorder:
                     arrays[key] = value
         arrays["expected_rows"] = np.asarray(same, np.int64).reshape(-1, 8)
         arrays["meta"] = np.array(json.dumps(meta))
-        path = self.dir / f"{kind}-step{launch_step}-{tag}-{op}.npz"
+        path = self.dir / f"{kind}-seed{self.seed}-step{launch_step}-{tag}-{op}.npz"
         np.savez_compressed(path, **arrays)
         self.dumped[kind] = path
         return path
