@@ -14,8 +14,8 @@ import pytest
 
 import kvcanary_cupy
 from kvcanary_cupy.sim import SCHEMA, SimConfig, deterministic_view, parse_inject, run_simulation, validate
-from kvcanary_cupy.sim.runner import Simulation
 from kvcanary_cupy.sim import report as report_mod
+from kvcanary_cupy.sim.runner import Simulation
 
 
 @pytest.fixture(scope="module")

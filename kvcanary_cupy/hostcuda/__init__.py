@@ -22,8 +22,9 @@ not ``5``): CuPy does not check widths, so a bare Python int that happens to wor
 wrong-sized value on the GPU.
 
 Builds are cached under ``hostcuda/`` of the package cache (:mod:`kvcanary_cupy.cache`: ``$KVCANARY_CACHE_DIR``,
-else ``$XDG_CACHE_HOME/kvcanary_cupy``, else ``~/.cache/kvcanary_cupy``; pruned to a size cap), keyed by the runtime and shim sources, the kernel code, every header it includes from ``include_dirs``,
-the flags and the compiler version. ``sanitize=True`` builds with AddressSanitizer and UBSan; such a module
+else ``$XDG_CACHE_HOME/kvcanary_cupy``, else ``~/.cache/kvcanary_cupy``; pruned to a size cap), keyed by the
+runtime and shim sources, the kernel code, every header it includes from ``include_dirs``, the flags and the
+compiler version. ``sanitize=True`` builds with AddressSanitizer and UBSan; such a module
 loads only into a process started with libasan preloaded (see :func:`sanitizer_preload`).
 """
 

@@ -17,10 +17,10 @@ deterministic function of the run's arguments (same seed, same report).
   ``prefill_tokens``, ``decode_tokens``, ``prefix_tokens_reused``, ``rows_recycled``, ``padding_rows``,
   ``tree_evicted_slots``, ``swa_evicted_slots``, ``peak_running``, ``peak_slots_used``, ``sweeps``.
 * ``kinds``: one entry per requested fault kind — ``kind``, ``title``, ``injected``, ``detected``, ``missed``
-  (counts of faults), ``status`` ("detected": at least one of its faults was caught, "missed": none was,
-  "not injected": no target was found for it), ``latency_steps`` ({``min``, ``median``, ``max``} steps from injection to the host reading
-  the first violation, over detected faults; null when none), ``reasons`` (FailReason names that fired on its
-  violations), ``violations`` (rows attributed to it).
+  (counts of faults), ``status`` ("detected": at least one of its faults was caught, "missed": none was, "not
+  injected": no target was found for it), ``latency_steps`` ({``min``, ``median``, ``max``} steps from injection
+  to the host reading the first violation, over detected faults; null when none), ``reasons`` (FailReason names
+  that fired on its violations), ``violations`` (rows attributed to it).
 * ``faults``: every injected fault — ``id``, ``kind``, ``step``, ``group`` (FULL/SWA/DRAFT), ``request``,
   ``position``, ``slot``, ``detail``, ``detected``, ``detection_step`` (read step), ``latency_steps``,
   ``detected_by`` (launch tag of the first violation), ``reasons``, ``violations``.
@@ -29,12 +29,12 @@ deterministic function of the run's arguments (same seed, same report).
   the EAGLE draft's ring), ``by_reason`` ({FailReason name: rows}).
 * ``false_positives``: the first 200 unexplained rows — ``read_step``, ``launch_step``, ``group``,
   ``launch_tag``, ``slot``, ``position``, ``stored_token``, ``expected_token``, ``reasons``.
-* ``cost``: ``backend`` (the one used), ``device``, ``wall_s``, ``compile_s`` (compiling or loading the
-  kernels, done before the timed run and excluded from every other cost figure), ``ms_per_step`` ({phase: wall-clock ms per
+* ``cost``: ``backend`` (the one used), ``device``, ``wall_s``, ``compile_s`` (compiling or loading the kernels,
+  done before the timed run and excluded from every other cost figure), ``ms_per_step`` ({phase: wall-clock ms per
   step} for ``scatter``, ``plan``, ``verify``, ``write``, ``sweep``, ``read`` and the engine's own ``engine``),
-  ``canary_ms_per_step`` (sum of the canary phases), ``device_ms_per_step`` (CUDA-event times on the cuda
-  backend, else null), ``verify_entries``, ``write_entries``, ``launches`` (kernel counters),
-  ``verify_entries_per_s`` (entries / verify and sweep time).
+  ``canary_ms_per_step`` (sum of the canary phases), ``device_ms_per_step`` (CUDA-event times on the cuda backend,
+  else null), ``verify_entries``, ``write_entries``, ``launches`` (kernel counters), ``verify_entries_per_s``
+  (entries / verify and sweep time).
 * ``timeline``: per step ``0..steps`` (index = step), lists ``violations``, ``explained``,
   ``false_positives`` and ``detected`` (counted at the step they were read) and ``injected``.
 
@@ -49,7 +49,6 @@ import html
 import io
 import json
 import platform
-import re
 import shutil
 import socket
 import statistics
