@@ -497,6 +497,19 @@ def plot_svg(report: dict[str, Any]) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    fig = plot_figure(report)
+    buf = io.StringIO()
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "kvcanary"}):  # text stays text
+        fig.savefig(buf, format="svg")
+    plt.close(fig)
+    svg = buf.getvalue()
+    return svg[svg.index("<svg"):]  # inline: no XML prologue or DOCTYPE inside the HTML
+
+
+def plot_figure(report: dict[str, Any]) -> Any:
+    """The matplotlib figure behind :func:`plot_svg` (needs matplotlib)."""
+    import matplotlib.pyplot as plt
+
     tl = report["timeline"]
     steps = list(range(len(tl["violations"])))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True, height_ratios=(3, 1.3))
@@ -524,12 +537,7 @@ def plot_svg(report: dict[str, Any]) -> str | None:
     bottom.set_ylim(-0.7, max(0.7, len(names) - 0.3))
     bottom.set_xlabel("step (orange ▼ injected, green ○ first detection read)")
     fig.tight_layout()
-    buf = io.StringIO()
-    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "kvcanary"}):  # text stays text
-        fig.savefig(buf, format="svg")
-    plt.close(fig)
-    svg = buf.getvalue()
-    return svg[svg.index("<svg"):]  # inline: no XML prologue or DOCTYPE inside the HTML
+    return fig
 
 
 def _html_table(headers: list[str], rows: list[list[Any]], *, numeric: tuple[int, ...] = (),
