@@ -25,7 +25,11 @@ PROBE = """
 <span id="control" style="display:inline-block;width:3em">stale-expected</span>
 <script>
 window.addEventListener("load", () => {
-  const lines = (el) => { const r = document.createRange(); r.selectNodeContents(el); return r.getClientRects().length; };
+  const lines = (el) => {
+    const r = document.createRange();
+    r.selectNodeContents(el);
+    return r.getClientRects().length;
+  };
   const svg = document.querySelector("figure svg");
   const box = svg ? svg.getBoundingClientRect() : null;
   const out = {
