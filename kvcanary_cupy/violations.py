@@ -109,7 +109,7 @@ class ViolationReport:
 
     @property
     def status_names(self) -> list[str]:
-        return [m.name for m in CanaryStatus if self.status & m.value]
+        return [str(m.name) for m in CanaryStatus if self.status & m.value]
 
     def table(self) -> str:
         return format_violations(self)

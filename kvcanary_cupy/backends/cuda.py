@@ -26,12 +26,17 @@ def nvrtc_options() -> tuple[str, ...]:
     return ("-std=c++17", f"--include-path={kernels_dir()}", f"-DKVC_SOURCE_HASH=0x{source_hash()}ull")
 
 
+def _cupy() -> Any:
+    cupy = cupy_module()
+    if cupy is None:
+        raise RuntimeError("CuPy is not installed (install the cuda12 or cuda13 extra)")
+    return cupy
+
+
 def nvrtc_version() -> tuple[int, int]:
     """(major, minor) of the NVRTC that CuPy loads; raises when it cannot load one. Loading the library is
     all this costs (milliseconds): no compilation."""
-    cupy = cupy_module()
-    if cupy is None:
-        raise RuntimeError("CuPy is not installed")
+    cupy = _cupy()
     major, minor = cupy.cuda.nvrtc.getVersion()
     return int(major), int(minor)
 
@@ -58,8 +63,7 @@ def cuda_unavailable_reason() -> str | None:
 
 @functools.cache
 def _raw_module(file: str) -> Any:
-    cupy = cupy_module()
-    assert cupy is not None  # the backend is created only where cuda_unavailable_reason() is None
+    cupy = _cupy()
     started = time.perf_counter()
     module = cupy.RawModule(code=kernel_source(file), options=nvrtc_options())
     module.compile()  # now, not inside the first launch (which may be under CUDA-graph capture)
@@ -68,7 +72,7 @@ def _raw_module(file: str) -> Any:
 
 
 def _gpu_shape() -> LaunchShape:
-    cupy = cupy_module()
+    cupy = _cupy()
     sms = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
     return LaunchShape(
         plan_offsets_block=1024,

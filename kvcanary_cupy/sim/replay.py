@@ -277,12 +277,12 @@ def replay_case(case: ReplayCase, backend: str = "host") -> ReplayOutcome:
                                     check_verify_expected_token=bool(m["check_verify_expected_token"]),
                                     backend=backend, on_invalid="flag" if backend == "numpy" else None)
     else:
-        plan = WritePlan.from_tensors(write_offsets=a["write_offsets"].copy(),
-                                      write_seed_slot_indices=a["write_seeds"].copy(),
-                                      write_num_valid_reqs=a["write_num_valid_reqs"].copy())
+        write_plan = WritePlan.from_tensors(write_offsets=a["write_offsets"].copy(),
+                                            write_seed_slot_indices=a["write_seeds"].copy(),
+                                            write_num_valid_reqs=a["write_num_valid_reqs"].copy())
         assert_inputs = bool(m["enable_write_input_assert"])
         launch_canary_write_kernel(
-            context=ctx, plan=plan, input_ids=a["input_ids"], positions=a["positions"],
+            context=ctx, plan=write_plan, input_ids=a["input_ids"], positions=a["positions"],
             out_cache_loc=a["out_cache_loc"], enable_write_input_assert=assert_inputs,
             expected_input_tokens=a["expected_input_tokens"] if assert_inputs else None,
             expected_input_positions=a["expected_input_positions"] if assert_inputs else None,

@@ -280,7 +280,7 @@ def build_report(sim: Simulation) -> dict[str, Any]:
 def _status_names(bits: int) -> list[str]:
     from ..constants import CanaryStatus
 
-    return [m.name for m in CanaryStatus if bits & m.value]
+    return [str(m.name) for m in CanaryStatus if bits & m.value]
 
 
 def deterministic_view(report: dict[str, Any]) -> dict[str, Any]:
@@ -297,7 +297,7 @@ DEFAULT_WIDTH = 80
 
 
 def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for k in report["kinds"]:
         lat = k["latency_steps"]
         latency = "-" if lat is None else f"{lat['min']} / {lat['median']:g} / {lat['max']}"
@@ -391,11 +391,11 @@ def render_text(report: dict[str, Any], width: int = DEFAULT_WIDTH) -> str:
                 break
             widths[i] -= 1
         fmt = "  ".join(f"{{:>{w}}}" if i in _NUMERIC else f"{{:<{w}}}" for i, w in enumerate(widths))
-        for line in _wrap_cells(HEADERS, widths):
-            out.append(fmt.format(*line).rstrip())
+        for cells in _wrap_cells(HEADERS, widths):
+            out.append(fmt.format(*cells).rstrip())
         out.append("  ".join("-" * w for w in widths))
         for row in rows:
-            out.extend(fmt.format(*line).rstrip() for line in _wrap_cells(row, widths))
+            out.extend(fmt.format(*cells).rstrip() for cells in _wrap_cells(row, widths))
         out.append("")
     else:
         out.append("(clean run: no fault injected)")

@@ -374,6 +374,7 @@ class Simulation:
                     expected_input_tokens=want_ids, expected_input_positions=want_pos)
         if self.recorder is not None:
             self.recorder.write(batch.step, group, ep, args)
+        assert ep.write_ctx is not None  # HEAD and TAIL endpoints write; only SWEEP ones have no writer
         with self.timer("write"):
             launch_canary_write_kernel(context=ep.write_ctx, plan=group.write_plan, backend=self.backend, **args)
 
