@@ -308,7 +308,7 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
 
 def headline(report: dict[str, Any]) -> str:
     c = report["config"]
-    return (f"kv-canary simulation: preset {c['preset']}, {report['workload']['steps_run']} steps, "
+    return (f"kv-canary: preset {c['preset']}, {report['workload']['steps_run']} steps, "
             f"{c['requests']} requests, seed {c['seed']}, backend {report['cost']['backend']}")
 
 
@@ -317,7 +317,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     ms = cost["ms_per_step"]
     phases = " + ".join(f"{phase} {ms[phase]:.2f}" for phase in ("plan", "verify", "write", "scatter", "sweep", "read"))
     lines = [
-        f"false positives: {v['false_positives']} (of {v['total']} violations read, {v['explained']} explained by "
+        f"false positives: {v['false_positives']} ({v['total']} violations read, {v['explained']} explained by "
         f"injected faults" + (f", {v['dropped']} dropped by a full ring" if v["dropped"] else "") + ")",
         f"workload: {w['requests_finished']}/{w['requests_admitted']} requests finished, {w['prefill_tokens']} "
         f"prefill + {w['decode_tokens']} decode tokens, {w['prefix_tokens_reused']} prefix tokens reused, "
