@@ -27,17 +27,18 @@ _SKIP = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    pytest.importorskip("setuptools")
     src = tmp_path_factory.mktemp("src") / "kvcanary-cupy"
     shutil.copytree(ROOT, src, ignore=_SKIP)
     out = src / "dist"
-    code = ("import sys; from setuptools import build_meta as b\n"
-            "print(b.build_sdist(sys.argv[1])); print(b.build_wheel(sys.argv[1]))")
-    done = subprocess.run([sys.executable, "-c", code, str(out)], cwd=src, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    sdist, wheel = done.stdout.split()[-2:]
-    return {"src": src, "sdist": out / sdist, "wheel": out / wheel}
+    built: dict[str, Path] = {"src": src}
+    for kind in ("sdist", "wheel"):  # one process each: setuptools keeps state between the two hooks
+        code = f"import sys; from setuptools import build_meta as b; print('BUILT=' + b.build_{kind}(sys.argv[1]))"
+        done = subprocess.run([sys.executable, "-c", code, str(out)], cwd=src, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        built[kind] = out / re.search(r"^BUILT=(\S+)$", done.stdout, re.M).group(1)
+        assert built[kind].is_file(), built[kind]
+    return built
 
 
 def _package_files_on_disk() -> set[str]:
