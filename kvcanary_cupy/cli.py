@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .backends import BACKEND_NAMES
     from .sim.runner import PRESETS
 
-    parser = _Parser(prog=PROG, description="KV-cache canary: simulate a serving engine with injected faults, "
+    parser = _Parser(prog=PROG, description="KV-cache canary: simulate a serving engine with injected faults,\n"
                      "replay a dumped failing launch on the CPU, or show what this machine offers.",
                      epilog=f"run '{PROG} COMMAND --help' for the options and examples of a command",
                      formatter_class=argparse.RawDescriptionHelpFormatter)
