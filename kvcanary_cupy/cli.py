@@ -196,11 +196,6 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from .sim.report import ProgressDisplay, print_report, write_html, write_json
     from .sim.runner import SimConfig, Simulation, applicable_kinds
 
-    json_to_stdout = args.json == "-"
-    for path, option in ((args.json, "--json"), (args.html, "--html")):
-        if path and not (json_to_stdout and option == "--json"):
-            _writable(path, option)
-
     try:
         inject = parse_inject(args.inject, applicable_kinds(args.preset))
         cfg = SimConfig(preset=args.preset, steps=args.steps, requests=args.requests, seed=args.seed,
@@ -211,6 +206,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         sim = Simulation(cfg)
     except (ValueError, OSError) as exc:
         raise BadArguments(str(exc)) from None
+    json_to_stdout = args.json == "-"
+    for path, option in ((None if json_to_stdout else args.json, "--json"), (args.html, "--html")):
+        if path:
+            _writable(path, option)
     with ProgressDisplay(cfg.steps, enabled=not args.quiet) as progress:
         report = sim.run(progress)
     # With --json -, standard output carries the JSON alone; everything for people goes to standard error.
