@@ -30,7 +30,7 @@ from .config import DisaggConfig
 from .faults import TRANSFER_KINDS, TransferKind, differing_positions, kind_of
 from .prefill import buffers_of, kv_rows, max_prefill_steps, workload_of
 from .sides import SideSimulation
-from .wire import OP_STOP, Channel, Transfer
+from .wire import OP_STOP, Channel, PeerLost, Transfer, describe
 
 TRANSFER_VERIFY = "transfer verify"
 
@@ -309,19 +309,27 @@ class DecodeSide:
         t = 0
         while True:
             start, landing = time.perf_counter(), self.figures["land_s"]
-            op, step, count = channel.recv_tick()
-            if op == OP_STOP:
-                break
-            incoming, placed = [], []
-            for _ in range(count):
-                transfer = channel.recv_transfer()
-                req, ok = self._land(transfer, t)  # before the next receive reuses the buffers
-                incoming.append(req)
-                placed.append(ok)
+            try:
+                op, step, count = channel.recv_tick()
+                if op == OP_STOP:
+                    break
+                incoming, placed = [], []
+                for _ in range(count):
+                    transfer = channel.recv_transfer()
+                    req, ok = self._land(transfer, t)  # before the next receive reuses the buffers
+                    incoming.append(req)
+                    placed.append(ok)
+            except RuntimeError as exc:
+                raise PeerLost(f"decode worker {self.worker} lost the prefill process at step {t}: "
+                               f"{describe(exc)}") from None
             self.figures["recv_s"] += time.perf_counter() - start - (self.figures["land_s"] - landing)
             if incoming:
                 self._transfer_verify(t, incoming)
-            channel.send_ack(step, placed)
+            try:
+                channel.send_ack(step, placed)
+            except RuntimeError as exc:
+                raise PeerLost(f"decode worker {self.worker} lost the prefill process at step {t}: "
+                               f"{describe(exc)}") from None
             self._drill(t)
             sim._step(t)
             self._note_caught()

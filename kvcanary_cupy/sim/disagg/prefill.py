@@ -30,7 +30,7 @@ from .faults import (
     swap_pages,
 )
 from .sides import SideSimulation
-from .wire import OP_STOP, OP_TICK, Channel, Transfer
+from .wire import OP_STOP, OP_TICK, Channel, PeerLost, Transfer, describe
 
 
 class PrefillEngine(Engine):
@@ -166,14 +166,18 @@ class PrefillSide:
             self.sent += 1
         for worker, items in outgoing.items():
             start = time.perf_counter()
-            self.channel.send_tick(worker, op, step, len(items))
+            try:
+                self.channel.send_tick(worker, op, step, len(items))
+                for transfer, _ in items:
+                    self.channel.send_transfer(worker, transfer)
+                placed = self.channel.recv_ack(worker, step, len(items))
+            except RuntimeError as exc:
+                raise PeerLost(f"lost decode worker {worker} at prefill step {step}: {describe(exc)}") from None
+            self.figures["send_s"] += time.perf_counter() - start
             for transfer, _ in items:
-                self.channel.send_transfer(worker, transfer)
                 self.figures["requests"] += 1
                 self.figures["kv_bytes"] += transfer.kv.nbytes
                 self.figures["canary_bytes"] += transfer.records.nbytes
-            placed = self.channel.recv_ack(worker, step, len(items))
-            self.figures["send_s"] += time.perf_counter() - start
             for (transfer, kind), ok in zip(items, placed, strict=True):
                 if kind is not None and TRANSFER_KINDS[kind].side == "receiver" and not ok:
                     self.schedule.retry(kind)
@@ -194,7 +198,10 @@ class PrefillSide:
             raise RuntimeError(f"prefill: {total - self.sent} of {total} requests were not prefilled within "
                                f"{self.max_steps} steps")
         for worker in range(1, self.cfg.decode_workers + 1):
-            self.channel.send_tick(worker, OP_STOP, t, 0)
+            try:
+                self.channel.send_tick(worker, OP_STOP, t, 0)
+            except RuntimeError as exc:
+                raise PeerLost(f"lost decode worker {worker} at the end of the run: {describe(exc)}") from None
         sim.finish(t - 1)
         result = sim.result()
         result["transfer"] = dict(self.figures)

@@ -57,11 +57,15 @@ def _worker(rank: int, world: int, port: int, cfg_dict: dict[str, Any], inherite
         from ..runner import resolve_backend
 
         backend, _, _ = resolve_backend(cfg.backend)
-        on_gpu = backend == "cuda" and torch.cuda.is_available()
+        # NCCL wants one GPU per rank; with fewer GPUs the pages go through gloo (host memory).
+        on_gpu = backend == "cuda" and torch.cuda.is_available() and torch.cuda.device_count() >= world
+        if on_gpu:
+            import cupy
+
+            torch.cuda.set_device(rank)
+            cupy.cuda.Device(rank).use()
         dist.init_process_group("nccl" if on_gpu else "gloo", store=store, rank=rank, world_size=world,
                                 timeout=limit)
-        if on_gpu:
-            torch.cuda.set_device(torch.device("cuda", 0))
         result = _run_role(cfg, rank, torch, "cuda" if on_gpu else "cpu")
         store.set(f"result/{rank}", json.dumps(result))
         dist.destroy_process_group()

@@ -119,3 +119,15 @@ class Channel:
 
 def timeout(seconds: float) -> timedelta:
     return timedelta(seconds=seconds)
+
+
+def describe(exc: BaseException) -> str:
+    """The first sentence of a torch.distributed error, without gloo's source location."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". ")[0].rstrip(".")
+
+
+class PeerLost(RuntimeError):
+    """A send or receive failed: the peer died, hung past the timeout, or broke the protocol."""
