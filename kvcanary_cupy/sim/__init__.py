@@ -11,7 +11,8 @@
 Modules: :mod:`.engine` (pool, allocator, req_to_token, prefix cache, requests, batches, real KV, SWA, EAGLE
 draft, expected-token pool), :mod:`.faults` (one injector per fault kind, attribution), :mod:`.runner` (the
 step loop and the canary wiring), :mod:`.report` (JSON schema, terminal table, HTML) and :mod:`.replay`
-(dumping a failing launch and running it again on another backend).
+(dumping a failing launch and running it again on another backend). :mod:`.disagg` runs prefill and decode in
+separate processes and checks the KV transfers between them (``kvcanary simulate --disaggregated``).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ _KINDS = (
 TRANSFER_KINDS: dict[str, TransferKind] = {k.name: k for k in _KINDS}
 KIND_INDEX = {name: i for i, name in enumerate(TRANSFER_KINDS)}
 NO_FAULT = -1
-DEFAULT_TRANSFER_RATE = 0.1  # probability that one transfer carries the kind
+DEFAULT_TRANSFER_RATE = 0.03  # probability that one transfer carries the kind
 
 
 def kind_of(index: int) -> TransferKind | None:
