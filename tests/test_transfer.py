@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transfer_cases import TransferCase, transfer_cases
 from transfer_oracle import gather_records_oracle, scatter_records_oracle
 
 import kvcanary_cupy as kc
@@ -29,35 +30,10 @@ from kvcanary_cupy.transfer import prepare_record_transfer
 SCALE = float(os.environ.get("KVCANARY_DIFFERENTIAL_SCALE", "1"))
 needs_host = pytest.mark.skipif(unavailable_reason("host") is not None,
                                 reason=f"host backend: {unavailable_reason('host')}")
-HOSTILE_SLOTS = (-1, -(1 << 40), -(1 << 63))
 
 
 def examples(n: int) -> int:
     return max(5, int(n * SCALE))
-
-
-@dataclass(frozen=True)
-class TransferCase:
-    canary: np.ndarray  # uint8 [num_slots, stride]
-    slots: np.ndarray  # int64 [n]
-    records: np.ndarray  # int64 [n, 4] (scatter input; gather output starts as a copy)
-
-
-@st.composite
-def transfer_cases(draw: st.DrawFn, *, hostile: bool, distinct: bool) -> TransferCase:
-    """Random slot maps over a random canary buffer (strides 32..64); ``hostile`` mixes in slots outside it."""
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    num_slots = draw(st.integers(1, 80))
-    stride = draw(st.sampled_from([32, 40, 64]))
-    n = draw(st.integers(0, min(num_slots, 40) if distinct else 60))
-    slots = rng.permutation(num_slots)[:n] if distinct else rng.integers(0, num_slots, size=n)
-    slots = slots.astype(np.int64)
-    if hostile and n:
-        for i in np.flatnonzero(rng.random(n) < 0.3):
-            slots[i] = draw(st.sampled_from([num_slots, num_slots + 7, (1 << 63) - 1, *HOSTILE_SLOTS]))
-    canary = rng.integers(0, 256, size=(num_slots, stride), dtype=np.uint8)
-    records = rng.integers(-(1 << 63), (1 << 63) - 1, size=(n, 4), dtype=np.int64, endpoint=True)
-    return TransferCase(canary, slots, records)
 
 
 def gather(backend, case: TransferCase) -> tuple[np.ndarray, int]:
