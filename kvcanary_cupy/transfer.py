@@ -32,7 +32,7 @@ from .backends import resolve_backend
 from .constants import CANARY_FIELDS_PER_SLOT, CANARY_SLOT_BYTES
 from .context import VerifyOrWriteContext
 from .dlpack import Device, device_scope, stream_scope
-from .plan import VerifyPlan, WritePlan, _allocate, launch_canary_plan_kernels
+from .plan import OnInvalid, VerifyPlan, WritePlan, _allocate, launch_canary_plan_kernels
 from .verify import launch_canary_verify_kernel
 
 RECORD_BYTES = CANARY_SLOT_BYTES  # one record on the wire: 4 little-endian int64 fields
@@ -147,7 +147,7 @@ class ReceivedPrefixVerifier:
                req_to_verify_expected_tokens_valid_lens: Any | None = None,
                kv_token_id_vs_position_offset: int = 0, swa_window_size: int = 0,
                full_to_swa_index_mapping: Any | None = None, backend: str = "auto",
-               on_invalid: str | None = None) -> None:
+               on_invalid: OnInvalid | None = None) -> None:
         """Verify positions ``[0, received_lens[r])`` of every request row ``req_pool_indices[r]``.
 
         Arguments as for :func:`~kvcanary_cupy.launch_canary_plan_kernels` (``received_lens`` takes the place

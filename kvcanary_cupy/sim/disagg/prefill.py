@@ -11,7 +11,7 @@ faults are applied to the outgoing payload here.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -21,7 +21,6 @@ from ..runner import PRESETS
 from .config import DisaggConfig
 from .faults import (
     KIND_INDEX,
-    NO_FAULT,
     TRANSFER_KINDS,
     FaultSchedule,
     differing_positions,
@@ -95,6 +94,7 @@ class PrefillSide:
         self.max_steps = max_prefill_steps(cfg)
         self.sim = SideSimulation(cfg.side_config(), self.workload, engine_cfg, PrefillEngine,
                                   max_steps=self.max_steps)
+        self.engine = cast(PrefillEngine, self.sim.engine)
         self.buffers = buffers_of(self.sim)
         self.schedule = FaultSchedule(cfg.inject, cfg.warmup_steps, np.random.default_rng([cfg.seed, 7]))
         self.rng = np.random.default_rng([cfg.seed, 8])
@@ -179,20 +179,19 @@ class PrefillSide:
                 self.figures["kv_bytes"] += transfer.kv.nbytes
                 self.figures["canary_bytes"] += transfer.records.nbytes
             for (transfer, kind), ok in zip(items, placed, strict=True):
-                if kind is not None and TRANSFER_KINDS[kind].side == "receiver" and not ok:
+                if kind is not None and not ok:  # only a receiver-side fault can fail to be placed there
                     self.schedule.retry(kind)
-                self.log.append({"step": step, "request": transfer.rid, "worker": worker,
-                                 "fault": kind if transfer.fault != NO_FAULT and (ok or TRANSFER_KINDS[kind].side
-                                                                                   == "sender") else None})
+                    kind = None
+                self.log.append({"step": step, "request": transfer.rid, "worker": worker, "fault": kind})
 
     def run(self) -> dict[str, Any]:
-        sim = self.sim
+        sim, engine = self.sim, self.engine
         total = len(self.workload)
         t = 0
         while t < self.max_steps and (t < self.cfg.steps or self.sent < total):
-            sim.engine.finished = []
+            engine.finished = []
             sim._step(t)
-            self._tick(t, sim.engine.finished)
+            self._tick(t, engine.finished)
             t += 1
         if self.sent < total:
             raise RuntimeError(f"prefill: {total - self.sent} of {total} requests were not prefilled within "
