@@ -28,6 +28,7 @@ from .constants import (
     RealKvHashMode,
 )
 from .context import RealKvSource, VerifyOrWriteContext
+from .layouts import BlockTable, PageList, SlotLayout, TokenTable
 from .plan import VerifyPlan, WritePlan, launch_canary_plan_kernels
 from .scatter import launch_scatter_req_token_ids
 from .transfer import ReceivedPrefixVerifier, gather_canary_records, scatter_canary_records
@@ -41,15 +42,19 @@ __all__ = [
     "CANARY_CHAIN_ANCHOR",
     "CANARY_SLOT_BYTES",
     "MAX_REAL_KV_SOURCES",
+    "BlockTable",
     "BoundLaunch",
     "CanaryArgumentError",
     "CanaryLaunchTag",
     "CanaryStatus",
     "FailReason",
+    "PageList",
     "PlanStatus",
     "RealKvHashMode",
     "RealKvSource",
     "ReceivedPrefixVerifier",
+    "SlotLayout",
+    "TokenTable",
     "VerifyOrWriteContext",
     "VerifyPlan",
     "Violation",

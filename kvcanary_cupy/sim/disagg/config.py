@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..runner import PRESETS, SimConfig
+from ..config import PRESETS, SimConfig
 from .faults import TRANSFER_KINDS
 
 DEFAULT_PRESET = "decode"

@@ -24,8 +24,9 @@ from ...context import VerifyOrWriteContext
 from ...scatter import launch_scatter_req_token_ids
 from ...transfer import ReceivedPrefixVerifier, scatter_canary_records
 from ...violations import read_violations, to_host
-from ..engine import Request, size_engine
-from ..runner import PRESETS
+from ..config import PRESETS
+from ..engine import size_engine
+from ..requests import Request
 from .config import DisaggConfig
 from .faults import TRANSFER_KINDS, TransferKind, differing_positions, kind_of
 from .prefill import buffers_of, kv_rows, max_prefill_steps, workload_of
@@ -55,7 +56,7 @@ class DecodeSide:
         self.rng = np.random.default_rng([cfg.seed, 100 + worker])
         xp = sim.xp
         self.state = VerifyOrWriteContext.allocate(num_slots=1, ring_capacity=cfg.ring_capacity, device=sim.device)
-        group = sim.target_groups[0]
+        group = sim.runtime.groups["FULL"]
         self.contexts = []
         for head, tail in zip(group.endpoints["HEAD"], group.endpoints["TAIL"], strict=True):
             for ep in (head, tail):  # the order of prefill.buffers_of
@@ -229,15 +230,16 @@ class DecodeSide:
         offsets = np.zeros(len(incoming) + 1, np.int64)
         np.cumsum([p.shape[0] for p in parts], out=offsets[1:])
         start = time.perf_counter()
+        pool = sim.runtime.expected_token_pool  # the runtime's; its next prepare() rescatters the same rows
         launch_scatter_req_token_ids(flat_in=xp.asarray(np.concatenate(parts)), offsets=xp.asarray(offsets),
                                      req_pool_indices=xp.asarray(np.array([r.rp for r in incoming], np.int64)),
-                                     pool_out=eng.expected_pool, status=self.state.status, backend=sim.backend)
+                                     pool_out=pool, status=self.state.status, backend=sim.backend)
         rpi = xp.asarray(np.array([r.rp for r in reqs], np.int64))
         lens = xp.asarray(np.array([r.computed for r in reqs], np.int64))
         valid = xp.asarray(np.array([r.num_tokens for r in reqs], np.int64))
         for ctx in self.contexts:
             self.verifier.verify(context=ctx, req_pool_indices=rpi, received_lens=lens, req_to_token=eng.req_to_token,
-                                 req_to_verify_expected_tokens=eng.expected_pool,
+                                 req_to_verify_expected_tokens=pool,
                                  req_to_verify_expected_tokens_valid_lens=valid, backend=sim.backend)
             if int(to_host(self.verifier.plan.enable)[0]) != 1:
                 raise RuntimeError(f"decode worker {self.worker}: the transfer verify plan overflowed its capacity")

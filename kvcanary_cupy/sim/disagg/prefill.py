@@ -16,8 +16,10 @@ from typing import Any, cast
 import numpy as np
 
 from ...transfer import gather_canary_records
-from ..engine import Engine, Request, RequestSpec, make_workload, size_engine
-from ..runner import PRESETS
+from ..config import PRESETS
+from ..engine import Engine, size_engine
+from ..requests import Request
+from ..workload import RequestSpec, make_workload
 from .config import DisaggConfig
 from .faults import (
     KIND_INDEX,
@@ -62,7 +64,7 @@ def wire_sizes(cfg: DisaggConfig) -> dict[str, int]:
 
 def buffers_of(sim: SideSimulation) -> list[Any]:
     """The canary buffers whose records travel, in a fixed order: per K/V endpoint, HEAD then TAIL."""
-    group = sim.target_groups[0]
+    group = sim.runtime.groups["FULL"]
     out = []
     for head, tail in zip(group.endpoints["HEAD"], group.endpoints["TAIL"], strict=True):
         out += [head.verify_ctx.canary_buf, tail.verify_ctx.canary_buf]

@@ -54,7 +54,7 @@ def _worker(rank: int, world: int, port: int, cfg_dict: dict[str, Any], inherite
     limit = timeout(cfg.transfer_timeout_s)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=limit)
     try:
-        from ..runner import resolve_backend
+        from ..config import resolve_backend
 
         backend, _, _ = resolve_backend(cfg.backend)
         # NCCL wants one GPU per rank; with fewer GPUs the pages go through gloo (host memory).

@@ -13,7 +13,8 @@ false positives, costs and timelines summed over the processes), and in addition
   ``prefill`` {``requests``, ``kv_bytes``, ``canary_bytes``, ``gather_ms``, ``send_ms``} and ``workers``: per
   decode worker ``worker``, ``requests``, ``pages``, ``kv_bytes``, ``canary_bytes``, ``canary_share`` (canary
   bytes / KV bytes), ``accepted``, ``rejected`` (new requests), ``rejected_residents``, ``verify_entries``,
-  ``recv_ms``, ``land_ms``, ``verify_ms``, ``finished`` (requests decoded to the end), ``violations``.
+  ``recv_ms``, ``land_ms``, ``verify_ms``, ``finished`` (requests decoded to the end), ``violations``;
+  ``health_problems``: what the runtimes' health checks reported (per process).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _schema() -> dict[str, Any]:
         "decode_workers": base._INT, "transfer_timeout_s": base._NUM, "startup_s": base._NUM,
         "prefill": base._obj({k: base._NUM for k in ("requests", "kv_bytes", "canary_bytes", "gather_ms",
                                                       "send_ms")}),
-        "workers": {"type": "array", "items": figures},
+        "workers": {"type": "array", "items": figures}, "health_problems": base._STR_LIST,
     })
     schema["required"].append("disaggregated")
     return schema
@@ -159,8 +160,10 @@ def merge(cfg: DisaggConfig, results: dict[int, dict[str, Any]], wall_s: float) 
             "land_ms": round(1000 * t["land_s"], 3), "verify_ms": round(1000 * t["verify_s"], 3),
             "finished": r["workload"]["requests_finished"], "violations": r["violations"]["total"],
         })
+    health = [f"{'prefill' if rank == 0 else f'decode {rank}'}: {problem}" for rank in sorted(results)
+              for problem in results[rank]["health_problems"]]
     passed = (all(k["status"] == "detected" for k in kinds) and violations["false_positives"] == 0
-              and not violations["status"] and violations["dropped"] == 0)
+              and not violations["status"] and violations["dropped"] == 0 and not health)
     return {
         "schema": SCHEMA_ID, "passed": passed, "exit_code": 0 if passed else 1,
         "config": {**cfg.as_dict(), "engine": {"prefill": prefill["config"]["engine"],
@@ -173,6 +176,7 @@ def merge(cfg: DisaggConfig, results: dict[int, dict[str, Any]], wall_s: float) 
             "prefill": {"requests": pt["requests"], "kv_bytes": pt["kv_bytes"], "canary_bytes": pt["canary_bytes"],
                         "gather_ms": round(1000 * pt["gather_s"], 3), "send_ms": round(1000 * pt["send_s"], 3)},
             "workers": figures,
+            "health_problems": health,
         },
     }
 
@@ -212,10 +216,14 @@ def transfer_lines(report: dict[str, Any]) -> list[str]:
 
 def verdict(report: dict[str, Any]) -> str:
     text = base.verdict(report)
+    problems = []
     late = [k["kind"] for k in report["kinds"] if k["status"] == "late"]
     if late:
-        text = ("FAIL: " if text.startswith("PASS") else text + "; ") + "caught only after the first decode step: " \
-            + ", ".join(late)
+        problems.append("caught only after the first decode step: " + ", ".join(late))
+    if report["disaggregated"]["health_problems"]:
+        problems.append("canary health: " + "; ".join(report["disaggregated"]["health_problems"]))
+    if problems:
+        text = ("FAIL: " if text.startswith("PASS") else text + "; ") + "; ".join(problems)
     return text.replace("PASS: every injected fault kind was detected",
                         "PASS: every injected transfer fault was caught before its request's first decode step")
 
