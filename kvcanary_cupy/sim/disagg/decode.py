@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,18 @@ from .sides import SideSimulation
 from .wire import OP_STOP, Channel, PeerLost, Transfer, describe
 
 TRANSFER_VERIFY = "transfer verify"
+
+
+@dataclass
+class Placement:
+    """How a receiver-side fault damages one landing: which positions' KV and records land, and the fault."""
+
+    kv_land: np.ndarray  # bool [tokens]
+    rec_land: np.ndarray  # bool [tokens]
+    position: int
+    slot: int
+    detail: str
+    taint: list[int]  # receiver slots whose violations the fault explains
 
 
 class DecodeSide:
@@ -103,9 +116,72 @@ class DecodeSide:
                 return p, victim, q, slot
         return None
 
+    def _place(self, kind: TransferKind, transfer: Transfer, req: Request, slots: np.ndarray) -> Placement | None:
+        """Decide how a receiver-side fault damages this landing (``slots`` may be changed in place); None when
+        it would change nothing here."""
+        eng, n, page = self.engine, transfer.tokens, self.engine.cfg.page_size
+        pages = -(-n // page)
+        placement = Placement(np.ones(n, bool), np.ones(n, bool), 0, 0, "", [])
+        if kind.name == "slot-owned":
+            pick = self._pick_owned(transfer, n)
+            if pick is None:
+                return None
+            p, victim, q, vslot = pick
+            eng.alloc.share(vslot)
+            eng._release([int(slots[p])])
+            slots[p] = vslot
+            successor = [int(victim.slots[q + 1])] if q + 1 < victim.assigned else []
+            placement.position, placement.slot, placement.taint = p, vslot, [vslot, *successor]
+            placement.detail = (f"position {p} of request {req.rid} landed on slot {vslot}, still held by request "
+                                f"{victim.rid} (position {q})")
+        elif kind.name == "page-drop":
+            k = int(self.rng.integers(pages))
+            span = np.arange(k * page, min(n, (k + 1) * page))
+            changed = span[differing_positions(self._kv_of(slots[span]), transfer.kv[span])]
+            if changed.shape[0] == 0:
+                return None
+            placement.kv_land[span] = False
+            placement.position, placement.slot = int(span[0]), int(slots[span[0]])
+            placement.taint = [int(slots[p]) for p in changed]
+            placement.detail = f"KV page {k} (positions {span[0]}..{span[-1]}) of request {req.rid} never landed"
+        else:  # short-transfer
+            if pages < 2:
+                return None
+            m = int(self.rng.integers(1, pages))
+            tail = np.arange(m * page, n)
+            changed = tail[np.union1d(differing_positions(self._kv_of(slots[tail]), transfer.kv[tail]),
+                                      differing_positions(self._old_records(slots[tail]), transfer.records[:, tail],
+                                                          axis=1))]
+            if changed.shape[0] == 0:
+                return None
+            placement.kv_land[tail] = False
+            placement.rec_land[tail] = False
+            placement.position, placement.slot = int(tail[0]), int(slots[tail[0]])
+            placement.taint = [int(slots[p]) for p in changed]
+            placement.detail = (f"transfer of request {req.rid} ended after {m} of {pages} pages ({tail[0]} of {n} "
+                                "positions)")
+        return placement
+
+    def _write(self, transfer: Transfer, slots: np.ndarray, kv_land: np.ndarray, rec_land: np.ndarray) -> None:
+        """The KV rows into this worker's paged KV, the records into its canary buffers (what landed)."""
+        xp, store = self.sim.xp, self.engine.kv["FULL"]
+        words = self.engine.cfg.kv_words_per_token
+        index = np.flatnonzero(kv_land)
+        dest = xp.asarray(slots[index])
+        page_of, row_of = dest // store.page_size, dest % store.page_size
+        segments = [t for kind in ("K", "V") for t in store.tensors[kind]]  # the order of prefill.kv_rows
+        for s, tensor in enumerate(segments):
+            tensor[page_of, row_of] = xp.asarray(transfer.kv[index, s * words:(s + 1) * words].view(np.uint64))
+        index = np.flatnonzero(rec_land)
+        dest = xp.asarray(slots[index])
+        for b, buf in enumerate(self.buffers):
+            scatter_canary_records(records=xp.asarray(np.ascontiguousarray(transfer.records[b, index])), slots=dest,
+                                   canary_buf=buf, backend=self.sim.backend)
+
     def _land(self, transfer: Transfer, step: int) -> tuple[Request, bool]:
-        """Admit the request, write its KV and records into this worker's pool; place a receiver-side fault."""
-        eng, sim, xp = self.engine, self.sim, self.sim.xp
+        """Admit the request, write its KV and records into this worker's pool, placing a receiver-side fault.
+        Returns the request and whether the fault the header asked for could be placed."""
+        eng = self.engine
         spec = self.specs[transfer.rid]
         n = spec.prompt_len
         if transfer.tokens != n:
@@ -120,83 +196,26 @@ class DecodeSide:
         req.admitted_step = step
         slots = eng._alloc(n)
         kind = kind_of(transfer.fault)
-        placed = True
-        page = eng.cfg.page_size
-        kv_land = np.ones(n, bool)
-        rec_land = np.ones(n, bool)
-        pending: tuple[TransferKind, int, int, str, list[int]] | None = None
-        if kind is not None and kind.name == "slot-owned":
-            pick = self._pick_owned(transfer, n)
-            if pick is None:
-                placed = False
-            else:
-                p, victim, q, vslot = pick
-                eng.alloc.share(vslot)
-                eng._release([int(slots[p])])
-                slots[p] = vslot
-                successor = [int(victim.slots[q + 1])] if q + 1 < victim.assigned else []
-                pending = (kind, p, vslot, f"position {p} of request {spec.rid} landed on slot {vslot}, still held by "
-                           f"request {victim.rid} (position {q})", [vslot, *successor])
-        elif kind is not None and kind.name == "page-drop":
-            pages = -(-n // page)
-            k = int(self.rng.integers(pages))
-            span = np.arange(k * page, min(n, (k + 1) * page))
-            changed = span[differing_positions(self._kv_of(slots[span]), transfer.kv[span])]
-            if changed.shape[0] == 0:
-                placed = False
-            else:
-                kv_land[span] = False
-                pending = (kind, int(span[0]), int(slots[span[0]]), f"KV page {k} (positions {span[0]}..{span[-1]}) of "
-                           f"request {spec.rid} never landed", [int(slots[p]) for p in changed])
-        elif kind is not None and kind.name == "short-transfer":
-            pages = -(-n // page)
-            if pages < 2:
-                placed = False
-            else:
-                m = int(self.rng.integers(1, pages))
-                tail = np.arange(m * page, n)
-                old_kv, old_rec = self._kv_of(slots[tail]), self._old_records(slots[tail])
-                changed = np.union1d(differing_positions(old_kv, transfer.kv[tail]),
-                                     differing_positions(old_rec, transfer.records[:, tail], axis=1))
-                if changed.shape[0] == 0:
-                    placed = False
-                else:
-                    kv_land[tail] = False
-                    rec_land[tail] = False
-                    detail = (f"transfer of request {spec.rid} ended after {m} of {pages} pages ({tail[0]} of {n} "
-                              "positions)")
-                    pending = (kind, int(tail[0]), int(slots[tail[0]]), detail, [int(slots[p]) for p in tail[changed]])
+        placement = None
+        if kind is not None and kind.side == "receiver":
+            placement = self._place(kind, transfer, req, slots)
         eng._assign(req, 0, slots)
         req.computed = n
         req.num_tokens = min(n + 1, spec.total_len)  # the first token was sampled by the prefill side
         eng.flush()
-
         start = time.perf_counter()
-        store = eng.kv["FULL"]
-        words = eng.cfg.kv_words_per_token
-        index = np.flatnonzero(kv_land)
-        dest = xp.asarray(slots[index])
-        page_of, row_of = dest // store.page_size, dest % store.page_size
-        segments = [t for kind_name in ("K", "V") for t in store.tensors[kind_name]]
-        for s, tensor in enumerate(segments):
-            tensor[page_of, row_of] = xp.asarray(transfer.kv[index, s * words:(s + 1) * words].view(np.uint64))
-        index = np.flatnonzero(rec_land)
-        dest = xp.asarray(slots[index])
-        for b, buf in enumerate(self.buffers):
-            scatter_canary_records(records=xp.asarray(np.ascontiguousarray(transfer.records[b, index])), slots=dest,
-                                   canary_buf=buf, backend=sim.backend)
+        land = placement or Placement(np.ones(n, bool), np.ones(n, bool), 0, 0, "", [])
+        self._write(transfer, slots, land.kv_land, land.rec_land)
         self.figures["land_s"] += time.perf_counter() - start
-
-        if pending is not None:
-            fkind, position, slot, detail, taint = pending
-            self._new_fault(fkind, step, req, position, slot, detail, taint)
+        if kind is not None and placement is not None:
+            self._new_fault(kind, step, req, placement.position, placement.slot, placement.detail, placement.taint)
         elif kind is not None and kind.side == "sender":
             self._sender_fault(kind, transfer, req, step)
         self.figures["requests"] += 1
-        self.figures["pages"] += -(-n // page)
+        self.figures["pages"] += -(-n // eng.cfg.page_size)
         self.figures["kv_bytes"] += transfer.kv.nbytes
         self.figures["canary_bytes"] += transfer.records.nbytes
-        return req, placed
+        return req, kind is None or kind.side == "sender" or placement is not None
 
     def _sender_fault(self, kind: TransferKind, transfer: Transfer, req: Request, step: int) -> None:
         """Register what the prefill side did to this payload (its header says), in this worker's slots."""
