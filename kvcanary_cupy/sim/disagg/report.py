@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import html
 import json
+import shutil
 import statistics
 import sys
 from collections import Counter
@@ -142,6 +143,7 @@ def merge(cfg: DisaggConfig, results: dict[int, dict[str, Any]], wall_s: float) 
     verify_s = sum(r["timers"]["wall"].get("verify", 0.0) + r["timers"]["wall"].get("sweep", 0.0) for r in everyone)
     cost = {
         "backend": prefill["cost"]["backend"], "device": prefill["cost"]["device"], "wall_s": round(wall_s, 3),
+        "compile_s": max(r["cost"]["compile_s"] for r in everyone),  # the processes compile side by side
         "ms_per_step": {k: round(x, 4) for k, x in ms.items()},
         "canary_ms_per_step": round(sum(x for k, x in ms.items() if k != "engine"), 4),
         "device_ms_per_step": None, **totals,
@@ -162,10 +164,13 @@ def merge(cfg: DisaggConfig, results: dict[int, dict[str, Any]], wall_s: float) 
         })
     health = [f"{'prefill' if rank == 0 else f'decode {rank}'}: {problem}" for rank in sorted(results)
               for problem in results[rank]["health_problems"]]
-    passed = (all(k["status"] == "detected" for k in kinds) and violations["false_positives"] == 0
-              and not violations["status"] and violations["dropped"] == 0 and not health)
+    failed = (any(k["status"] in ("missed", "late") for k in kinds) or violations["false_positives"] > 0
+              or bool(violations["status"]) or violations["dropped"] > 0 or bool(health))
+    outcome = "failed" if failed else "inconclusive" if any(k["status"] == "not injected" for k in kinds) \
+        else "passed"
     return {
-        "schema": SCHEMA_ID, "passed": passed, "exit_code": 0 if passed else 1,
+        "schema": SCHEMA_ID, "passed": outcome == "passed", "outcome": outcome, "exit_code": base.OUTCOMES[outcome],
+        "generated": prefill["generated"],
         "config": {**cfg.as_dict(), "engine": {"prefill": prefill["config"]["engine"],
                                                "decode": workers[0]["config"]["engine"]}},
         "workload": workload, "kinds": kinds, "faults": faults, "violations": violations, "false_positives": fps,
@@ -184,6 +189,7 @@ def merge(cfg: DisaggConfig, results: dict[int, dict[str, Any]], wall_s: float) 
 # ---- rendering ---------------------------------------------------------------------------------------------
 
 HEADERS = (*base.HEADERS, "caught at")
+_STYLES = {**base._STYLES, "late": "bold red"}
 
 
 def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
@@ -196,15 +202,16 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
 
 def headline(report: dict[str, Any]) -> str:
     c = report["config"]
-    return (f"kv-canary disaggregated simulation: preset {c['preset']}, 1 prefill process + {c['decode_workers']} "
-            f"decode worker(s), {c['requests']} requests, seed {c['seed']}, backend {report['cost']['backend']}")
+    return (f"kv-canary disaggregated: preset {c['preset']}, 1 prefill process + {c['decode_workers']} decode "
+            f"worker(s), {c['requests']} requests, seed {c['seed']}, backend {report['cost']['backend']}")
 
 
 def transfer_lines(report: dict[str, Any]) -> list[str]:
     d = report["disaggregated"]
     p = d["prefill"]
     lines = [f"prefill: {p['requests']} requests shipped, {p['kv_bytes']:,} KV bytes + {p['canary_bytes']:,} canary "
-             f"bytes (gather {p['gather_ms']:.1f} ms, send {p['send_ms']:.1f} ms); start-up {d['startup_s']:.1f} s"]
+             f"bytes (gather {p['gather_ms']:.1f} ms, send and acks {p['send_ms']:.1f} ms); start-up "
+             f"{d['startup_s']:.1f} s"]
     for w in d["workers"]:
         lines.append(
             f"decode worker {w['worker']}: {w['requests']} requests, {w['pages']} pages, {w['kv_bytes']:,} KV bytes, "
@@ -215,79 +222,129 @@ def transfer_lines(report: dict[str, Any]) -> list[str]:
 
 
 def verdict(report: dict[str, Any]) -> str:
-    text = base.verdict(report)
+    kinds = report["kinds"]
+    absent = [k["kind"] for k in kinds if k["status"] == "not injected"]
+    if report["outcome"] == "passed":
+        if kinds:
+            return "PASS: every injected transfer fault was caught before its request's first decode step, no false " \
+                "positive"
+        return "PASS: no violation in a clean run"
+    if report["outcome"] == "inconclusive":
+        return (f"INCONCLUSIVE: could not inject {', '.join(absent)} (no target in this workload); every transfer "
+                "fault that was injected was caught before its request's first decode step, no false positive")
     problems = []
-    late = [k["kind"] for k in report["kinds"] if k["status"] == "late"]
-    if late:
-        problems.append("caught only after the first decode step: " + ", ".join(late))
+    for status, wording in (("missed", "missed"), ("late", "caught only after the first decode step:")):
+        names = [k["kind"] for k in kinds if k["status"] == status]
+        if names:
+            problems.append(f"{wording} {', '.join(names)}")
+    v = report["violations"]
+    if v["false_positives"]:
+        problems.append(f"{v['false_positives']} false positive(s)")
+    if v["dropped"]:
+        problems.append(f"{v['dropped']} violation(s) dropped by a full ring")
+    if v["status"]:
+        problems.append(f"kernel status {', '.join(v['status'])}")
     if report["disaggregated"]["health_problems"]:
         problems.append("canary health: " + "; ".join(report["disaggregated"]["health_problems"]))
-    if problems:
-        text = ("FAIL: " if text.startswith("PASS") else text + "; ") + "; ".join(problems)
-    return text.replace("PASS: every injected fault kind was detected",
-                        "PASS: every injected transfer fault was caught before its request's first decode step")
+    if absent:
+        problems.append(f"could not inject {', '.join(absent)}")
+    return "FAIL: " + "; ".join(problems)
 
 
-def render_text(report: dict[str, Any]) -> str:
-    out = [headline(report), ""]
+def _lines(report: dict[str, Any]) -> list[str]:
+    return base.summary_lines(report) + transfer_lines(report) + base._fp_lines(report) + base.warnings(report)
+
+
+def render_text(report: dict[str, Any], width: int = base.DEFAULT_WIDTH) -> str:
+    """The plain-text rendering, at most ``width`` columns wide where the words allow (as the simulate table)."""
+    out = [*base._wrap(headline(report), width), ""]
     rows = table_rows(report)
     if rows:
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
-        fmt = "  ".join(f"{{:<{w}}}" if i in (0, 4, 5, 6) else f"{{:>{w}}}" for i, w in enumerate(widths))
-        out += [fmt.format(*HEADERS).rstrip(), "  ".join("-" * w for w in widths)]
-        out += [fmt.format(*r).rstrip() for r in rows]
+        while sum(widths) + 2 * (len(widths) - 1) > width:
+            i = max(base._WRAPPED, key=lambda c: widths[c])
+            if widths[i] <= 12:
+                break
+            widths[i] -= 1
+        fmt = "  ".join(f"{{:>{w}}}" if i in base._NUMERIC else f"{{:<{w}}}" for i, w in enumerate(widths))
+        out += [fmt.format(*cells).rstrip() for cells in base._wrap_cells(HEADERS, widths)]
+        out.append("  ".join("-" * w for w in widths))
+        for row in rows:
+            out += [fmt.format(*cells).rstrip() for cells in base._wrap_cells(row, widths)]
     else:
         out.append("(clean run: no transfer fault injected)")
     out.append("")
-    out += base.summary_lines(report) + transfer_lines(report) + base._fp_lines(report)
-    out.append(verdict(report))
+    for line in [*_lines(report), verdict(report)]:
+        out += base._wrap(line, width)
     return "\n".join(out)
 
 
-def print_report(report: dict[str, Any], stream: TextIO | None = None, *, plain: bool = False) -> None:
+def print_report(report: dict[str, Any], stream: TextIO | None = None, *, plain: bool = False,
+                 width: int | None = None) -> None:
+    """The table and summary: with rich when installed (and ``plain`` is False), else plain text."""
     stream = stream or sys.stdout
-    if plain or base._rich() is None:
-        print(render_text(report), file=stream)
+    rich = None if plain else base._rich()
+    if rich is None:
+        if width is None:
+            width = shutil.get_terminal_size((base.DEFAULT_WIDTH, 24)).columns if stream.isatty() else \
+                base.DEFAULT_WIDTH
+        print(render_text(report, width), file=stream)
         return
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(file=stream, highlight=False, width=max(180, Console(file=stream).width))
-    console.print(headline(report), markup=False, soft_wrap=True)
-    table = Table()
+    console = Console(file=stream, highlight=False, width=width)
+    columns = console.width
+    for line in base._wrap(headline(report), columns):
+        console.print(line, markup=False)
+    table = Table(box=rich.box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
     for i, head in enumerate(HEADERS):
-        table.add_column(head, justify="right" if i in (1, 2, 3) else "left", no_wrap=True)
-    colours = {"detected": "green", "late": "bold red", "missed": "bold red", "not injected": "yellow"}
+        table.add_column(head.replace(" (", "\n(") if i == 4 else head,
+                         justify="right" if i in base._NUMERIC else "left", no_wrap=i not in (5, 6), overflow="fold")
     for row, kind in zip(table_rows(report), report["kinds"], strict=True):
-        table.add_row(*row, style=colours[kind["status"]])
+        table.add_row(*row, style=_STYLES[kind["status"]])
     console.print(table if report["kinds"] else "(clean run: no transfer fault injected)")
-    for line in base.summary_lines(report) + transfer_lines(report) + base._fp_lines(report):
-        console.print(line, markup=False, soft_wrap=True)
-    console.print(verdict(report), style="bold green" if report["passed"] else "bold red", markup=False,
-                  soft_wrap=True)
+    for line in _lines(report):
+        for part in base._wrap(line, columns):
+            console.print(part, markup=False, style="yellow" if line.startswith("warning:") else None)
+    for part in base._wrap(verdict(report), columns):
+        console.print(part, style=base._VERDICT_STYLES[report["outcome"]], markup=False)
 
 
 def render_html(report: dict[str, Any]) -> str:
+    """The simulate HTML page with the transfer faults' table ("caught at"), the per-worker transfer figures
+    and the transfer fault list in place of the engine fault sections."""
     page = base.render_html(report)
-    kinds = base._html_table(list(HEADERS), [list(r) for r in table_rows(report)])
+    kinds = base._html_table(list(HEADERS), [[*r[:5], [base.short_reason(x) for x in k["reasons"]] or "-", r[6]]
+                                             for r, k in zip(table_rows(report), report["kinds"], strict=True)],
+                             numeric=base._NUMERIC, names=(0, 4))
     workers = base._html_table(
         ["worker", "requests", "pages", "KV bytes", "canary bytes", "canary / KV", "accepted", "rejected",
          "rejected residents", "transfer-verify entries", "verify ms", "decoded"],
         [[w["worker"], w["requests"], w["pages"], w["kv_bytes"], w["canary_bytes"], f"{100 * w['canary_share']:.2f} %",
           w["accepted"], w["rejected"], w["rejected_residents"], w["verify_entries"], w["verify_ms"], w["finished"]]
-         for w in report["disaggregated"]["workers"]])
+         for w in report["disaggregated"]["workers"]], numeric=tuple(range(12)))
     faults = base._html_table(
         ["id", "kind", "side", "worker", "step", "request", "detail", "caught at", "reasons", "violations"],
         [[f["id"], f["kind"], f["side"], f["worker"], f["step"], f["request"], f["detail"], f["caught_at"],
-          ", ".join(base.short_reason(r) for r in f["reasons"]), f["violations"]] for f in report["faults"]])
-    start = page.index("<h2>Detection by fault kind</h2>")
-    end = page.index("<h2>Violations and detections")
-    page = page[:start] + f"<h2>Detection by transfer fault kind</h2>{kinds}" \
-        f"<h2>Transfers per decode worker</h2>{workers}" + page[end:]
-    start = page.index("<h2>Injected faults</h2>")
-    end = page.index("<h2>False positives</h2>")
-    page = page[:start] + f"<h2>Injected transfer faults</h2>{faults}" + page[end:]
-    page = page.replace(html.escape(base.headline(report)), html.escape(headline(report)))
+          [base.short_reason(r) for r in f["reasons"]], f["violations"]] for f in report["faults"]],
+        numeric=(0, 3, 4, 5, 9), names=(1,))
+    lines = "".join(f"<li>{html.escape(line)}</li>" for line in transfer_lines(report))
+
+    def swap(text: str, begin: str, end: str, new: str) -> str:
+        a, b = text.index(begin), text.index(end)
+        return text[:a] + new + text[b:]
+
+    page = swap(page, "<h2>Detection by fault kind</h2>", "<h3>Reason labels</h3>",
+                f"<h2>Detection by transfer fault kind</h2>{kinds}")
+    page = swap(page, "<h2>Violations and detections", "<h2>Violations and detections",
+                f"<h2>Transfers per decode worker</h2>{workers}<ul>{lines}</ul>")
+    page = swap(page, "<h2>Injected faults</h2>", "<h2>False positives</h2>",
+                f"<h2>Injected transfer faults</h2>{faults}")
+    page = page.replace("<title>kv-canary simulation report</title>",
+                        "<title>kv-canary disaggregated simulation report</title>")
+    page = page.replace("<h1>kv-canary simulation report</h1>", "<h1>kv-canary disaggregated simulation report</h1>")
+    page = page.replace(f"<p>{html.escape(base.headline(report))}</p>", f"<p>{html.escape(headline(report))}</p>")
     return page.replace(html.escape(base.verdict(report)), html.escape(verdict(report)))
 
 
