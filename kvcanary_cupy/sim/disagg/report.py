@@ -188,15 +188,21 @@ def merge(cfg: DisaggConfig, results: dict[int, dict[str, Any]], wall_s: float) 
 
 # ---- rendering ---------------------------------------------------------------------------------------------
 
-HEADERS = (*base.HEADERS, "caught at")
+# The simulate table with "caught at" where the latency was: a transfer fault is either caught by the transfer
+# verify (latency 0) or too late, which is what matters here (the latency stays in the JSON).
+HEADERS = (*base.HEADERS[:4], "caught at", base.HEADERS[5])
 _STYLES = {**base._STYLES, "late": "bold red"}
+
+
+def _place(where: str) -> str:
+    return "transfer" if where == TRANSFER_VERIFY else "decode" if where.startswith("decode") else where
 
 
 def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
     rows = []
     for row, kind in zip(base.table_rows(report), report["kinds"], strict=True):
-        where = ", ".join(f"{place} {n}" for place, n in sorted(kind["caught_at"].items()))
-        rows.append((*row, where or "-"))
+        where = ", ".join(f"{_place(place)} {n}" for place, n in sorted(kind["caught_at"].items()))
+        rows.append((*row[:4], where or "-", row[5]))
     return rows
 
 
@@ -299,8 +305,7 @@ def print_report(report: dict[str, Any], stream: TextIO | None = None, *, plain:
         console.print(line, markup=False)
     table = Table(box=rich.box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
     for i, head in enumerate(HEADERS):
-        table.add_column(head.replace(" (", "\n(") if i == 4 else head,
-                         justify="right" if i in base._NUMERIC else "left", no_wrap=i not in (5, 6), overflow="fold")
+        table.add_column(head, justify="right" if i in base._NUMERIC else "left", no_wrap=i != 5, overflow="fold")
     for row, kind in zip(table_rows(report), report["kinds"], strict=True):
         table.add_row(*row, style=_STYLES[kind["status"]])
     console.print(table if report["kinds"] else "(clean run: no transfer fault injected)")
@@ -315,7 +320,7 @@ def render_html(report: dict[str, Any]) -> str:
     """The simulate HTML page with the transfer faults' table ("caught at"), the per-worker transfer figures
     and the transfer fault list in place of the engine fault sections."""
     page = base.render_html(report)
-    kinds = base._html_table(list(HEADERS), [[*r[:5], [base.short_reason(x) for x in k["reasons"]] or "-", r[6]]
+    kinds = base._html_table(list(HEADERS), [[*r[:5], [base.short_reason(x) for x in k["reasons"]] or "-"]
                                              for r, k in zip(table_rows(report), report["kinds"], strict=True)],
                              numeric=base._NUMERIC, names=(0, 4))
     workers = base._html_table(
