@@ -303,6 +303,15 @@ def test_each_transfer_fault_is_caught_at_the_positions_it_damaged(backend, faul
 
 
 @needs_host
+def test_host_transfer_module_matches_the_sanitize_request():
+    """In the sanitized child below this proves the transfer kernels really ran instrumented; here, that they
+    did not."""
+    from kvcanary_cupy.backends import host_sanitize_requested
+
+    assert resolve_backend("host", CPU)._load_module("transfer.cu").sanitize is host_sanitize_requested()
+
+
+@needs_host
 def test_sanitized_host_transfer_run_has_zero_reports():
     """The host-backend tests of this file under ASan + UBSan (each a hard error): zero reports."""
     from kvcanary_cupy.hostcuda import sanitizer_preload
