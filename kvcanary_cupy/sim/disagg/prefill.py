@@ -57,8 +57,9 @@ def max_prefill_steps(cfg: DisaggConfig) -> int:
 def wire_sizes(cfg: DisaggConfig) -> dict[str, int]:
     """The largest transfer (for the receiver's buffers): tokens, KV int64 words per token, canary buffers."""
     kinds = 2 if cfg.with_v else 1
-    probe = size_engine(workload_of(cfg), max_running=1)
-    return {"max_tokens": max(s.prompt_len for s in workload_of(cfg)),
+    workload = workload_of(cfg)
+    probe = size_engine(workload, max_running=1)
+    return {"max_tokens": max(s.prompt_len for s in workload),
             "words": probe.kv_words_per_token * probe.num_layers * kinds, "buffers": 2 * kinds}
 
 
@@ -103,7 +104,6 @@ class PrefillSide:
         self.sent = 0
         self.recent: list[tuple[int, np.ndarray]] = []  # (rid, slots) of shipped requests, donors for wrong-request
         self.figures = {"requests": 0, "kv_bytes": 0, "canary_bytes": 0, "send_s": 0.0, "gather_s": 0.0}
-        self.log: list[dict[str, Any]] = []
 
     # -- building a transfer -------------------------------------------------------------------------------
 
@@ -116,7 +116,7 @@ class PrefillSide:
             gather_canary_records(canary_buf=buf, slots=index, records_out=out[b], backend=self.sim.backend)
         return out.get() if hasattr(out, "get") else out
 
-    def _sender_fault(self, kind: str, transfer: Transfer, slots: np.ndarray) -> bool:
+    def _sender_fault(self, kind: str, transfer: Transfer) -> bool:
         """Apply a sender-side fault to ``transfer`` in place; False when it cannot be placed on this one."""
         page = self.sim.engine_cfg.page_size
         if kind == "page-swap":
@@ -150,7 +150,7 @@ class PrefillSide:
         transfer = Transfer(req.rid, kv_rows(self.sim, slots), self._records(slots))
         self.figures["gather_s"] += time.perf_counter() - start
         kind = self.schedule.next()
-        if kind is not None and TRANSFER_KINDS[kind].side == "sender" and not self._sender_fault(kind, transfer, slots):
+        if kind is not None and TRANSFER_KINDS[kind].side == "sender" and not self._sender_fault(kind, transfer):
             self.schedule.retry(kind)
             kind = None
         elif kind is not None and TRANSFER_KINDS[kind].side == "receiver":
@@ -160,7 +160,7 @@ class PrefillSide:
 
     # -- the loop ------------------------------------------------------------------------------------------
 
-    def _tick(self, step: int, finished: list[Request], op: int = OP_TICK) -> None:
+    def _tick(self, step: int, finished: list[Request]) -> None:
         workers = self.cfg.decode_workers
         outgoing: dict[int, list[tuple[Transfer, str | None]]] = {w: [] for w in range(1, workers + 1)}
         for req in finished:
@@ -169,7 +169,7 @@ class PrefillSide:
         for worker, items in outgoing.items():
             start = time.perf_counter()
             try:
-                self.channel.send_tick(worker, op, step, len(items))
+                self.channel.send_tick(worker, OP_TICK, step, len(items))
                 for transfer, _ in items:
                     self.channel.send_transfer(worker, transfer)
                 placed = self.channel.recv_ack(worker, step, len(items))
@@ -180,11 +180,9 @@ class PrefillSide:
                 self.figures["requests"] += 1
                 self.figures["kv_bytes"] += transfer.kv.nbytes
                 self.figures["canary_bytes"] += transfer.records.nbytes
-            for (transfer, kind), ok in zip(items, placed, strict=True):
+            for (_, kind), ok in zip(items, placed, strict=True):
                 if kind is not None and not ok:  # only a receiver-side fault can fail to be placed there
                     self.schedule.retry(kind)
-                    kind = None
-                self.log.append({"step": step, "request": transfer.rid, "worker": worker, "fault": kind})
 
     def run(self) -> dict[str, Any]:
         sim, engine = self.sim, self.engine
@@ -206,5 +204,4 @@ class PrefillSide:
         sim.finish(t - 1)
         result = sim.result()
         result["transfer"] = dict(self.figures)
-        result["transfers"] = self.log
         return result
