@@ -104,12 +104,12 @@ def test_the_kill_drill_needs_disaggregated(capsys):
     assert "--kill-decode-worker needs --disaggregated" in capsys.readouterr().err
 
 
-def test_schedule_places_every_kind_once_after_the_warmup_then_retries_what_could_not_be_placed():
-    schedule = FaultSchedule({"page-swap": 1e-9, "slot-owned": 1e-9}, warmup=2, rng=np.random.default_rng(0))
-    drawn = [schedule.next() for _ in range(4)]
-    assert drawn == [None, None, "page-swap", "slot-owned"]
-    schedule.retry("slot-owned")
-    assert schedule.next() == "slot-owned"
+def test_schedule_places_every_kind_once_after_the_warmup_and_retries_what_could_not_be_placed_last():
+    schedule = FaultSchedule({"page-drop": 1e-9, "page-swap": 1e-9, "slot-owned": 1e-9}, warmup=2,
+                             rng=np.random.default_rng(0))
+    assert [schedule.next() for _ in range(3)] == [None, None, "page-drop"]
+    schedule.retry("page-drop")  # could not be placed: the other kinds go first
+    assert [schedule.next() for _ in range(3)] == ["page-swap", "slot-owned", "page-drop"]
     assert schedule.next() is None
 
 

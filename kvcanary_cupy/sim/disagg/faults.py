@@ -71,7 +71,7 @@ def kind_of(index: int) -> TransferKind | None:
 class FaultSchedule:
     """Which transfer carries which fault: after ``warmup`` transfers every requested kind once (in order),
     then each transfer draws at most one kind, kind ``k`` with probability ``rates[k]``. A kind that could not
-    be placed is retried on the next transfer."""
+    be placed goes back to the end of the queue of kinds still to place, so it does not hold up the others."""
 
     def __init__(self, rates: dict[str, float], warmup: int, rng: np.random.Generator) -> None:
         self.rates = dict(rates)
@@ -92,7 +92,7 @@ class FaultSchedule:
         return None
 
     def retry(self, kind: str) -> None:
-        self.pending.appendleft(kind)
+        self.pending.append(kind)
 
 
 # ---- sender side: damage the payload ------------------------------------------------------------------------
