@@ -84,8 +84,8 @@ def test_export_of_a_numpy_array_to_torch_shares_memory():
     assert arr.tolist() == [0, 1, 9]
 
 
-def test_export_to_a_module_without_from_dlpack_is_a_type_error():
-    with pytest.raises(TypeError, match="from_dlpack"):
+def test_export_to_a_module_without_from_dlpack_is_a_kv_canary_error():
+    with pytest.raises(kc.CanaryArgumentError, match="^kv-canary: to=.*has no from_dlpack"):
         export(np.zeros(1), object())
 
 
