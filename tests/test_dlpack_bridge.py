@@ -85,7 +85,7 @@ def test_export_of_a_numpy_array_to_torch_shares_memory():
 
 
 def test_export_to_a_module_without_from_dlpack_is_a_kv_canary_error():
-    with pytest.raises(kc.CanaryArgumentError, match="^kv-canary: to=.*has no from_dlpack"):
+    with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: to=.*has no from_dlpack"):
         export(np.zeros(1), object())
 
 

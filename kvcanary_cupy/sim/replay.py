@@ -258,8 +258,9 @@ def _check_case(path: Path, meta: dict[str, Any], arrays: dict[str, np.ndarray])
     mode = key(meta, "real_kv_hash_mode", int)
     if mode not in {int(m) for m in RealKvHashMode}:
         raise bad("meta.real_kv_hash_mode", f"must be one of {[int(m) for m in RealKvHashMode]}, got {mode}")
-    if meta.get("enable_chain_position_assert") not in (0, 1):  # recorded as 0/1; true/false also read
-        raise bad("meta.enable_chain_position_assert", f"must be 0 or 1, got {meta.get('enable_chain_position_assert')!r}")
+    chain_flag = meta.get("enable_chain_position_assert")
+    if chain_flag not in (0, 1):  # recorded as 0/1; true/false also read
+        raise bad("meta.enable_chain_position_assert", f"must be 0 or 1, got {chain_flag!r}")
     key(meta, "ring_capacity", int, low=1, high=MAX_ROWS)
     sources = key(meta, "sources", list)
     if len(sources) > MAX_REAL_KV_SOURCES:
