@@ -335,10 +335,10 @@ def _peak_bytes(run) -> int:
 
 
 def test_write_reference_memory_stays_bounded_with_overlapping_token_ranges():
-    """offsets [0, T, 0, T, ...]: 2,000 requests each covering all 1,000 tokens (2M entries, which the
-    reference used to materialise as ~15 arrays of 16 MB) on 24 KB of token inputs."""
-    requests, tokens = 4000, 1000
-    ctx = context(num_slots=2048, ring_capacity=64)
+    """offsets [0, T, 0, T, ...]: 4,000 requests each covering all 250 tokens (1M entries, which the
+    reference used to materialise as ~15 arrays of 8 MB each) on 6 KB of token inputs."""
+    requests, tokens = 8000, 250
+    ctx = context(num_slots=256, ring_capacity=64)
     wp = kc.WritePlan.allocate(write_req_capacity=requests)
     wp.write_offsets[:] = np.where(np.arange(requests + 1) % 2 == 0, 0, tokens)
     wp.write_seed_slot_indices[:] = -1

@@ -34,7 +34,7 @@ import numpy as np
 
 from .. import context as _context
 from .. import plan as _plan
-from .._errors import fail
+from .._errors import CanaryArgumentError, fail
 from .._validate import bool_arg, int_arg
 from ..constants import (
     CANARY_SLOT_BYTES,
@@ -326,7 +326,7 @@ def launch_canary_plan_kernels_torch_reference(
     _refuse_capture(_TORCH_REFERENCE)
     # SGLang's own words; the core launcher would name itself instead.
     if req_to_verify_expected_tokens is not None and req_to_verify_expected_tokens_valid_lens is None:
-        raise ValueError(
+        raise CanaryArgumentError(
             "kv-canary: launch_canary_plan_kernels_torch_reference requires "
             "req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set"
         )
