@@ -310,13 +310,13 @@ def _constructor_cases(rng: random.Random) -> tuple[Callable[[], Any], Any, str]
     kind = rng.randrange(9)
     if kind == 0:
         key = rng.choice(["verify_capacity", "device"])
-        value = rng.choice(BAD_SCALARS + [0, -5]) if key == "verify_capacity" else rng.choice(
+        value = rng.choice([*BAD_SCALARS, 0, -5]) if key == "verify_capacity" else rng.choice(
             ["gpu", "cuda:x", "tpu:0", 3, None, "cpu:"])
         args = {"verify_capacity": 8, key: value}
         return lambda: kc.VerifyPlan.allocate(**args), None, f"VerifyPlan.allocate {args}"
     if kind == 1:
         key = rng.choice(["write_req_capacity", "device"])
-        value = rng.choice(BAD_SCALARS + [0, -1]) if key == "write_req_capacity" else rng.choice(["gpu", 0, "cuda:-1"])
+        value = rng.choice([*BAD_SCALARS, 0, -1]) if key == "write_req_capacity" else rng.choice(["gpu", 0, "cuda:-1"])
         args = {"write_req_capacity": 4, key: value}
         return lambda: kc.WritePlan.allocate(**args), None, f"WritePlan.allocate {args}"
     if kind == 2:
@@ -459,19 +459,23 @@ def test_the_compat_layer_refuses_random_bad_arguments_and_writes_nothing():
             continue
         ctx = sglang.VerifyOrWriteContext.allocate(num_slots=16, ring_capacity=4)
         pool = torch.zeros(4, 8, dtype=torch.int32)
-        bad = rng.choice([
-            lambda: sglang.launch_scatter_req_token_ids_kernel(flat_in=torch.arange(4, dtype=torch.int32),
-                                                               offsets=torch.tensor([0, 4]),
-                                                               req_pool_indices=torch.tensor([1]), pool_out=pool),
-            lambda: sglang.launch_canary_verify_kernel(context=ctx, plan=wp, check_verify_expected_token=False),
-            lambda: sglang.launch_canary_write_kernel(context=ctx, plan=wp, input_ids=torch.tensor([1]),
-                                                      positions=torch.tensor([0, 1]), out_cache_loc=torch.tensor([1]),
-                                                      enable_write_input_assert=False, expected_input_tokens=None,
-                                                      expected_input_positions=None),
-            lambda: sglang.VerifyPlan(verify_slot_indices=vp.verify_slot_indices,
-                                      verify_expected_tokens=vp.verify_expected_tokens,
-                                      verify_expected_positions=vp.verify_expected_positions,
-                                      verify_prev_slot_indices=vp.verify_prev_slot_indices,
-                                      verify_num_valid=object(), enable=vp.enable),
-        ])
+        bad = _compat_launcher_case(rng.randrange(4), sglang, ctx, pool, vp, wp)
         refuses(bad, [ctx, pool, vp, wp], f"case {case}: compat launcher")
+
+
+def _compat_launcher_case(kind: int, sglang: Any, ctx: Any, pool: Any, vp: Any, wp: Any) -> Callable[[], Any]:
+    if kind == 0:  # int32 tokens where int64 is expected
+        return lambda: sglang.launch_scatter_req_token_ids_kernel(
+            flat_in=torch.arange(4, dtype=torch.int32), offsets=torch.tensor([0, 4]),
+            req_pool_indices=torch.tensor([1]), pool_out=pool)
+    if kind == 1:  # a write plan where a verify plan belongs
+        return lambda: sglang.launch_canary_verify_kernel(context=ctx, plan=wp, check_verify_expected_token=False)
+    if kind == 2:  # token arrays of different lengths
+        return lambda: sglang.launch_canary_write_kernel(
+            context=ctx, plan=wp, input_ids=torch.tensor([1]), positions=torch.tensor([0, 1]),
+            out_cache_loc=torch.tensor([1]), enable_write_input_assert=False, expected_input_tokens=None,
+            expected_input_positions=None)
+    return lambda: sglang.VerifyPlan(  # status omitted, next to a field that is no array
+        verify_slot_indices=vp.verify_slot_indices, verify_expected_tokens=vp.verify_expected_tokens,
+        verify_expected_positions=vp.verify_expected_positions, verify_prev_slot_indices=vp.verify_prev_slot_indices,
+        verify_num_valid=object(), enable=vp.enable)
