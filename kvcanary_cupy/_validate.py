@@ -101,11 +101,11 @@ def data_pointer(arr: Any) -> int:
     return int(arr.data.ptr)
 
 
-def _span(arr: Any) -> tuple[int, int] | None:
-    """``[first byte, last byte + 1)`` of the memory an array addresses; None when it addresses none."""
-    if arr.size == 0:
-        return None
-    lo = hi = data_pointer(arr)
+def _span_end(arr: Any, pointer: int) -> tuple[int, int]:
+    """``[first byte, last byte + 1)`` of the memory a non-empty array addresses."""
+    if arr.flags.c_contiguous:
+        return pointer, pointer + arr.nbytes
+    lo = hi = pointer
     for extent, stride in zip(arr.shape, arr.strides, strict=True):
         reach = (extent - 1) * stride
         if reach < 0:
@@ -121,27 +121,30 @@ def check_memory(outputs: Sequence[tuple[str, Any]], inputs: Sequence[tuple[str,
     ``outputs`` are the arrays a launch writes, ``inputs`` those it only reads, as ``(name, array)`` pairs
     (None entries skipped); an array that is both read and written is an output. Every array must start at
     a multiple of its element size (loads, stores and atomics of int32/int64 fields are naturally aligned
-    on a GPU, and misaligned ones are undefined behaviour in C++); an output must share no byte with another
-    output nor with an input, since one thread would then read or write what another thread writes.
+    on a GPU, and misaligned ones are undefined behaviour in C++; the kernels index contiguous arrays from
+    their first element, so the start is what matters); an output must share no byte with another output
+    nor with an input, since one thread would then read or write what another thread writes.
     """
     spans: list[tuple[int, int, bool, str]] = []
     for is_output, group in ((True, outputs), (False, inputs)):
         for name, arr in group:
             if arr is None:
                 continue
+            pointer = data_pointer(arr)
             itemsize = arr.dtype.itemsize
-            if data_pointer(arr) % itemsize or any(st % itemsize for st in arr.strides):
-                fail(f"{name} is not aligned to its {itemsize}-byte elements (address "
-                     f"{data_pointer(arr):#x}, strides {tuple(arr.strides)}); kernels load it as "
-                     f"{arr.dtype.name}")
-            span = _span(arr)
-            if span is not None:
-                spans.append((span[0], span[1], is_output, name))
+            if pointer % itemsize:
+                fail(f"{name} is not aligned to its {itemsize}-byte elements (address {pointer:#x}); kernels "
+                     f"load it as {arr.dtype.name}")
+            if arr.size:
+                spans.append((*_span_end(arr, pointer), is_output, name))
     spans.sort()
-    for k, (_lo, hi, is_output, name) in enumerate(spans):
-        for other_lo, _, other_output, other in spans[k + 1:]:
-            if other_lo >= hi:
-                break
+    count = len(spans)
+    for k in range(count - 1):
+        _, hi, is_output, name = spans[k]
+        j = k + 1
+        while j < count and spans[j][0] < hi:  # sorted by start: only these can overlap span k
+            _, _, other_output, other = spans[j]
+            j += 1
             if is_output or other_output:
                 written, read = (name, other) if is_output else (other, name)
                 role = "another output" if is_output and other_output else "an input it is read with"

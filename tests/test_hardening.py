@@ -520,7 +520,7 @@ def test_hardening_cases_under_address_sanitizer_have_zero_reports():
            "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1", "KVCANARY_HOST_SANITIZE": "1",
            "PYTHONFAULTHANDLER": "1"}
     tests_dir = Path(__file__).parent
-    selection = "host and (share or over or misaligned or resize or moved or aliasing) and not sanitizer"
+    selection = "host and (share or over or inside or misaligned or resize or moved or aliasing) and not sanitizer"
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:benchmark", str(Path(__file__)),
          "-k", selection, "--rootdir", str(tests_dir.parent)],

@@ -1,8 +1,8 @@
 """The ``numpy`` backend: the vectorized reference implementations behind the common backend interface.
 
 Concurrency: a launch updates its context with read-modify-writes in Python (the ring's write index, the
-counters, the status word, the canary slots), which two threads would interleave and lose. Launches that
-share any of that state are therefore serialised: each array a launch updates in place maps to one of a
+counters, the status word), which two threads would interleave and lose. Launches that
+share any of that state are therefore serialised: each word a launch read-modify-writes maps to one of a
 fixed set of locks (by address), and a launch holds the locks of all of them, taken in a fixed order, for
 its whole run. Two threads verifying on one context (or on endpoints sharing a ring) give the result of
 some serial order; launches on unrelated contexts still run side by side.
@@ -10,9 +10,7 @@ some serial order; launches on unrelated contexts still run side by side.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 from .._validate import data_pointer
@@ -22,18 +20,27 @@ from .numpy_plan import plan_reference
 _LOCKS = tuple(threading.Lock() for _ in range(64))
 
 
-@contextlib.contextmanager
-def _serialised(*arrays: Any) -> Iterator[None]:
-    """Hold the locks of every array updated in place, taken in sorted order so that no two launches deadlock."""
-    stripes = sorted({(data_pointer(a) >> 6) % len(_LOCKS) for a in arrays if a is not None})
-    with contextlib.ExitStack() as held:
-        for k in stripes:
-            held.enter_context(_LOCKS[k])
-        yield
+class _Serialised:
+    """Holds the locks of the arrays a launch updates in place, taken in sorted order (no deadlock)."""
+
+    __slots__ = ("locks",)
+
+    def __init__(self, *arrays: Any) -> None:
+        self.locks = [_LOCKS[k] for k in sorted({(data_pointer(a) >> 3) % len(_LOCKS) for a in arrays})]
+
+    def __enter__(self) -> None:
+        for lock in self.locks:
+            lock.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        for lock in reversed(self.locks):
+            lock.release()
 
 
-def _context_state(ctx: Any) -> tuple[Any, ...]:
-    return ctx.write_index, ctx.slot_run_counter, ctx.kernel_run_counter, ctx.status, ctx.ring
+def _context_state(ctx: Any) -> _Serialised:
+    # The read-modify-written words; the ring is only written at indices the write index hands out, and the
+    # canary is written, never read back, by a write (two threads writing one canary race as two streams do).
+    return _Serialised(ctx.write_index, ctx.slot_run_counter, ctx.kernel_run_counter, ctx.status)
 
 
 class NumpyBackend:
@@ -50,13 +57,16 @@ class NumpyBackend:
         plan_reference(launch, self.on_invalid)
 
     def write(self, launch: Any) -> None:
-        with _serialised(*_context_state(launch.context), launch.context.canary):
+        with _context_state(launch.context):
             write_reference(launch, self.on_invalid)
 
     def verify(self, launch: Any) -> None:
-        with _serialised(*_context_state(launch.context)):
+        with _context_state(launch.context):
             verify_reference(launch, self.on_invalid)
 
     def scatter(self, launch: Any) -> None:
-        with _serialised(launch.status):
+        if launch.status is None:
+            scatter_reference(launch, self.on_invalid)
+            return
+        with _Serialised(launch.status):
             scatter_reference(launch, self.on_invalid)

@@ -203,32 +203,32 @@ def _write_requests(launch: Any, lo: np.ndarray, hi: np.ndarray, seeds: np.ndarr
 
     by_slot = np.argsort(s, kind="stable")  # entries of one slot stay in batch order
     s_sorted = s[by_slot]
-    level, dependency = _seed_dependencies(seeds, s_sorted, req[by_slot], by_slot)
+    dependencies = _seed_dependencies(seeds, s_sorted, req[by_slot], by_slot)
 
-    # The serial part: the running hash before each live entry. Requests whose seeds this launch does not
-    # write (level 0, nearly always all of them) advance together, one vector step per rank; a request that
-    # seeds from an earlier request's write waits for that request's level.
+    # The serial part: the running hash before each live entry, all requests advancing together, one
+    # vector step per rank. A request that seeds from an earlier request's write in this launch (a double
+    # allocation; nearly never) waits for that request: requests run in levels, level 0 seeding from the
+    # canary as it was, level L + 1 from the writes of level L.
     running = chain_hash(fields, seeds)
     seed_pos = fields[np.maximum(seeds, 0), 1]
     prev_hash = np.empty(n, np.uint64)
-    entry_level = level[req]
-    order = np.lexsort((rank, entry_level))
-    level_bounds = np.searchsorted(entry_level[order], np.arange(int(level.max()) + 2))
-    req_order = np.argsort(level, kind="stable")
-    req_bounds = np.searchsorted(level[req_order], np.arange(int(level.max()) + 2))
-    for lvl in range(level_bounds.shape[0] - 1):
-        if lvl:
-            waiting = req_order[req_bounds[lvl]:req_bounds[lvl + 1]]
-            source = dependency[waiting]  # the entry that last wrote the seed slot before the request
-            running[waiting] = mix3(prev_hash[source], token[source].view(np.uint64), pos[source].view(np.uint64))
-            seed_pos[waiting] = pos[source]
-        entries = order[level_bounds[lvl]:level_bounds[lvl + 1]]
-        step_bounds = np.searchsorted(rank[entries], np.arange(int(rank[entries].max()) + 2 if entries.size else 1))
-        for step in range(step_bounds.shape[0] - 1):
-            sel = entries[step_bounds[step]:step_bounds[step + 1]]
-            r = req[sel]
-            prev_hash[sel] = running[r]
-            running[r] = mix3(running[r], token[sel].view(np.uint64), pos[sel].view(np.uint64))
+    if dependencies is None:
+        _advance(np.argsort(rank, kind="stable"), rank, req, token, pos, running, prev_hash)
+    else:
+        level, dependency = dependencies
+        entry_level = level[req]
+        order = np.lexsort((rank, entry_level))
+        level_bounds = np.searchsorted(entry_level[order], np.arange(int(level.max()) + 2))
+        req_order = np.argsort(level, kind="stable")
+        req_bounds = np.searchsorted(level[req_order], np.arange(int(level.max()) + 2))
+        for lvl in range(level_bounds.shape[0] - 1):
+            if lvl:
+                waiting = req_order[req_bounds[lvl]:req_bounds[lvl + 1]]
+                source = dependency[waiting]  # the entry that last wrote the seed slot before the request
+                running[waiting] = mix3(prev_hash[source], token[source].view(np.uint64),
+                                        pos[source].view(np.uint64))
+                seed_pos[waiting] = pos[source]
+            _advance(order[level_bounds[lvl]:level_bounds[lvl + 1]], rank, req, token, pos, running, prev_hash)
     prev_hash_i64 = prev_hash.view(np.int64)
 
     rkv = fold_real_kv(s, ctx.sources, ctx.mode).view(np.int64)
@@ -275,19 +275,35 @@ def _write_requests(launch: Any, lo: np.ndarray, hi: np.ndarray, seeds: np.ndarr
     return n
 
 
+def _advance(entries: np.ndarray, rank: np.ndarray, req: np.ndarray, token: np.ndarray, pos: np.ndarray,
+             running: np.ndarray, prev_hash: np.ndarray) -> None:
+    """Chain ``entries`` (sorted by rank) forward: ``prev_hash`` of each entry, ``running`` per request."""
+    if entries.size == 0:
+        return
+    step_bounds = np.searchsorted(rank[entries], np.arange(int(rank[entries[-1]]) + 2))
+    for step in range(step_bounds.shape[0] - 1):
+        sel = entries[step_bounds[step]:step_bounds[step + 1]]
+        r = req[sel]
+        prev_hash[sel] = running[r]
+        running[r] = mix3(running[r], token[sel].view(np.uint64), pos[sel].view(np.uint64))
+
+
 def _seed_dependencies(seeds: np.ndarray, s_sorted: np.ndarray, req_sorted: np.ndarray,
-                       by_slot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                       by_slot: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """For requests in batch order: ``level`` (0 when no earlier request of the launch writes the request's
     seed slot, else one more than the level of the last request that does) and ``dependency`` (that last
-    write's entry index, -1 at level 0). ``s_sorted``/``req_sorted`` are the written slots and their requests
-    sorted by slot, batch order kept within a slot; ``by_slot`` maps them back to entry indices."""
+    write's entry index, -1 at level 0); None when every request is at level 0. ``s_sorted`` and
+    ``req_sorted`` are the written slots and their requests sorted by slot, batch order kept within a slot;
+    ``by_slot`` maps them back to entry indices."""
     nreq = seeds.shape[0]
-    level = np.zeros(nreq, np.int64)
-    dependency = np.full(nreq, -1, np.int64)
     at = np.searchsorted(s_sorted, seeds)
     probe = np.minimum(at, s_sorted.shape[0] - 1)
     # The first write of a slot is by its earliest writer: the seed is written earlier iff that one precedes.
     earlier = (seeds >= 0) & (s_sorted[probe] == seeds) & (req_sorted[probe] < np.arange(nreq))
+    if not earlier.any():
+        return None
+    level = np.zeros(nreq, np.int64)
+    dependency = np.full(nreq, -1, np.int64)
     for q in np.flatnonzero(earlier).tolist():  # rare: a double allocation, or a hostile plan
         first = int(at[q])
         stop = int(np.searchsorted(s_sorted, seeds[q], side="right"))
