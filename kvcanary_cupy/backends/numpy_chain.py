@@ -133,15 +133,22 @@ def write_reference(launch: Any, on_invalid: str) -> None:
     req_lo, req_hi = lo[reqs], hi[reqs]
     seeds = launch.write_seed_slot_indices[reqs]
     seed_outside = seeds >= num_slots
-    # Tokens some request reads, found without materialising the (possibly overlapping) ranges.
-    edges = np.bincount(req_lo, minlength=num_tokens + 1) - np.bincount(req_hi, minlength=num_tokens + 1)
-    covered = np.cumsum(edges[:num_tokens]) > 0
-    slot_outside = covered & (launch.out_cache_loc >= num_slots)
+    counts = req_hi - req_lo
+    ends = np.cumsum(counts)
+    limit = max(num_tokens, reqs.shape[0], _MIN_CHUNK_ENTRIES)
+    if reqs.shape[0] == 0 or ends[-1] <= limit:  # one pass: the entries are small enough to list
+        entries = _entries(launch, req_lo, req_hi)
+        outside = entries[0][entries[2] >= num_slots]  # token indices of out-of-range slots
+    else:  # overlapping ranges: the tokens some request reads, found without listing the entries
+        edges = np.bincount(req_lo, minlength=num_tokens + 1) - np.bincount(req_hi, minlength=num_tokens + 1)
+        covered = np.cumsum(edges[:num_tokens]) > 0
+        outside = np.flatnonzero(covered & (launch.out_cache_loc >= num_slots))
+        entries = None
 
     status = 0
     if range_bad.any():
         status |= int(CanaryStatus.TOKEN_RANGE_OUT_OF_BOUNDS)
-    if seed_outside.any() or slot_outside.any():
+    if seed_outside.any() or outside.size:
         status |= int(CanaryStatus.SLOT_OUT_OF_RANGE)
     if status and on_invalid == "raise":
         if range_bad.any():
@@ -152,39 +159,44 @@ def write_reference(launch: Any, on_invalid: str) -> None:
             r = int(reqs[np.argmax(seed_outside)])
             fail(f"plan.write_seed_slot_indices[{r}]={int(launch.write_seed_slot_indices[r])} is outside "
                  f"canary_buf's {num_slots} slots")
-        i = int(np.argmax(slot_outside))
+        i = int(outside[0])
         fail(f"out_cache_loc[{i}]={int(launch.out_cache_loc[i])} is outside canary_buf's {num_slots} slots")
 
     # Nothing raises from here on. An out-of-range seed is treated as a chain head (anchor, no position check).
     seeds = np.where(seed_outside, -1, seeds)
-    counts = req_hi - req_lo
-    ends = np.cumsum(counts)
-    limit = max(num_tokens, reqs.shape[0], _MIN_CHUNK_ENTRIES)
-    written = 0
-    first = 0
-    while first < reqs.shape[0]:  # one pass unless token ranges overlap
-        stop = max(int(np.searchsorted(ends, ends[first] - counts[first] + limit, side="right")), first + 1)
-        written += _write_requests(launch, req_lo[first:stop], req_hi[first:stop], seeds[first:stop])
-        first = stop
+    if entries is not None:
+        written = _write_requests(launch, entries, seeds)
+    else:
+        written = 0
+        first = 0
+        while first < reqs.shape[0]:
+            stop = max(int(np.searchsorted(ends, ends[first] - counts[first] + limit, side="right")), first + 1)
+            entries = _entries(launch, req_lo[first:stop], req_hi[first:stop])
+            written += _write_requests(launch, entries, seeds[first:stop])
+            first = stop
     ctx.kernel_run_counter[0] += 1
     ctx.slot_run_counter[0] += written
     ctx.status[0] |= status
 
 
-def _write_requests(launch: Any, lo: np.ndarray, hi: np.ndarray, seeds: np.ndarray) -> int:
-    """Write consecutive requests (token ranges ``[lo, hi)``, in-range ``seeds``) in batch order, as SGLang's
-    reference does: a request whose seed slot an earlier request of the launch wrote seeds from that write.
-    Appends the violation rows; returns the number of entries written."""
+def _entries(launch: Any, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(token index, request, slot) of every entry of requests with token ranges ``[lo, hi)``, in order."""
+    counts = hi - lo
+    entry_req = np.repeat(np.arange(lo.shape[0]), counts)
+    first_entry = np.zeros(lo.shape[0] + 1, np.int64)
+    np.cumsum(counts, out=first_entry[1:])
+    flat = np.arange(first_entry[-1], dtype=np.int64) - np.repeat(first_entry[:-1] - lo, counts)
+    return flat, entry_req, launch.out_cache_loc[flat]
+
+
+def _write_requests(launch: Any, entries: tuple[np.ndarray, np.ndarray, np.ndarray], seeds: np.ndarray) -> int:
+    """Write consecutive requests (their ``entries`` from :func:`_entries`, in-range ``seeds``) in batch order,
+    as SGLang's reference does: a request whose seed slot an earlier request of the launch wrote seeds from
+    that write. Appends the violation rows; returns the number of entries written."""
     ctx = launch.context
     fields = ctx.canary
     num_slots = ctx.num_slots
-    nreq = lo.shape[0]
-    counts = hi - lo
-    entry_req = np.repeat(np.arange(nreq), counts)
-    first_entry = np.zeros(nreq + 1, np.int64)
-    np.cumsum(counts, out=first_entry[1:])
-    flat = np.arange(first_entry[-1], dtype=np.int64) - np.repeat(first_entry[:-1] - lo, counts)
-    slot = launch.out_cache_loc[flat]
+    flat, entry_req, slot = entries
     live_idx = np.flatnonzero((slot >= 0) & (slot < num_slots))
     i = flat[live_idx]
     req = entry_req[live_idx]
