@@ -27,23 +27,22 @@ def _allocate(device: Any, shape: int, dtype: type, fill: int | None = None) -> 
     """One plan array on ``device`` ("cpu" -> NumPy, "cuda"/"cuda:N" -> CuPy)."""
     dev = str(device)
     if dev == "cpu":
-        xp, ctx = np, None
+        xp, index = np, None
     elif dev == "cuda" or dev.startswith("cuda:"):
         from .dlpack import cupy_module
 
-        cupy = cupy_module()
-        if cupy is None:
+        xp = cupy_module()
+        if xp is None:
             fail(f"device={dev!r} needs CuPy (install the cuda12 or cuda13 extra)")
-        index = dev.split(":")[1] if ":" in dev else None
-        if index is not None and not index.isdigit():
+        index = dev.split(":")[1] if ":" in dev else ""
+        if index and not index.isdigit():
             fail(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-        xp, ctx = cupy, cupy.cuda.Device(None if index is None else int(index))
     else:
         fail(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     try:
-        if ctx is None:
+        if xp is np:
             return np.full(shape, fill, dtype) if fill is not None else np.empty(shape, dtype)
-        with ctx:
+        with xp.cuda.Device(int(index) if index else None):
             arr = xp.full(shape, fill, dtype) if fill is not None else xp.empty(shape, dtype)
             if fill is not None:
                 # The fill ran on CuPy's current stream; a first launch on another stream (torch's) must see

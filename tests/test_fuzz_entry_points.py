@@ -31,6 +31,8 @@ except ImportError:  # torch is an optional dependency
 
 pytestmark = pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
 BACKENDS = ["numpy"] + ([] if unavailable_reason("host") else ["host"])
+# Without a usable GPU, asking for one is a bad argument like any other.
+NO_GPU_DEVICES = ["cuda", "cuda:0"] if unavailable_reason("cuda") else []
 
 
 # ---- what a case checks --------------------------------------------------------------------------------------
@@ -311,12 +313,12 @@ def _constructor_cases(rng: random.Random) -> tuple[Callable[[], Any], Any, str]
     if kind == 0:
         key = rng.choice(["verify_capacity", "device"])
         value = rng.choice([*BAD_SCALARS, 0, -5]) if key == "verify_capacity" else rng.choice(
-            ["gpu", "cuda:x", "tpu:0", 3, None, "cpu:"])
+            ["gpu", "cuda:x", "tpu:0", 3, None, "cpu:", *NO_GPU_DEVICES])
         args = {"verify_capacity": 8, key: value}
         return lambda: kc.VerifyPlan.allocate(**args), None, f"VerifyPlan.allocate {args}"
     if kind == 1:
         key = rng.choice(["write_req_capacity", "device"])
-        value = rng.choice([*BAD_SCALARS, 0, -1]) if key == "write_req_capacity" else rng.choice(["gpu", 0, "cuda:-1"])
+        value = rng.choice([*BAD_SCALARS, 0, -1]) if key == "write_req_capacity" else rng.choice(["gpu", 0, "cuda:-1", *NO_GPU_DEVICES])
         args = {"write_req_capacity": 4, key: value}
         return lambda: kc.WritePlan.allocate(**args), None, f"WritePlan.allocate {args}"
     if kind == 2:
@@ -328,7 +330,7 @@ def _constructor_cases(rng: random.Random) -> tuple[Callable[[], Any], Any, str]
             "real_kv_sources": [None, 3, [None], ("source",), (object(),) * 5],
             "real_kv_hash_mode": [7, -1, "ALL", None, 1.0, True],
             "slot_stride_bytes": [31, 36, 0, *BAD_SCALARS], "enable_chain_position_assert": [1, "yes", None],
-            "device": ["gpu", 7, "cuda:zero"],
+            "device": ["gpu", 7, "cuda:zero", *NO_GPU_DEVICES],
         }[key]
         args = {"num_slots": 8, key: rng.choice(value)}
         return lambda: kc.VerifyOrWriteContext.allocate(**args), None, f"VerifyOrWriteContext.allocate {args}"
