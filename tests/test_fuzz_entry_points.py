@@ -318,7 +318,8 @@ def _constructor_cases(rng: random.Random) -> tuple[Callable[[], Any], Any, str]
         return lambda: kc.VerifyPlan.allocate(**args), None, f"VerifyPlan.allocate {args}"
     if kind == 1:
         key = rng.choice(["write_req_capacity", "device"])
-        value = rng.choice([*BAD_SCALARS, 0, -1]) if key == "write_req_capacity" else rng.choice(["gpu", 0, "cuda:-1", *NO_GPU_DEVICES])
+        devices = ["gpu", 0, "cuda:-1", *NO_GPU_DEVICES]
+        value = rng.choice([*BAD_SCALARS, 0, -1]) if key == "write_req_capacity" else rng.choice(devices)
         args = {"write_req_capacity": 4, key: value}
         return lambda: kc.WritePlan.allocate(**args), None, f"WritePlan.allocate {args}"
     if kind == 2:
