@@ -323,8 +323,9 @@ def prepare_plan_launch(
     named += [(f"verify_plan_out.{f.name}", getattr(verify, f.name)) for f in dataclasses.fields(verify)]
     named += [(f"write_plan_out.{f.name}", getattr(write, f.name)) for f in dataclasses.fields(write)]
     device = same_device(named)
-    outputs = len(dataclasses.fields(verify)) + len(dataclasses.fields(write))
-    check_memory(outputs=named[-outputs:], inputs=named[:-outputs])
+    is_output = [name.startswith(("verify_plan_out.", "write_plan_out.")) for name, _ in named]
+    check_memory(outputs=[a for a, out in zip(named, is_output, strict=True) if out],
+                 inputs=[a for a, out in zip(named, is_output, strict=True) if not out])
     return PlanLaunch(
         req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend, req_to_token=rtt,
         full_to_swa_index_mapping=lut, req_to_verify_expected_tokens=pool,
