@@ -42,4 +42,4 @@ def test_cuda_allocation_without_cupy_is_a_clear_error(device):
         f"kc.VerifyPlan.allocate(verify_capacity=4, device={device!r})\n"
     )
     assert result.returncode != 0
-    assert "ValueError: kv-canary: device=" in result.stderr and "needs CuPy" in result.stderr
+    assert "CanaryArgumentError: kv-canary: device=" in result.stderr and "needs CuPy" in result.stderr
