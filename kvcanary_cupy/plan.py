@@ -27,8 +27,10 @@ _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 def _allocate(device: Any, shape: int, dtype: type, fill: int | None = None) -> Any:
     """One plan array on ``device`` ("cpu" -> NumPy, "cuda"/"cuda:N" -> CuPy)."""
     dev = str(device)
+    xp: Any = np
+    index = ""
     if dev == "cpu":
-        xp, index = np, None
+        pass
     elif dev == "cuda" or dev.startswith("cuda:"):
         from .dlpack import cupy_module
 
