@@ -258,7 +258,8 @@ def _check_case(path: Path, meta: dict[str, Any], arrays: dict[str, np.ndarray])
         # JSON true/false load as bool, a subclass of int: an int field takes no bool, a bool field no int.
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise bad(f"{where}.{name}", f"must be {'an object' if kind is dict else kind.__name__}, got {value!r}")
-        if (low is not None and int(value) < low) or (high is not None and int(value) > high):
+        number: Any = value  # an int here whenever a bound is given
+        if (low is not None and number < low) or (high is not None and number > high):
             raise bad(f"{where}.{name}", f"must lie in [{low}, {high}], got {value}")
         return value
 
