@@ -459,6 +459,20 @@ def test_reference_write_under_aliasing_is_sglangs_in_order_result(case):
     _same_as_oracle(_run_aliased(case, "numpy"), _oracle_aliased(case), ordered_rows=True)
 
 
+@settings(max_examples=150)
+@given(aliased_writes())
+def test_reference_write_in_many_chunks_under_aliasing_is_the_in_order_result(case):
+    """Overlapping token ranges are written in chunks of requests; with the smallest chunks, a request seeds
+    from writes of earlier chunks as well as of its own chunk."""
+    from unittest import mock
+
+    from kvcanary_cupy.backends import numpy_chain
+
+    with mock.patch.object(numpy_chain, "_MIN_CHUNK_ENTRIES", 1):
+        ctx = _run_aliased(case, "numpy")
+    _same_as_oracle(ctx, _oracle_aliased(case), ordered_rows=True)
+
+
 @pytest.mark.skipif(HOST is not None, reason=f"host: {HOST}")
 @settings(max_examples=150)
 @given(aliased_writes(for_host=True))
