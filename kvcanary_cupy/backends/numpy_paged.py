@@ -30,16 +30,16 @@ def _spans(launch, reqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
         b = paged.indptr[reqs + 1].astype(np.int64)
         bad = (a < 0) | (b < a) | (b > paged.ids.shape[0])
         bit = int(PlanStatus.PAGE_INDPTR_INVALID)
+        if not bad.any():
+            return a, b - a, np.zeros(reqs.shape[0], np.int64)
     else:
         rows, width = paged.ids.shape
-        a = reqs if paged.batch_rows else launch.req_pool_indices[reqs]
-        bad = (a < 0) | (a >= rows)
-        b = a + 1
-        a = a * width
-        b = b * width
+        row = reqs if paged.batch_rows else launch.req_pool_indices[reqs]
+        if not row.size or (int(row.min()) >= 0 and int(row.max()) < rows):
+            return row * width, np.full(row.shape[0], width, np.int64), np.zeros(row.shape[0], np.int64)
+        bad = (row < 0) | (row >= rows)
+        a, b = row * width, (row + 1) * width
         bit = int(PlanStatus.REQ_POOL_INDEX_OUT_OF_RANGE)
-    if not bad.any():
-        return a, b - a, np.zeros(reqs.shape[0], np.int64)
     return np.where(bad, 0, a), np.where(bad, 0, b - a), np.where(bad, bit, 0)
 
 
