@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--cooldown", type=_non_negative, default=None, metavar="N",
                      help="last steps without new faults (default: min(16, steps/5))")
     sim.add_argument("--ring-capacity", type=_positive, default=16384, metavar="ROWS",
-                     help="violation ring rows per model (default: 16384)")
+                     help="violation ring rows per canary group (default: 16384)")
     sim.add_argument("--json", metavar="PATH", help="write the report as JSON (schema: kvcanary_cupy.sim.report)")
     sim.add_argument("--html", metavar="PATH", help="write an HTML report with a plot")
     sim.add_argument("--dump-failures", metavar="DIR",

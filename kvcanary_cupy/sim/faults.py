@@ -28,7 +28,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..constants import FailReason
-from .engine import Batch, Engine, Request
+from .engine import Engine
+from .requests import Batch, Request
 
 R = FailReason
 VERIFY_ANY = int(R.VERIFY_CHAIN_HASH_MISMATCH | R.VERIFY_POSITION_MISMATCH | R.VERIFY_REAL_KV_HASH_MISMATCH

@@ -47,13 +47,10 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 from ..constants import reason_names
 from .faults import FAULT_KINDS
-
-if TYPE_CHECKING:
-    from .runner import Simulation
 
 SCHEMA_ID = "kvcanary-sim-report/1"
 
@@ -177,7 +174,9 @@ def short_reason(name: str) -> str:
     return label.lower().replace("_", "-")
 
 
-def build_report(sim: Simulation) -> dict[str, Any]:
+def build_report(sim: Any) -> dict[str, Any]:
+    """The report of a finished :class:`~kvcanary_cupy.sim.runner.Simulation` (passed in, not imported: the
+    runner imports this module)."""
     cfg, eng = sim.cfg, sim.engine
     faults = sim.tracker.faults
     kinds = []
@@ -208,16 +207,13 @@ def build_report(sim: Simulation) -> dict[str, Any]:
     fp_total = sum(tl["false_positives"])
     status_names = _status_names(sim.status_bits)
     passed = (all(k["status"] == "detected" for k in kinds) and fp_total == 0 and not sim.status_bits
-              and sim.dropped == 0)
+              and sim.dropped == 0 and not sim.health_problems)
 
     steps = max(1, sim.steps_run)
     ms = {phase: 1000.0 * sim.timer.wall.get(phase, 0.0) / steps
           for phase in ("scatter", "plan", "verify", "write", "sweep", "read", "engine")}
     device = sim.timer.device_seconds()
-    totals = {"verify_entries": 0, "write_entries": 0, "launches": 0}
-    for group in sim.groups:
-        for key, value in group.counters().items():
-            totals[key] += value
+    totals = sim.canary_counters()
     verify_time = sim.timer.wall.get("verify", 0.0) + sim.timer.wall.get("sweep", 0.0)
     stats = dict(eng.stats)
     stats.update(steps_run=sim.steps_run, sweeps=sim.sweeps)
