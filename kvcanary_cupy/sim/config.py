@@ -12,6 +12,8 @@ from ..backends import BACKEND_NAMES, available_backends, unavailable_reason
 from .faults import FAULT_KINDS
 from .workload import WorkloadShape
 
+LAYOUTS = ("token", "block", "csr")
+
 # ---- presets -----------------------------------------------------------------------------------------------
 
 
@@ -74,6 +76,7 @@ class SimConfig:
     ring_capacity: int = 16384  # per canary group
     dump_dir: str | None = None
     canary_mode: str = "log"  # the runtime's mode: "log" (attribute every row) or "raise" (stop at the first)
+    layout: str = "token"  # the slot layout the plan reads: token (req_to_token), block (block table), csr
 
     @property
     def cooldown(self) -> int:
@@ -95,6 +98,8 @@ class SimConfig:
             raise ValueError("--warmup and --cooldown must be >= 0")
         if self.ring_capacity < 1:
             raise ValueError(f"--ring-capacity must be >= 1, got {self.ring_capacity}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"--layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         if self.canary_mode not in ("log", "raise"):
             raise ValueError(f"canary_mode must be 'log' or 'raise', got {self.canary_mode!r}")
         if self.backend not in ("auto", *BACKEND_NAMES):
