@@ -147,7 +147,7 @@ class Engine:
         self.tree = RadixTree()
         self.swa = cfg.swa_window > 0
         self.lut_host = np.zeros(cfg.num_slots + 1, np.int64)
-        self.lut = xp.zeros(cfg.num_slots + 1, np.int64) if self.swa else None
+        self.lut: Any = xp.zeros(cfg.num_slots + 1, np.int64) if self.swa else None
         self.swa_alloc = SlotAllocator(cfg.swa_slots) if self.swa else None
         self.swa_owner = np.zeros(max(cfg.swa_slots, 1), np.int64)  # SWA slot -> full slot that holds it
         words, layers = cfg.kv_words_per_token, cfg.num_layers
@@ -185,7 +185,7 @@ class Engine:
 
     def holders(self, slot: int) -> list[tuple[np.ndarray, int]]:
         """Every (slot sequence, position) at which ``slot`` is held: live requests and cached paths."""
-        out = []
+        out: list[tuple[np.ndarray, int]] = []
         for req in self.running:
             held = req.slots[: req.assigned]
             out.extend((held, int(p)) for p in np.flatnonzero(held == slot))
@@ -314,7 +314,7 @@ class Engine:
             self._rtt_dirty.clear()
         if self._lut_dirty:
             idx = np.fromiter(sorted(self._lut_dirty), np.int64)
-            self.lut[xp.asarray(idx)] = xp.asarray(self.lut_host[idx])  # type: ignore[index]
+            self.lut[xp.asarray(idx)] = xp.asarray(self.lut_host[idx])
             self._lut_dirty.clear()
 
     # -- scheduling ----------------------------------------------------------------------------------------
@@ -379,14 +379,14 @@ class Engine:
                 rows.append((req, take))
                 budget -= take
         while budget > 0 and self.waiting and len(self.running) < self.cfg.max_running:
-            req = self._admit(self.waiting[0], step)
-            if req is None:
+            new = self._admit(self.waiting[0], step)
+            if new is None:
                 break
             self.waiting.popleft()
-            self.prefilling.append(req)
-            admitted.append(req)
-            take = min(budget, req.prompt_len - req.computed)
-            rows.append((req, take))
+            self.prefilling.append(new)
+            admitted.append(new)
+            take = min(budget, new.prompt_len - new.computed)
+            rows.append((new, take))
             budget -= take
         rows.extend((req, 1) for req in self.decoding)
 
@@ -547,7 +547,7 @@ class Engine:
                 done.append(req)
         for req in done:
             self._finish(req, batch.step)
-        still = []
+        still: list[Request] = []
         for req in self.prefilling:
             if req in done:
                 continue

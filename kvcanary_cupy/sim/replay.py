@@ -3,7 +3,7 @@
 During a simulation with ``--dump-failures DIR`` the :class:`LaunchRecorder` keeps host copies of every
 launch's inputs for the current and the previous step (violations are read one step late). When the first
 violation explaining a fault kind is read, the launch that produced it is saved as
-``DIR/<kind>-step<N>-<TAG>-<op>.npz``:
+``DIR/<kind>-seed<S>-step<N>-<TAG>-<op>.npz`` (the seed keeps runs from overwriting each other):
 
 * ``meta`` — a JSON string: format, kind, step, model (target/draft), group, launch tag, op (verify/write),
   role, the backend it ran on, hash mode, real-KV source geometry, flags (``check_verify_expected_token``,
@@ -200,7 +200,7 @@ class LaunchRecorder:
                     arrays[key] = value
         arrays["expected_rows"] = np.asarray(same, np.int64).reshape(-1, 8)
         arrays["meta"] = np.array(json.dumps(meta))
-        path = self.dir / f"{kind}-step{launch_step}-{tag}-{op}.npz"
+        path = self.dir / f"{kind}-seed{self.seed}-step{launch_step}-{tag}-{op}.npz"
         np.savez_compressed(path, **arrays)
         self.dumped[kind] = path
         return path
@@ -329,12 +329,12 @@ def replay_case(case: ReplayCase, backend: str = "host") -> ReplayOutcome:
                                     check_verify_expected_token=bool(m["check_verify_expected_token"]),
                                     backend=backend, on_invalid="flag" if backend == "numpy" else None)
     else:
-        plan = WritePlan.from_tensors(write_offsets=a["write_offsets"].copy(),
-                                      write_seed_slot_indices=a["write_seeds"].copy(),
-                                      write_num_valid_reqs=a["write_num_valid_reqs"].copy())
+        write_plan = WritePlan.from_tensors(write_offsets=a["write_offsets"].copy(),
+                                            write_seed_slot_indices=a["write_seeds"].copy(),
+                                            write_num_valid_reqs=a["write_num_valid_reqs"].copy())
         assert_inputs = bool(m["enable_write_input_assert"])
         launch_canary_write_kernel(
-            context=ctx, plan=plan, input_ids=a["input_ids"], positions=a["positions"],
+            context=ctx, plan=write_plan, input_ids=a["input_ids"], positions=a["positions"],
             out_cache_loc=a["out_cache_loc"], enable_write_input_assert=assert_inputs,
             expected_input_tokens=a["expected_input_tokens"] if assert_inputs else None,
             expected_input_positions=a["expected_input_positions"] if assert_inputs else None,
