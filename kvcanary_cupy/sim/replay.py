@@ -267,7 +267,7 @@ def _recompute_plan(case: ReplayCase, backend: str) -> str | None:
     vp = VerifyPlan.allocate(verify_capacity=meta["verify_capacity"])
     wp = WritePlan.allocate(write_req_capacity=meta["write_req_capacity"])
     slots: dict[str, Any] = {"req_to_token": a.get("in_req_to_token")}
-    rows = a["in_req_pool_indices"]
+    rows: np.ndarray | None = a["in_req_pool_indices"]
     if "layout" in meta:
         spec = dict(meta["layout"])
         cls = {"BlockTable": BlockTable, "PageList": PageList}[spec.pop("kind")]
