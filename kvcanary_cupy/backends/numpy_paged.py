@@ -104,7 +104,8 @@ def _flag_first(launch, bits: np.ndarray, rows: np.ndarray, pos: np.ndarray, fla
 
 
 def seeds(launch, needs_seed: np.ndarray, flag) -> np.ndarray:
-    """Seed slot per batch row: T(slot at prefix - 1) where a seed is needed and every check passes, else -1."""
+    """Seed slot per batch row: T(slot at prefix - 1) where a seed is needed and every check passes, else -1.
+    (Without overflow, :func:`seeds_and_entries` reads them off the entries instead.)"""
     out = np.full(launch.bs, -1, np.int64)
     reqs = np.flatnonzero(needs_seed)
     pos = launch.prefix_lens[reqs] - 1
@@ -122,11 +123,13 @@ def seeds(launch, needs_seed: np.ndarray, flag) -> np.ndarray:
     return out
 
 
-def entries(launch, counts, window_start, verify_offsets, flag):
-    """(slot, expected token, position, prev slot) of every entry; ``counts`` are exact (no overflow).
+def seeds_and_entries(launch, needs_seed, counts, window_start, verify_offsets, flag):
+    """(seeds, (slot, expected token, position, prev slot) of every entry); ``counts`` are exact (no overflow).
 
     Valid batches (every row, position and block id in range: a few reductions over requests and runs
-    tell) skip the per-run status bits altogether.
+    tell) skip the per-run status bits altogether. A request that needs a seed has entries (prefix > 0), and
+    its last entry is at position prefix - 1: the seed is that entry's raw slot, refused by the same checks
+    as the block of that entry (the run's own bits), then translated.
     """
     paged = launch.paged
     size = paged.block_size
@@ -164,17 +167,27 @@ def entries(launch, counts, window_start, verify_offsets, flag):
         head_bits[readable] = bits
 
     ok = None
+    seeded = needs_seed[reqs]
+    seed_reqs = reqs[seeded]
+    seed_raw = slot[verify_offsets[seed_reqs + 1] - 1]  # before finish_entries neutralises or translates
     if not (rows_fine and _ids_inside(paged, block_id) and not head_bits.any()):
-        ok = _entry_checks(launch, owner, pos, req_bits, blocks, req_of_run, block, block_id, run_len,
-                           run_offsets, head_bits, flag)
-    return numpy_plan.finish_entries(
+        ok, run_bits = _entry_checks(launch, owner, pos, req_bits, blocks, req_of_run, block, block_id, run_len,
+                                     run_offsets, head_bits, flag)
+        fine = run_bits[run_offsets[1:] - 1][seeded] == 0
+        seed_reqs, seed_raw = seed_reqs[fine], seed_raw[fine]
+    out = np.full(launch.bs, -1, np.int64)
+    numpy_plan.translate_seeds(out, seed_reqs, seed_raw, launch.full_to_swa_index_mapping, flag,
+                               lambda k: f"the seed slot of batch row {int(seed_reqs[k])} (position "
+                                         f"{int(launch.prefix_lens[seed_reqs[k]]) - 1})")
+    return out, numpy_plan.finish_entries(
         launch, verify_offsets, counts, owner, window_start, pos, slot, head_prev, ok, flag,
         lambda r, at: f"slot {_slot_at(launch, r, at)} (batch row {r}, position {at})")
 
 
 def _entry_checks(launch, owner, pos, req_bits, blocks, req_of_run, block, block_id, run_len, run_offsets,
-                  head_bits, flag) -> np.ndarray:
-    """Per-entry mask of the layout's checks (True = fine); flags the first failure of each bit."""
+                  head_bits, flag) -> tuple[np.ndarray, np.ndarray]:
+    """Per-entry mask of the layout's checks (True = fine) and each run's own bits (its block's checks);
+    flags the first failure of each bit."""
     paged = launch.paged
     run_bits = np.where(req_bits[req_of_run] != 0, req_bits[req_of_run],
                         _block_bits(paged, block >= blocks[req_of_run], block_id))
@@ -191,4 +204,4 @@ def _entry_checks(launch, owner, pos, req_bits, blocks, req_of_run, block, block
     bits[run_starts] = first_bits
     if bits.any():
         _flag_first(launch, bits, owner, pos, flag)
-    return bits == 0
+    return bits == 0, run_bits
