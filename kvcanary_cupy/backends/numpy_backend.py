@@ -6,6 +6,7 @@ from typing import Any
 
 from .numpy_chain import scatter_reference, verify_reference, write_reference
 from .numpy_plan import plan_reference
+from .numpy_transfer import gather_records_reference, scatter_records_reference
 
 
 class NumpyBackend:
@@ -28,3 +29,9 @@ class NumpyBackend:
 
     def scatter(self, launch: Any) -> None:
         scatter_reference(launch, self.on_invalid)
+
+    def gather_records(self, launch: Any) -> None:
+        gather_records_reference(launch, self.on_invalid)
+
+    def scatter_records(self, launch: Any) -> None:
+        scatter_records_reference(launch, self.on_invalid)
