@@ -67,3 +67,5 @@ def test_the_command_line_takes_a_layout(capsys):
     assert "backend numpy, csr layout" in " ".join(capsys.readouterr().out.split())  # the table may wrap
     assert main(["simulate", "--layout", "paged"]) == 2
     assert "argument --layout: invalid choice: 'paged'" in capsys.readouterr().err
+    assert main(["simulate", "--disaggregated", "--layout", "csr"]) == 2
+    assert "--layout does not apply to --disaggregated" in capsys.readouterr().err

@@ -306,7 +306,7 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
 
 def headline(report: dict[str, Any]) -> str:
     c = report["config"]
-    layout = c["engine"]["layout"]
+    layout = c["engine"].get("layout", "token")  # reports that embed this one (disaggregated) nest their engines
     return (f"kv-canary: preset {c['preset']}, {report['workload']['steps_run']} steps, "
             f"{c['requests']} requests, seed {c['seed']}, backend {report['cost']['backend']}"
             + ("" if layout == "token" else f", {layout} layout"))
