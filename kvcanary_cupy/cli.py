@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="inject a fault kind (repeatable; 'all' for every kind)")
     sim.add_argument("--sweep-interval", type=_non_negative, default=8, metavar="N",
                      help="verify every prefix-cache slot every N steps (0: never; default: 8)")
+    sim.add_argument("--layout", choices=["token", "block", "csr"], default="token",
+                     help="slot layout the plan reads: token (SGLang's req_to_token), block (a batch-row block "
+                     "table, vLLM-style) or csr (page lists, FlashInfer-style) (default: token)")
     sim.add_argument("--with-v", action="store_true", help="add V endpoints next to K")
     sim.add_argument("--real-kv-hash", choices=["all", "partial"], default="all",
                      help="bytes of real KV fingerprinted per slot: all, or the first 16 (default: all)")
@@ -265,7 +268,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                         backend=args.backend, inject=inject, sweep_interval=args.sweep_interval,
                         with_v=args.with_v, real_kv_hash=args.real_kv_hash, warmup_steps=args.warmup,
                         cooldown_steps=args.cooldown, ring_capacity=args.ring_capacity,
-                        dump_dir=args.dump_failures)
+                        dump_dir=args.dump_failures, layout=args.layout)
         sim = Simulation(cfg)
     except (ValueError, OSError) as exc:
         raise BadArguments(str(exc)) from None
@@ -289,6 +292,8 @@ def _cmd_simulate_disaggregated(args: argparse.Namespace) -> int:
     from .sim.faults import parse_inject
 
     try:
+        if args.layout != "token":
+            raise ValueError("--layout does not apply to --disaggregated (its engines keep req_to_token)")
         for option, given in (("--dump-failures", args.dump_failures), ("--cooldown", args.cooldown)):
             if given is not None:
                 raise ValueError(f"{option} does not apply to --disaggregated")

@@ -12,6 +12,8 @@ from ..backends import BACKEND_NAMES, available_backends, unavailable_reason
 from .faults import FAULT_KINDS
 from .workload import WorkloadShape
 
+LAYOUTS = ("token", "block", "csr")
+
 # ---- presets -----------------------------------------------------------------------------------------------
 
 
@@ -80,6 +82,7 @@ class SimConfig:
     ring_capacity: int = 16384  # per canary group
     dump_dir: str | None = None
     canary_mode: str = "log"  # the runtime's mode: "log" (attribute every row) or "raise" (stop at the first)
+    layout: str = "token"  # the slot layout the plan reads: token (req_to_token), block (block table), csr
 
     @property
     def cooldown(self) -> int:
@@ -106,6 +109,8 @@ class SimConfig:
             raise ValueError("--warmup and --cooldown must be >= 0")
         if not 1 <= self.ring_capacity <= MAX_RING_CAPACITY:
             raise ValueError(f"--ring-capacity must lie in [1, {MAX_RING_CAPACITY}], got {self.ring_capacity}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"--layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         if self.canary_mode not in ("log", "raise"):
             raise ValueError(f"canary_mode must be 'log' or 'raise', got {self.canary_mode!r}")
         if self.backend not in ("auto", *BACKEND_NAMES):

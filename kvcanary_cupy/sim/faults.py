@@ -562,7 +562,7 @@ class StaleExpectedTokens(FaultKind):
         for req in batch.admitted:
             # the prompt is verified at the latest by the first decode step (which needs a second output token)
             if req.recycled and req.spec.output_len >= 2 and np.any(
-                    eng.pool_host[req.rp, : req.prompt_len] != req.tokens[: req.prompt_len]):
+                    eng.pool_host[eng.pool_row(batch, req), : req.prompt_len] != req.tokens[: req.prompt_len]):
                 options.append(req)
         if not options:
             return None

@@ -14,8 +14,9 @@ violation explaining a fault kind is read, the launch that produced it is saved 
   ``plan_num_valid``, ``plan_enable``; write: ``write_offsets``, ``write_seeds``, ``write_num_valid_reqs``,
   ``input_ids``, ``positions``, ``out_cache_loc``, ``expected_input_tokens``, ``expected_input_positions``;
 * HEAD/TAIL launches: the plan inputs ``in_req_pool_indices``, ``in_prefix_lens``, ``in_extend_seq_lens``,
-  ``in_req_to_token``, ``in_expected_pool``, ``in_valid_lens`` (and ``in_lut`` for SWA), and the plan the
-  engine computed (``plan_*``/``write_*`` above), so a replay can also check the plan kernels;
+  ``in_req_to_token`` (or, for a block table / CSR layout, its arrays ``in_layout_<field>`` and its scalars in
+  the plan meta's ``layout``), ``in_expected_pool``, ``in_valid_lens`` (and ``in_lut`` for SWA), and the plan
+  the engine computed (``plan_*``/``write_*`` above), so a replay can also check the plan kernels;
 * ``expected_rows`` — the violation rows that launch produced (int64 ``[n, 8]``).
 
 :func:`replay_case` rebuilds a fresh context from those arrays, recomputes the plan when its inputs are there,
@@ -39,6 +40,7 @@ import numpy as np
 from .._errors import CanaryArgumentError
 from ..constants import CANARY_SLOT_BYTES, MAX_REAL_KV_SOURCES, FailReason, RealKvHashMode
 from ..context import RealKvSource, VerifyOrWriteContext
+from ..layouts import BlockTable, PageList
 from ..plan import VerifyPlan, WritePlan, launch_canary_plan_kernels
 from ..verify import launch_canary_verify_kernel
 from ..violations import ViolationReport, read_violations, to_host
@@ -69,13 +71,17 @@ class LaunchRecorder:
         self._plans: dict[tuple[int, str], dict[str, Any]] = {}
         self._step = 0
         self._req_to_token: Any = None
+        self._layout: BlockTable | PageList | None = None
         self._expected_pool: Any = None
         self._check_tokens = False
         self.dumped: dict[str, Path] = {}
 
-    def attach(self, *, req_to_token: Any, expected_pool: Any, check_tokens: bool) -> None:
-        """The engine's slot table and the runtime's expected-token pool (plan inputs of every group)."""
+    def attach(self, *, req_to_token: Any, expected_pool: Any, check_tokens: bool,
+               layout: BlockTable | PageList | None = None) -> None:
+        """The engine's slot table (or the block table / page lists the plan reads instead) and the runtime's
+        expected-token pool (plan inputs of every group)."""
         self._req_to_token, self._expected_pool, self._check_tokens = req_to_token, expected_pool, check_tokens
+        self._layout = layout
 
     def begin_step(self, step: int) -> None:
         self._step = step
@@ -99,7 +105,7 @@ class LaunchRecorder:
         vp, wp, spec = group.verify_plan, group.write_plan, group.spec
         arrays = {
             "in_req_pool_indices": _h(stage.view("req_pool_indices")), "in_prefix_lens": _h(stage.view("prefix_lens")),
-            "in_extend_seq_lens": _h(stage.view("extend_seq_lens")), "in_req_to_token": _h(self._req_to_token),
+            "in_extend_seq_lens": _h(stage.view("extend_seq_lens")),
             "in_expected_pool": _h(self._expected_pool), "in_valid_lens": _h(stage.view("valid_lens")),
             "plan_slots": _h(vp.verify_slot_indices), "plan_expected_tokens": _h(vp.verify_expected_tokens),
             "plan_expected_positions": _h(vp.verify_expected_positions),
@@ -109,9 +115,20 @@ class LaunchRecorder:
         }
         if spec.full_to_swa_index_mapping is not None:
             arrays["in_lut"] = _h(spec.full_to_swa_index_mapping)
-        meta = {"swa_window": spec.swa_window, "offset": spec.kv_token_id_vs_position_offset,
-                "verify_capacity": int(vp.verify_slot_indices.shape[0]),
-                "write_req_capacity": int(wp.write_seed_slot_indices.shape[0])}
+        meta: dict[str, Any] = {"swa_window": spec.swa_window, "offset": spec.kv_token_id_vs_position_offset,
+                                "verify_capacity": int(vp.verify_slot_indices.shape[0]),
+                                "write_req_capacity": int(wp.write_seed_slot_indices.shape[0])}
+        layout = self._layout
+        if layout is None:
+            arrays["in_req_to_token"] = _h(self._req_to_token)
+        else:
+            scalars = {}
+            for name, value in vars(layout).items():
+                if isinstance(value, (int, bool)) or value is None:
+                    scalars[name] = value
+                else:
+                    arrays[f"in_layout_{name}"] = _h(value)
+            meta["layout"] = {"kind": type(layout).__name__, **scalars}
         self._plans[(step, group.name)] = {"arrays": arrays, "meta": meta}
 
     def _context(self, ctx: VerifyOrWriteContext) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -365,13 +382,23 @@ class ReplayOutcome:
 
 def _recompute_plan(case: ReplayCase, backend: str) -> str | None:
     a, meta = case.arrays, case.meta.get("plan")
-    if meta is None or "in_req_to_token" not in a:
+    if meta is None or ("in_req_to_token" not in a and "layout" not in meta):
         return None
     vp = VerifyPlan.allocate(verify_capacity=meta["verify_capacity"])
     wp = WritePlan.allocate(write_req_capacity=meta["write_req_capacity"])
+    slots: dict[str, Any] = {"req_to_token": a.get("in_req_to_token")}
+    rows: np.ndarray | None = a["in_req_pool_indices"]
+    if "layout" in meta:
+        spec = dict(meta["layout"])
+        cls = {"BlockTable": BlockTable, "PageList": PageList}[spec.pop("kind")]
+        fields = {k.removeprefix("in_layout_"): v for k, v in a.items() if k.startswith("in_layout_")}
+        layout = cls(**fields, **spec)
+        slots = {"layout": layout}
+        if isinstance(layout, PageList) or layout.batch_rows:
+            rows = None  # a batch-row layout: the runtime launched it without request rows
     launch_canary_plan_kernels(
-        verify_plan_out=vp, write_plan_out=wp, req_pool_indices=a["in_req_pool_indices"],
-        prefix_lens=a["in_prefix_lens"], extend_seq_lens=a["in_extend_seq_lens"], req_to_token=a["in_req_to_token"],
+        verify_plan_out=vp, write_plan_out=wp, req_pool_indices=rows,
+        prefix_lens=a["in_prefix_lens"], extend_seq_lens=a["in_extend_seq_lens"], **slots,
         swa_window_size=meta["swa_window"], full_to_swa_index_mapping=a.get("in_lut"),
         verify_capacity=meta["verify_capacity"], req_to_verify_expected_tokens=a["in_expected_pool"],
         req_to_verify_expected_tokens_valid_lens=a["in_valid_lens"],
