@@ -79,4 +79,6 @@ def run(device: str) -> kc.ViolationReport:
 
 if __name__ == "__main__":
     where = sys.argv[1] if len(sys.argv) > 1 else "cuda"
+    if where == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device for torch here: 'python examples/cuda_graph.py cpu' runs the same bound launches")
     print(run(where).table())

@@ -1,8 +1,8 @@
 """Scalar oracle of the plan step for the paged layouts (block tables and CSR page lists).
 
-Written request by request, position by position, from the layout rules (README "Slot layouts",
-/work/coord/layout_api.md): no vectorisation and nothing shared with the package but its layout dataclasses,
-used as plain containers. Returns :class:`oracle.PlanExpect`, so the same comparison helpers apply.
+Written request by request, position by position, from the layout rules (README "Slot layouts", the
+docstrings of kvcanary_cupy/layouts.py): no vectorisation and nothing shared with the package but its layout
+dataclasses, used as plain containers. Returns :class:`oracle.PlanExpect`, so the same comparison helpers apply.
 """
 
 from __future__ import annotations

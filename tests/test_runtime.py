@@ -364,6 +364,23 @@ def test_the_sweep_finds_a_corruption_only_the_prefix_cache_holds(backend):
     assert rt.stats()["sweeps"] == 2 and rt.stats()["swept_slots"] == 4 + (4 + 5)
 
 
+@pytest.mark.parametrize(("answer", "message"), [
+    (None, "must return (slots, positions, prev_slots)"),
+    ((np.array([1, 2]),) * 2, "must return (slots, positions, prev_slots)"),
+    ((np.array([1.7]), np.array([0]), np.array([-1])), "slots must be a 1-D integer host array"),
+    ((np.array([1]), np.array([[0]]), np.array([-1])), "positions must be a 1-D integer host array"),
+    ((np.array([1, 2]), np.array([0, 1]), np.array([-1])), "2 slots but 2 positions and 1 prev slots"),
+])
+def test_a_sweep_source_answer_that_names_no_slots_is_refused_before_any_launch(answer, message):
+    engine = sc.ToyEngine()
+    rt = CanaryRuntime.create(CanaryConfig(sweep_interval=1, logger=LOGGER), engine.pools(),
+                              Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS),
+                              sweep_source=lambda: answer)
+    with pytest.raises(CanaryArgumentError, match=re.escape(message)):
+        rt.sweep()
+    assert rt.stats()["sweeps"] == 0
+
+
 def test_the_chain_position_assert_waits_for_mark_init_finished():
     def shift(step):
         def hook(sb):
@@ -431,6 +448,9 @@ def test_creation_validates_the_description():
     engine = sc.ToyEngine()
     with pytest.raises(CanaryArgumentError, match=re.escape("CanaryConfig.mode")):
         CanaryConfig(mode="loud")
+    for not_a_mode in (True, 1.5, "most"):
+        with pytest.raises(CanaryArgumentError, match=re.escape("CanaryConfig.real_kv_hash_mode")):
+            CanaryConfig(real_kv_hash_mode=not_a_mode)
     with pytest.raises(CanaryArgumentError, match=re.escape("Capacities.max_tokens")):
         Capacities(max_batch_size=1, max_tokens=0)
     with pytest.raises(CanaryArgumentError, match="req_to_token or layout"):

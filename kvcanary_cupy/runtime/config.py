@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .._errors import fail
 from .._validate import bool_arg, int_arg
 from ..backends import BACKEND_NAMES
@@ -16,13 +18,15 @@ _HASH_MODES = {"none": RealKvHashMode.NONE, "partial": RealKvHashMode.PARTIAL, "
 
 
 def hash_mode(value: Any, name: str) -> RealKvHashMode:
+    """``value`` ("none" / "partial" / "all", a :class:`RealKvHashMode` or its int) as the enum; a bool or a
+    float is refused rather than read as a mode number."""
     if isinstance(value, str):
         if value.lower() in _HASH_MODES:
             return _HASH_MODES[value.lower()]
-    else:
+    elif isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         try:
             return RealKvHashMode(int(value))
-        except (TypeError, ValueError):
+        except ValueError:
             pass
     fail(f"{name} must be one of none, partial, all (or a RealKvHashMode), got {value!r}")
 

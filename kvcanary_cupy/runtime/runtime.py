@@ -45,6 +45,27 @@ class SweepSource(Protocol):
     def __call__(self) -> tuple[Any, Any, Any]: ...
 
 
+def _sweep_entries(answer: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A sweep source's answer as three int64 host vectors of one length. Refused rather than converted: a
+    float or 2-D array would otherwise be truncated or flattened into slots the engine never named."""
+    if not isinstance(answer, (tuple, list)) or len(answer) != 3:
+        fail(f"sweep_source must return (slots, positions, prev_slots), got {type(answer).__name__}")
+    out = []
+    for name, value in zip(("slots", "positions", "prev_slots"), answer, strict=True):
+        try:
+            arr = np.asarray(value)
+        except (TypeError, ValueError, RuntimeError) as exc:  # e.g. a CUDA tensor
+            fail(f"sweep_source's {name} must be a host array: {exc}")
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            fail(f"sweep_source's {name} must be a 1-D integer host array, got {arr.dtype.name} {arr.shape}")
+        out.append(arr.astype(np.int64, copy=False))
+    slots, positions, prevs = out
+    if not slots.shape[0] == positions.shape[0] == prevs.shape[0]:
+        fail(f"sweep_source returned {slots.shape[0]} slots but {positions.shape[0]} positions and "
+             f"{prevs.shape[0]} prev slots")
+    return slots, positions, prevs
+
+
 @dataclass(frozen=True)
 class LaunchEvent:
     """Passed to the ``observer`` hook around every launch (debugging and recording tools only)."""
@@ -490,11 +511,8 @@ class CanaryRuntime:
         endpoints, in chunks of the sweep capacity; returns the number of slots. Outside any graph."""
         if not self.enabled or self.sweep_source is None:
             return 0
-        slots, positions, prevs = (np.asarray(a, np.int64).reshape(-1) for a in self.sweep_source())
+        slots, positions, prevs = _sweep_entries(self.sweep_source())
         n = int(slots.shape[0])
-        if positions.shape[0] != n or prevs.shape[0] != n:
-            fail(f"sweep_source returned {n} slots but {positions.shape[0]} positions and {prevs.shape[0]} "
-                 "prev slots")
         if n == 0:
             return 0
         space, xp, cap = self.space, self.space.xp, self._sweep_capacity
