@@ -50,8 +50,10 @@ struct TokenRows {
     s->count = width;
     return 0;
   }
+  // pos < 0 never comes from this launch's own offsets; the check keeps a verify_offsets buffer changed
+  // between the two plan kernels (a race outside the contract) from indexing before the row.
   KVC_DEVICE int slot(const Span& s, i64 pos, i64* raw) const {
-    if (pos >= s.count) return kvc::kPlanPrefixBeyondRow;
+    if (pos < 0 || pos >= s.count) return kvc::kPlanPrefixBeyondRow;
     *raw = table[s.base + pos];
     return 0;
   }
@@ -88,7 +90,7 @@ struct PagedRows {
   }
   KVC_DEVICE int slot(const Span& s, i64 pos, i64* raw) const {
     const i64 j = pos / block_size;
-    if (j >= s.count) return kvc::kPlanBeyondBlocks;
+    if (pos < 0 || j >= s.count) return kvc::kPlanBeyondBlocks;  // pos < 0: as in TokenRows::slot
     const i64 id = ids[s.base + j];
     if (id < 0 || id >= num_blocks) return kvc::kPlanBlockOutsideSlots;
     *raw = id * block_stride + (pos - j * block_size);  // id < 2**31 and stride < 2**31: no overflow
