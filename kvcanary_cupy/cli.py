@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -61,7 +62,20 @@ def _kill_drill(text: str) -> tuple[int, int]:
         return int(worker), int(step)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected WORKER@STEP, e.g. 1@5, got {text!r}") from None
+
+
 _non_negative = _int_at_least(0, "an integer >= 0")
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: seconds in (0, one day] (nan, inf or 1e300 would reach the socket timeouts as garbage)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 86400:  # false for nan too
+        raise argparse.ArgumentTypeError(f"expected a number of seconds in (0, 86400], got {text!r}")
+    return value
 
 
 def _seed(text: str) -> int:
@@ -177,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     dis.add_argument("--disaggregated", action="store_true",
                      help="one prefill process + decode workers; transfer faults for --inject")
     dis.add_argument("--decode-workers", type=_positive, default=2, metavar="N", help="decode processes (default: 2)")
-    dis.add_argument("--transfer-timeout", type=float, default=30.0, metavar="S",
+    dis.add_argument("--transfer-timeout", type=_seconds, default=30.0, metavar="S",
                      help="seconds any send, receive or rendezvous may take before the run fails (default: 30)")
     dis.add_argument("--kill-decode-worker", type=_kill_drill, default=None, metavar="W@STEP",
                      help="fault drill: decode worker W kills itself (SIGKILL) at its step STEP; the run must "

@@ -48,6 +48,9 @@ def test_no_command_prints_help_and_fails(capsys):
     (["simulate", "--steps", "1000000000"], "--steps must lie in [1, 100000]"),
     (["simulate", "--inject", "kv-bitflip:1e-320"], "the rate must lie in [1e-06, 1]"),
     (["simulate", "--ring-capacity", "99999999999"], "--ring-capacity must lie in [1, 16777216]"),
+    (["simulate", "--disaggregated", "--transfer-timeout", "nan"], "--transfer-timeout: expected a number of seconds"),
+    (["simulate", "--disaggregated", "--transfer-timeout", "0"], "--transfer-timeout: expected a number of seconds"),
+    (["simulate", "--disaggregated", "--transfer-timeout", "1e300"], "in (0, 86400], got '1e300'"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["replay"], "the following arguments are required: FILE"),
 ])
