@@ -127,9 +127,12 @@ class Simulation:
             self.recorder.attach(req_to_token=self.engine.req_to_token, layout=self.engine.slot_layout(),
                                  expected_pool=self.runtime.expected_token_pool,
                                  check_tokens=self.runtime.config.verify_token_assert)
-        steps = cfg.steps + 1
-        self.timeline = {k: [0] * steps for k in ("violations", "explained", "false_positives", "injected",
-                                                   "detected")}
+        self._clear_findings(cfg.steps)
+
+    def _clear_findings(self, max_steps: int) -> None:
+        """What a run has found so far: nothing yet (timelines of ``max_steps + 1`` read steps)."""
+        self.timeline = {k: [0] * (max_steps + 1) for k in ("violations", "explained", "false_positives",
+                                                            "injected", "detected")}
         self.false_positives: list[dict[str, Any]] = []
         self.by_tag: Counter[str] = Counter()
         self.by_reason: Counter[str] = Counter()

@@ -10,7 +10,6 @@ that the parent merges into the report.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -44,17 +43,7 @@ class SideSimulation(Simulation):
         self.timer = PhaseTimer(self.xp if self.backend == "cuda" else None)
         self.recorder = None
         self.runtime = self._install_canary()
-        self.timeline = {k: [0] * (max_steps + 1) for k in ("violations", "explained", "false_positives",
-                                                             "injected", "detected")}
-        self.false_positives: list[dict[str, Any]] = []
-        self.by_tag: Counter[str] = Counter()
-        self.by_reason: Counter[str] = Counter()
-        self._kinds_detected: set[str] = set()
-        self.status_bits = 0
-        self.dropped = 0
-        self.health_problems: list[str] = []
-        self.steps_run = 0
-        self.wall = 0.0
+        self._clear_findings(max_steps)
         self._start = time.perf_counter()
 
     def finish(self, last_step: int) -> None:
