@@ -38,10 +38,6 @@ class Endpoint:
     verify: BoundLaunch | None = None
     write: BoundLaunch | None = None
 
-    def counter(self, op: str, what: str) -> str:
-        """Scalar name of a run counter: ``op`` verify/write, ``what`` slots/kernels."""
-        return f"{self.tag.name}.{op}.{what}"
-
 
 @dataclass
 class GroupState:
@@ -70,9 +66,6 @@ class GroupState:
     def model(self) -> str:
         return self.spec.model
 
-    def scalar(self, what: str) -> str:
-        return f"{self.name}.{what}"
-
     def all_endpoints(self) -> list[Endpoint]:
         return [ep for role in ROLES for ep in self.endpoints[role]]
 
@@ -90,7 +83,7 @@ def reserve_scalars(scalars: Scalars, group: KvGroup) -> None:
         tag = _tag(role, kv, group)
         for op in ("verify", "write") if role != "SWEEP" else ("verify",):
             for what in ("slots", "kernels"):
-                scalars.reserve(f"{g}:{tag.name}.{op}.{what}", np.int64, 0)
+                scalars.reserve(_counter_key(g, tag, op, what), np.int64, 0)
 
 
 def _endpoint_keys(group: KvGroup) -> list[tuple[str, str]]:
@@ -102,9 +95,13 @@ def _tag(role: str, kv: str, group: KvGroup) -> CanaryLaunchTag:
     return CanaryLaunchTag[f"{role}_{kv}_{group.regime}"]
 
 
+def _counter_key(group_name: str, tag: CanaryLaunchTag, op: str, what: str) -> str:
+    return f"{group_name}:{tag.name}.{op}.{what}"
+
+
 def counter_name(group: GroupState | KvGroup, ep: Endpoint, op: str, what: str) -> str:
-    name = group.name
-    return f"{name}:{ep.counter(op, what)}"
+    """Scalar name of one of ``ep``'s run counters: ``op`` verify/write, ``what`` slots/kernels."""
+    return _counter_key(group.name, ep.tag, op, what)
 
 
 def build_group(group: KvGroup, space: ArraySpace, scalars: Scalars, *, ring_capacity: int, verify_capacity: int,
@@ -135,8 +132,8 @@ def build_group(group: KvGroup, space: ArraySpace, scalars: Scalars, *, ring_cap
                 hash_mode: RealKvHashMode = hash_mode, buf_role: str = buf_role) -> VerifyOrWriteContext:
             return ring.for_endpoint(
                 canary_buf=buffers[(buf_role, kv)], kernel_kind=int(tag), real_kv_sources=tuple(sources),
-                real_kv_hash_mode=hash_mode, slot_run_counter=scalars.owner(f"{g}:{tag.name}.{op}.slots"),
-                kernel_run_counter=scalars.owner(f"{g}:{tag.name}.{op}.kernels"))
+                real_kv_hash_mode=hash_mode, slot_run_counter=scalars.owner(_counter_key(g, tag, op, "slots")),
+                kernel_run_counter=scalars.owner(_counter_key(g, tag, op, "kernels")))
 
         endpoints[role].append(Endpoint(role, kv, tag, ctx("verify"), None if role == "SWEEP" else ctx("write")))
 
