@@ -59,6 +59,8 @@ def _without_timings(lines: list[str]) -> list[str]:
 def test_the_readme_demo_table_is_what_make_demo_prints(monkeypatch, capsys):
     pytest.importorskip("rich")  # the README shows the rich table; `make demo` installs the report extra
     monkeypatch.setenv("COLUMNS", "80")
+    for forcing in ("FORCE_COLOR", "TTY_COMPATIBLE"):  # a CI that forces colour would add escape codes
+        monkeypatch.delenv(forcing, raising=False)
     from kvcanary_cupy.cli import main
 
     # make demo's command, without the report files (their paths are printed, the README leaves them out)
