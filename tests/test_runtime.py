@@ -364,6 +364,18 @@ def test_the_sweep_finds_a_corruption_only_the_prefix_cache_holds(backend):
     assert rt.stats()["sweeps"] == 2 and rt.stats()["swept_slots"] == 4 + (4 + 5)
 
 
+@pytest.mark.parametrize("call", ["prepare", "finish_step", "flush", "check_health", "sweep", "run_counters"])
+def test_the_outside_graph_calls_refuse_to_run_under_capture(call, monkeypatch):
+    engine = sc.ToyEngine()
+    rt = make(engine, sweep_interval=1)
+    batch = engine.step_batch(engine.schedule(0))
+    monkeypatch.setattr(rt.space, "capturing", lambda: True)  # what torch reports during a capture
+    args = (batch,) if call == "prepare" else ()
+    with pytest.raises(CanaryArgumentError, match=re.escape(f"{call}() runs outside CUDA-graph capture")):
+        getattr(rt, call)(*args)
+    assert rt.step == 0 and rt.forwards == {"target": 0}
+
+
 @pytest.mark.parametrize(("answer", "message"), [
     (None, "must return (slots, positions, prev_slots)"),
     ((np.array([1, 2]),) * 2, "must return (slots, positions, prev_slots)"),

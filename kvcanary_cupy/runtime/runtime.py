@@ -238,6 +238,12 @@ class CanaryRuntime:
         if observer is not None:
             observer(LaunchEvent("after", kind, model, group, endpoint, self.stages.get(model)))
 
+    def _outside_capture(self, call: str) -> None:
+        # These calls wait on events, read host memory or validate on the host: inside a capture they would
+        # fail deep in CUDA or bake one step's batch into the graph, so refuse them with a clear error.
+        if self.space.capturing():
+            fail(f"{call}() runs outside CUDA-graph capture; only pre_forward() and post_forward() may be captured")
+
     def _groups_of(self, model: str) -> list[GroupState]:
         groups = self._by_model.get(model)
         if groups is None:
@@ -267,6 +273,7 @@ class CanaryRuntime:
         capacities or breaks a host-visible rule; the runtime's buffers are then untouched."""
         if not self.enabled:
             return
+        self._outside_capture("prepare")
         groups = self._groups_of(model)
         stage = self.stages[model]
         views = stage.validate(batch)
@@ -324,6 +331,7 @@ class CanaryRuntime:
         if not self.enabled:
             self.step += 1
             return StepReport(step, step - 1)
+        self._outside_capture("finish_step")
         with self._timed("read"):
             report = self._consume(step)
         if self.config.sweep_interval and step % self.config.sweep_interval == 0 and self.sweep_source is not None:
@@ -341,6 +349,7 @@ class CanaryRuntime:
         launch after the last :meth:`finish_step`), through the same log/raise path. For shutdown and tests."""
         if not self.enabled:
             return StepReport(self.step, self.step - 1)
+        self._outside_capture("flush")
         with self._timed("read"):
             report = self._consume(self.step)
             self._take_snapshot(self.step)
@@ -494,6 +503,7 @@ class CanaryRuntime:
         reported like those of :meth:`finish_step`). Outside any graph only."""
         if not self.enabled:
             return []
+        self._outside_capture("check_health")
         pending = self._pending
         self.space.synchronize()
         self._take_snapshot(self.step, clear=False)
@@ -511,6 +521,7 @@ class CanaryRuntime:
         endpoints, in chunks of the sweep capacity; returns the number of slots. Outside any graph."""
         if not self.enabled or self.sweep_source is None:
             return 0
+        self._outside_capture("sweep")
         slots, positions, prevs = _sweep_entries(self.sweep_source())
         n = int(slots.shape[0])
         if n == 0:
@@ -548,6 +559,7 @@ class CanaryRuntime:
         Outside any graph only (tests, reports at shutdown)."""
         if not self.enabled:
             return {}
+        self._outside_capture("run_counters")
         host = self.scalars.host_buffers(self.space)
         self.space.synchronize()
         with self.space.scope():
