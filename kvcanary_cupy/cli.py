@@ -102,8 +102,8 @@ examples:
   {PROG} simulate --preset mixed --inject all --steps 200 --requests 48 --seed 7
   {PROG} simulate --preset decode --steps 100             (a clean run must show no violation)
   {PROG} simulate --preset swa --inject swa-early-evict:0.1 --inject kv-bitflip
-  {PROG} simulate --inject all --json report/run.json --html report/run.html --dump-failures report/dumps
-  {PROG} replay report/dumps/kv-bitflip-seed7-step12-TAIL_K_FULL-verify.npz --backend host --sanitize
+  {PROG} simulate --inject all --seed 7 --json report/run.json --html report/run.html --dump-failures report/dumps
+  {PROG} replay report/dumps/kv-bitflip-seed7-step7-TAIL_K_FULL-verify.npz --backend host --sanitize
   {PROG} simulate --disaggregated --decode-workers 2 --inject all --steps 60 --requests 16
 
 fault kinds (--inject KIND[:RATE]; RATE = expected injections per step, default {DEFAULT_RATE};
@@ -131,7 +131,7 @@ with --disaggregated, 1 also when a process died or the run missed its deadline.
 
 REPLAY_EPILOG = f"""\
 examples:
-  {PROG} replay report/dumps/double-alloc-seed7-step9-HEAD_K_FULL-verify.npz
+  {PROG} replay report/dumps/kv-bitflip-seed7-step7-TAIL_K_FULL-verify.npz   (a file 'make demo' writes)
   {PROG} replay FILE --backend host --sanitize     (the kernels under AddressSanitizer + UBSan)
   {PROG} replay FILE --backend numpy               (the NumPy reference instead of the kernels)
 
