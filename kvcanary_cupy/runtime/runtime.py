@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .._errors import fail
+from .._validate import INT64_MAX, array_arg
 from ..bind import BoundLaunch, bind_scatter
 from ..constants import CanaryStatus
 from ..dlpack import first_torch_cuda_tensor
@@ -43,6 +44,24 @@ class SweepSource(Protocol):
     int64 host arrays in the full pool's slot space (``prev`` -1 at a chain head; SGLang walks its radix tree)."""
 
     def __call__(self) -> tuple[Any, Any, Any]: ...
+
+
+def _sweep_arrays(returned: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The sweep source's ``(slots, positions, prev_slots)`` as flat int64 host arrays (any host integer
+    array or list of ints within int64), or a ``kv-canary: `` error naming what is wrong."""
+    if not isinstance(returned, (tuple, list)) or len(returned) != 3:
+        fail(f"sweep_source must return (slots, positions, prev_slots), got {type(returned).__name__}")
+    out = []
+    for name, value in zip(("slots", "positions", "prev_slots"), returned, strict=True):
+        try:
+            arr = np.asarray(value)
+        except Exception as exc:  # a device array, a ragged list...
+            fail(f"sweep_source()'s {name} is not a host integer array ({type(exc).__name__}: {exc})")
+        # ints beyond int64 make an object array; bools and floats are not slots
+        if arr.dtype.kind not in "iu" or (arr.dtype == np.uint64 and arr.size and int(arr.max()) > INT64_MAX):
+            fail(f"sweep_source()'s {name} must hold integers within int64, got {arr.dtype.name}")
+        out.append(arr.astype(np.int64).reshape(-1))
+    return out[0], out[1], out[2]
 
 
 @dataclass(frozen=True)
@@ -99,8 +118,9 @@ class CanaryRuntime:
             fail(f"pools must be a KvPools, got {type(pools).__name__}")
         if not isinstance(capacities, Capacities):
             fail(f"capacities must be a Capacities, got {type(capacities).__name__}")
-        if sweep_source is not None and not callable(sweep_source):
-            fail(f"sweep_source must be callable, got {type(sweep_source).__name__}")
+        for hook, value in (("sweep_source", sweep_source), ("observer", observer), ("timer", timer)):
+            if value is not None and not callable(value):
+                fail(f"{hook} must be callable, got {type(value).__name__}")
         if config.sweep_interval and sweep_source is None:
             fail(f"CanaryConfig.sweep_interval={config.sweep_interval} needs a sweep_source (the slots the prefix "
                  "cache holds)")
@@ -148,7 +168,9 @@ class CanaryRuntime:
         if space.is_cuda and space.framework != "torch" and first_torch_cuda_tensor(pools.engine_arrays()) is not None:
             # the runtime's copies would run on CuPy's stream and the launches on torch's: no ordering between them
             fail("the KV pools hold torch CUDA tensors: create the runtime with framework='torch'")
-        table = pools.req_to_token
+        # validated like the plan will (bind_group), but before its shape sizes the expected-token pool
+        table = None if pools.req_to_token is None else array_arg(pools.req_to_token, "KvPools.req_to_token",
+                                                                  dtype=np.int32, ndim=2)
         pool_shape = None
         if cfg.verify_token_assert:
             rows = caps.pool_rows if caps.pool_rows is not None else (None if table is None else int(table.shape[0]))
@@ -218,7 +240,7 @@ class CanaryRuntime:
             observer(LaunchEvent("after", kind, model, group, endpoint, self.stages.get(model)))
 
     def _groups_of(self, model: str) -> list[GroupState]:
-        groups = self._by_model.get(model)
+        groups = self._by_model.get(model) if isinstance(model, str) else None
         if groups is None:
             fail(f"model must be one of {', '.join(self.models)}, got {model!r}")
         return groups
@@ -490,7 +512,7 @@ class CanaryRuntime:
         endpoints, in chunks of the sweep capacity; returns the number of slots. Outside any graph."""
         if not self.enabled or self.sweep_source is None:
             return 0
-        slots, positions, prevs = (np.asarray(a, np.int64).reshape(-1) for a in self.sweep_source())
+        slots, positions, prevs = _sweep_arrays(self.sweep_source())
         n = int(slots.shape[0])
         if positions.shape[0] != n or prevs.shape[0] != n:
             fail(f"sweep_source returned {n} slots but {positions.shape[0]} positions and {prevs.shape[0]} "
