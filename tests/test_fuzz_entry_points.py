@@ -6,7 +6,10 @@ construction (a wrong dtype, rank, length, type, alignment, contiguity, writabil
 out-of-range scalar, a NumPy subclass, a DLPack producer that fails...). Launchers are called through the
 NumPy and host backends and through ``bind_*``; the allocators, ``from_tensors``, ``RealKvSource``,
 ``for_endpoint``, ``read_violations``, the DLPack bridge and the SGLang compat layer get their own catalogues.
-Thousands of cases per run, drawn from a fixed seed.
+The plan runs under each slot layout (``kvcanary_cupy.layouts``), the record transfer
+(``kvcanary_cupy.transfer``) like a launcher, and the engine runtime (``kvcanary_cupy.runtime``) is created
+from broken configurations and pools and fed broken batches. Thousands of cases per run, drawn from a fixed
+seed.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import kvcanary_cupy as kc
 from kvcanary_cupy.backends import unavailable_reason
 from kvcanary_cupy.bind import bind_plan, bind_scatter, bind_verify, bind_write
 from kvcanary_cupy.dlpack import as_array, as_byte_rows, export
+from kvcanary_cupy.layouts import BlockTable, PageList, TokenTable
+from kvcanary_cupy.runtime import CanaryConfig, CanaryRuntime, Capacities, KvGroup, KvPools, StepBatch
+from kvcanary_cupy.transfer import ReceivedPrefixVerifier, gather_canary_records, scatter_canary_records
 
 try:
     import torch
@@ -42,6 +48,8 @@ def _arrays(value: Any) -> list[Any]:
         return [a for f in dataclasses.fields(value) for a in _arrays(getattr(value, f.name))]
     if isinstance(value, dict):
         return [a for v in value.values() for a in _arrays(v)]
+    if isinstance(value, ReceivedPrefixVerifier):  # its plans: scratch a refused verify must not touch either
+        return _arrays([value.plan, value._write_plan, value._no_extend])
     if isinstance(value, (tuple, list)):
         return [a for v in value for a in _arrays(v)]
     if isinstance(value, np.ndarray) or (torch is not None and isinstance(value, torch.Tensor)):
@@ -149,7 +157,7 @@ def _plan_call() -> dict[str, Any]:
         "extend_seq_lens": np.array([1, 2], np.int64), "req_to_token": rtt, "swa_window_size": 0,
         "full_to_swa_index_mapping": None, "verify_capacity": 16,
         "req_to_verify_expected_tokens": np.zeros((4, 8), np.int32),
-        "req_to_verify_expected_tokens_valid_lens": np.array([4, 4], np.int64),
+        "req_to_verify_expected_tokens_valid_lens": np.array([4, 4], np.int64), "kv_token_id_vs_position_offset": 0,
     }
 
 
@@ -186,28 +194,97 @@ def _scatter_call() -> dict[str, Any]:
             "status": np.zeros(1, np.int32)}
 
 
+def _plan_blocks_call() -> dict[str, Any]:
+    call = _plan_call()
+    del call["req_to_token"]
+    table = np.array([[0, 0, 0, 0], [3, 1, 0, 0], [2, 5, 4, 0], [0, 0, 0, 0]], np.int32)
+    call["layout"] = BlockTable(table, block_size=2, block_stride=3, num_slots=64)
+    return call
+
+
+def _plan_pages_call() -> dict[str, Any]:
+    call = _plan_call()
+    del call["req_to_token"]
+    call["layout"] = PageList(np.array([0, 2, 4], np.int32), np.array([3, 1, 2, 5], np.int32), page_size=2,
+                              num_slots=64)
+    return call
+
+
+def _received_call() -> dict[str, Any]:
+    verifier = ReceivedPrefixVerifier(verify_capacity=16, max_requests=3)
+    verifier.plan.verify_slot_indices[:] = 9  # a previous verify's plan, which a refused call must keep
+    return {"verifier": verifier, "context": _context(), "req_pool_indices": np.array([1, 2], np.int64),
+            "received_lens": np.array([3, 2], np.int64),
+            "req_to_token": (np.arange(4 * 8, dtype=np.int32) % 31 + 1).reshape(4, 8),
+            "req_to_verify_expected_tokens": np.zeros((4, 8), np.int32),
+            "req_to_verify_expected_tokens_valid_lens": np.array([3, 2], np.int64),
+            "kv_token_id_vs_position_offset": 0, "swa_window_size": 0, "full_to_swa_index_mapping": None}
+
+
+def _received_verify(verifier: ReceivedPrefixVerifier, **kwargs: Any) -> None:
+    verifier.verify(**kwargs)
+
+
+def _gather_call() -> dict[str, Any]:
+    canary = (np.arange(8 * 40) % 251).astype(np.uint8).reshape(8, 40)
+    return {"canary_buf": canary, "slots": np.array([1, 5, 2], np.int64), "records_out": np.zeros((3, 4), np.int64),
+            "status": np.zeros(1, np.int32)}
+
+
+def _scatter_records_call() -> dict[str, Any]:
+    return {"records": np.arange(12, dtype=np.int64).reshape(3, 4), "slots": np.array([1, 5, 2], np.int64),
+            "canary_buf": np.zeros((8, 32), np.uint8), "status": np.zeros(1, np.int32)}
+
+
 LAUNCHERS = {
     "plan": (_plan_call, kc.launch_canary_plan_kernels, bind_plan),
+    "plan-blocks": (_plan_blocks_call, kc.launch_canary_plan_kernels, bind_plan),
+    "plan-pages": (_plan_pages_call, kc.launch_canary_plan_kernels, bind_plan),
     "verify": (_verify_call, kc.launch_canary_verify_kernel, bind_verify),
     "write": (_write_call, kc.launch_canary_write_kernel, bind_write),
     "scatter": (_scatter_call, kc.launch_scatter_req_token_ids, bind_scatter),
+    # the record transfer and the received-prefix verify have no bind_* (each call converts its arguments)
+    "gather-records": (_gather_call, gather_canary_records, None),
+    "scatter-records": (_scatter_records_call, scatter_canary_records, None),
+    "received": (_received_call, _received_verify, None),
 }
+# Cases per launcher: the layouts and the transfer add about as many as one core launcher.
+CASES = {"plan": 1500, "verify": 1500, "write": 1500, "scatter": 1500, "plan-blocks": 700, "plan-pages": 700,
+         "gather-records": 500, "scatter-records": 500, "received": 500}
 # Fields a launch neither reads nor writes (SPEC §0.7: only what is read is checked).
 NOT_READ = {"verify": (("context", "enable_chain_position_assert"), ("plan", "status")),
-            "write": (("plan", "verify_offsets"),)}
-OPTIONAL_ARRAYS = {"plan": ("req_to_verify_expected_tokens",), "scatter": ("status",)}
-SCALARS = {"swa_window_size", "verify_capacity", "check_verify_expected_token", "enable_write_input_assert"}
+            "write": (("plan", "verify_offsets"),), "received": (("context", "enable_chain_position_assert"),)}
+OPTIONAL_ARRAYS = {"plan": ("req_to_verify_expected_tokens",), "plan-blocks": ("req_to_verify_expected_tokens",),
+                   "plan-pages": ("req_to_verify_expected_tokens", "req_pool_indices"), "scatter": ("status",),
+                   "gather-records": ("status",), "scatter-records": ("status",),
+                   "received": ("req_to_verify_expected_tokens",)}
+SCALARS = {"swa_window_size", "verify_capacity", "check_verify_expected_token", "enable_write_input_assert",
+           "kv_token_id_vs_position_offset"}
 OUTPUT_FIELDS = {"verify_plan_out", "write_plan_out", "pool_out", "status"}
+STEP_OUTPUTS = {"gather-records": {"records_out"}, "scatter-records": {"canary_buf"}}
+LAYOUTS = (TokenTable, BlockTable, PageList)
+# Values no layout field accepts (None is valid for the optional ones, so it is not among them).
+BAD_LAYOUT_SCALARS = {
+    "block_size": [0, -2, 2**31, 1.5, True, "2", np.array([2]), 2**64],
+    "block_stride": [1, 0, -3, 2**31, 1.5, False, "3", 2**63],
+    "batch_rows": [1, 0, "yes", 2.0, np.array([True]), None],
+    "num_slots": [-1, 1.5, True, "64", 2**63, 10**30, object()],
+    "page_size": [0, -1, 2**31, 2.0, True, None, 2**64],
+}
 CONTEXT_OUTPUTS = {"canary_buf", "violation_ring", "violation_write_index", "slot_run_counter",
                    "kernel_run_counter", "status"}
 
 
-def _array_slots(call: dict[str, Any]) -> list[tuple[str, str | None, bool]]:
+def _array_slots(step: str, call: dict[str, Any]) -> list[tuple[str, str | None, bool]]:
     """(argument, field or None, is output) for every array a launcher takes."""
     slots = []
+    outputs = STEP_OUTPUTS.get(step, OUTPUT_FIELDS)
     for name, value in call.items():
         if isinstance(value, np.ndarray):
-            slots.append((name, None, name in OUTPUT_FIELDS))
+            slots.append((name, None, name in outputs | {"status"}))
+        elif isinstance(value, LAYOUTS):
+            slots += [(name, f.name, False) for f in dataclasses.fields(value)
+                      if isinstance(getattr(value, f.name), np.ndarray)]
         elif isinstance(value, (kc.VerifyPlan, kc.WritePlan)):
             output = name in OUTPUT_FIELDS
             slots += [(name, f.name, output) for f in dataclasses.fields(value)]
@@ -227,30 +304,42 @@ def _set(call: dict[str, Any], arg: str, field: str | None, value: Any) -> None:
         call[arg] = dataclasses.replace(call[arg], **{field: value})
 
 
+def _alias(target: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """An array shaped like ``target`` over the first bytes of ``other`` (same memory, any dtypes)."""
+    return other.reshape(-1).view(np.uint8)[: target.nbytes].view(target.dtype).reshape(target.shape)
+
+
 def _mutate_launch(step: str, call: dict[str, Any], rng: random.Random) -> str:
     """Break ``call`` in place with one invalid change; returns what was done."""
     choice = rng.random()
-    slots = [s for s in _array_slots(call) if (s[0], s[1]) not in NOT_READ.get(step, ())]
+    slots = [s for s in _array_slots(step, call) if (s[0], s[1]) not in NOT_READ.get(step, ())]
     outputs = [s for s in slots if s[2] and isinstance(_get(call, *s[:2]), np.ndarray)]
-    if choice < 0.12 and outputs:  # an output aliased with another array of the launch
+    if choice < 0.12 and outputs:  # an output sharing memory with another array of the launch
         arg, field, _ = rng.choice(outputs)
         target = _get(call, arg, field)
-        others = [s for s in slots if s[:2] != (arg, field) and isinstance(_get(call, *s[:2]), np.ndarray)
-                  and _get(call, *s[:2]).dtype == target.dtype and _get(call, *s[:2]).nbytes >= target.nbytes]
+        others = [s for s in slots if s[:2] != (arg, field) and type(_get(call, *s[:2])) is np.ndarray
+                  and _get(call, *s[:2]).nbytes >= target.nbytes and _get(call, *s[:2]).flags.c_contiguous
+                  # the received-prefix verify runs two launches in turn: the verify's context may share
+                  # memory with what the plan launch read before it (no race); within the verify it may not
+                  and (step != "received" or s[0] == arg)]
         if others:
             o_arg, o_field, _ = rng.choice(others)
-            source = _get(call, o_arg, o_field).reshape(-1)[: target.size].reshape(target.shape)
-            _set(call, arg, field, source)
+            _set(call, arg, field, _alias(target, _get(call, o_arg, o_field)))
             return f"{arg}.{field} aliased with {o_arg}.{o_field}"
+    layouts = [n for n in call if isinstance(call[n], LAYOUTS)]
+    if choice < 0.2 and layouts:
+        return _mutate_layout(call, rng)
     if choice < 0.25:
         scalars = [n for n in call if n in SCALARS] + ["backend", "on_invalid"]
         name = rng.choice(scalars)
         if name == "backend":
-            call["backend"] = rng.choice(["gpu", "", 3, None, "NUMPY", "auto "])
+            call["backend"] = rng.choice(["gpu", "", 3, None, "NUMPY", "auto ", ["numpy"]])
         elif name == "on_invalid":
             call["on_invalid"] = rng.choice(["ignore", 1, True])
         elif name in ("check_verify_expected_token", "enable_write_input_assert"):
             call[name] = rng.choice([1, 0, "yes", None, 2.0, np.array([True])])
+        elif name == "kv_token_id_vs_position_offset":
+            call[name] = rng.choice([2**31, -(2**31) - 1, None, "0", 1.5, True, 2**64])
         else:
             call[name] = rng.choice([-1, *BAD_SCALARS]) if name != "swa_window_size" else rng.choice(
                 [-1, None, "0", 1.5, True, 2**63, 10**30, object()])
@@ -262,7 +351,16 @@ def _mutate_launch(step: str, call: dict[str, Any], rng: random.Random) -> str:
         if call["expected_input_tokens"] is not None:
             call["enable_write_input_assert"] = False
         return "input assert and expected tensors disagree"
-    objects = [n for n in call if isinstance(call[n], (kc.VerifyPlan, kc.WritePlan, kc.VerifyOrWriteContext))]
+    if choice < 0.3 and step == "received":
+        call["req_pool_indices"] = np.ones(5, np.int64)  # more requests than the verifier was sized for
+        call["received_lens"] = np.ones(5, np.int64)
+        return "more requests than max_requests"
+    if choice < 0.3 and "canary_buf" in call and isinstance(call["canary_buf"], np.ndarray):
+        call["canary_buf"] = rng.choice([np.zeros((8, 24), np.uint8), np.zeros((8, 36), np.uint8),
+                                         np.zeros((0, 32), np.uint8), np.zeros((8, 4), np.int64)])
+        return f"canary_buf {call['canary_buf'].dtype}{call['canary_buf'].shape}"
+    objects = [n for n in call if isinstance(call[n], (kc.VerifyPlan, kc.WritePlan, kc.VerifyOrWriteContext,
+                                                       *LAYOUTS))]
     if choice < 0.34 and objects:
         arg = rng.choice(objects)
         call[arg] = rng.choice([None, {}, object(), np.zeros(3, np.int64), "plan"])
@@ -280,11 +378,34 @@ def _mutate_launch(step: str, call: dict[str, Any], rng: random.Random) -> str:
     return f"{arg}.{field}: {label}"
 
 
+def _mutate_layout(call: dict[str, Any], rng: random.Random) -> str:
+    """A layout scalar no launch accepts, a second layout source, a missing row selector or too few rows."""
+    layout = call["layout"]
+    kind = rng.random()
+    if kind < 0.15:
+        call["req_to_token"] = np.zeros((4, 8), np.int32)
+        return "both req_to_token and layout"
+    if kind < 0.3 and isinstance(layout, BlockTable):
+        if rng.random() < 0.5:
+            call["layout"] = dataclasses.replace(layout, batch_rows=True, block_table=layout.block_table[:1].copy())
+            return "batch_rows=True with fewer table rows than the batch"
+        call["req_pool_indices"] = None
+        return "BlockTable(batch_rows=False) without req_pool_indices"
+    if kind < 0.3 and isinstance(layout, PageList):
+        call["layout"] = dataclasses.replace(layout, kv_page_indptr=np.array([0, 2, 4, 4], np.int32))
+        return "kv_page_indptr of bs + 2 entries"
+    names = [f.name for f in dataclasses.fields(layout) if f.name in BAD_LAYOUT_SCALARS]
+    name = rng.choice(names)
+    value = rng.choice(BAD_LAYOUT_SCALARS[name])
+    call["layout"] = dataclasses.replace(layout, **{name: value})
+    return f"layout.{name}={value!r}"
+
+
 @pytest.mark.parametrize("step", list(LAUNCHERS))
 def test_launchers_and_bind_refuse_random_bad_arguments_and_write_nothing(step):
     make, launch, bind = LAUNCHERS[step]
     rng = random.Random(f"launch-{step}")
-    for case in range(1500):
+    for case in range(CASES[step]):
         call = make()
         watched = dict(call)  # the valid buffers, which no refused call may change
         what = _mutate_launch(step, call, rng)
@@ -293,7 +414,7 @@ def test_launchers_and_bind_refuse_random_bad_arguments_and_write_nothing(step):
         backend = rng.choice(BACKENDS)
         if "backend" not in call:
             call["backend"] = backend
-        entry = bind if case % 3 == 0 else launch
+        entry = bind if case % 3 == 0 and bind is not None else launch
         refuses(lambda entry=entry, call=call: entry(**call), [watched, call], f"{step} case {case}: {what}")
 
 
@@ -302,7 +423,8 @@ def test_a_valid_call_of_each_launcher_is_accepted():
     for step, (make, launch, bind) in LAUNCHERS.items():
         for backend in BACKENDS:
             launch(**make(), backend=backend)
-            bind(**make(), backend=backend)()
+            if bind is not None:
+                bind(**make(), backend=backend)()
         assert step
 
 
