@@ -535,8 +535,8 @@ def test_the_compat_layer_refuses_random_bad_arguments_and_writes_nothing():
     from kvcanary_cupy.compat import sglang
 
     rng = random.Random("compat")
-    for case in range(800):
-        kind = rng.randrange(4)
+    for case in range(1000):
+        kind = rng.randrange(5)
         if kind == 0:
             cls = rng.choice([sglang.VerifyPlan, sglang.WritePlan, sglang.VerifyOrWriteContext])
             key = {"VerifyPlan": "verify_capacity", "WritePlan": "write_req_capacity",
@@ -575,6 +575,16 @@ def test_the_compat_layer_refuses_random_bad_arguments_and_writes_nothing():
             refuses(lambda args=args: sglang.launch_canary_plan_kernels_torch_reference(**args), watched,
                     f"case {case}: torch reference {change}")
             continue
+        if kind == 4:  # a slot layout through either compat plan entry
+            entry = rng.choice([sglang.launch_canary_plan_kernels, sglang.launch_canary_plan_kernels_torch_reference])
+            # the torch reference reads every input as int64 like SGLang's (a float table is converted)
+            args["layout"], change = _bad_torch_layout(rng, converts=entry is not sglang.launch_canary_plan_kernels)
+            if change != "both":  # with both, req_to_token stays next to a valid TokenTable
+                args["req_to_token"] = None
+            watched.append(args["layout"])
+            refuses(lambda args=args, entry=entry: entry(**args), watched,
+                    f"case {case}: {entry.__name__} layout {change}")
+            continue
         if kind == 2:
             key = rng.choice(["req_pool_indices", "prefix_lens", "req_to_token", "verify_capacity"])
             args[key] = rng.choice([args[key].to(torch.float32) if key != "verify_capacity" else 0,
@@ -586,6 +596,32 @@ def test_the_compat_layer_refuses_random_bad_arguments_and_writes_nothing():
         pool = torch.zeros(4, 8, dtype=torch.int32)
         bad = _compat_launcher_case(rng.randrange(4), sglang, ctx, pool, vp, wp)
         refuses(bad, [ctx, pool, vp, wp], f"case {case}: compat launcher")
+
+
+def _bad_torch_layout(rng: random.Random, *, converts: bool) -> tuple[Any, str]:
+    """A torch-tensor layout that the compat plan entries refuse (``converts``: the entry reads every integer
+    or float tensor as int64), and what is wrong with it."""
+    table = torch.tensor([[0, 0, 0, 0], [3, 1, 0, 0], [2, 5, 4, 0], [0, 0, 0, 0]], dtype=torch.int32)
+    indptr, indices = torch.tensor([0, 2, 3], dtype=torch.int32), torch.tensor([3, 1, 2], dtype=torch.int32)
+    changes = ["table rank", "table beyond int32", "block size", "stride", "rows", "indptr length", "indices 2-D",
+               "page size", "num_slots", "not a layout", "both"]
+    change = rng.choice(changes if converts else [*changes, "table dtype", "indptr float"])
+    layout: Any = {
+        "table dtype": lambda: BlockTable(table.to(torch.float32), block_size=2),
+        "table rank": lambda: BlockTable(table.reshape(-1), block_size=2),
+        "table beyond int32": lambda: BlockTable(table.to(torch.int64) + 2**40, block_size=2),
+        "block size": lambda: BlockTable(table, block_size=rng.choice([0, -1, 2**40, 1.5, True])),
+        "stride": lambda: BlockTable(table, block_size=2, block_stride=1),
+        "rows": lambda: BlockTable(table[:1], block_size=2, batch_rows=True),
+        "indptr length": lambda: PageList(indptr[:2], indices, page_size=2),
+        "indptr float": lambda: PageList(indptr.to(torch.float64), indices, page_size=2),
+        "indices 2-D": lambda: PageList(indptr, indices.reshape(1, 3), page_size=2),
+        "page size": lambda: PageList(indptr, indices, page_size=rng.choice([0, 2**31, None, "2"])),
+        "num_slots": lambda: PageList(indptr, indices, page_size=2, num_slots=rng.choice([-1, 2**63, 2.0])),
+        "not a layout": lambda: rng.choice([table, "blocks", {"block_table": table}, object()]),
+        "both": lambda: TokenTable(torch.zeros(4, 8, dtype=torch.int32)),
+    }[change]()
+    return layout, change
 
 
 def _compat_launcher_case(kind: int, sglang: Any, ctx: Any, pool: Any, vp: Any, wp: Any) -> Callable[[], Any]:
