@@ -640,3 +640,242 @@ def _compat_launcher_case(kind: int, sglang: Any, ctx: Any, pool: Any, vp: Any, 
         verify_slot_indices=vp.verify_slot_indices, verify_expected_tokens=vp.verify_expected_tokens,
         verify_expected_positions=vp.verify_expected_positions, verify_prev_slot_indices=vp.verify_prev_slot_indices,
         verify_num_valid=object(), enable=vp.enable)
+
+
+# ---- the engine runtime ----------------------------------------------------------------------------------------
+
+RT_SLOTS, RT_BS, RT_TOKENS, RT_HISTORY = 32, 3, 8, 16
+RT_LOGGER = "kvcanary_cupy.test.fuzz"
+
+
+class _RtEngine:
+    """A tiny engine: one K pool per group (page size 1), ``req_to_token``, a SWA LUT and a block table."""
+
+    def __init__(self) -> None:
+        self.kv = {g: (np.arange(RT_SLOTS * 32) % 253).astype(np.uint8).reshape(RT_SLOTS, 32) for g in ("F", "S")}
+        self.req_to_token = (np.arange(4 * 8, dtype=np.int32) % (RT_SLOTS - 1) + 1).reshape(4, 8)
+        self.lut = np.arange(RT_SLOTS + 1, dtype=np.int64)
+        self.block_table = np.array([[1, 2, 3, 0], [4, 5, 6, 0], [7, 0, 0, 0]], np.int32)
+
+    def source(self, g: str) -> kc.RealKvSource:
+        return kc.RealKvSource(self.kv[g], page_size=1, num_bytes_per_token=32, read_bytes=32)
+
+    def arrays(self) -> list[np.ndarray]:
+        return [*self.kv.values(), self.req_to_token, self.lut, self.block_table]
+
+
+def _rt_parts(engine: _RtEngine, backend: str) -> dict[str, dict[str, Any]]:
+    """Valid keyword arguments of every object the runtime is created from."""
+    return {
+        "config": {"mode": "log", "ring_capacity": 16, "real_kv_hash_mode": "all", "write_input_assert": True,
+                   "verify_token_assert": True, "backend": backend, "logger": RT_LOGGER},
+        "capacities": {"max_batch_size": RT_BS, "max_tokens": RT_TOKENS, "max_history_tokens": RT_HISTORY},
+        "FULL": {"name": "FULL", "num_slots": RT_SLOTS, "k_sources": (engine.source("F"),)},
+        "SWA": {"name": "SWA", "num_slots": RT_SLOTS, "k_sources": (engine.source("S"),), "swa_window": 2,
+                "full_to_swa_index_mapping": engine.lut},
+        "pools": {"req_to_token": engine.req_to_token},
+        "create": {"device": "cpu", "framework": "numpy"},
+    }
+
+
+def _create(parts: dict[str, dict[str, Any]]) -> CanaryRuntime:
+    groups = tuple(KvGroup(**parts[g]) for g in ("FULL", "SWA"))
+    pools = {"groups": groups, **parts["pools"]}
+    return CanaryRuntime.create(CanaryConfig(**parts["config"]), KvPools(**pools), Capacities(**parts["capacities"]),
+                                **parts["create"])
+
+
+_BAD_SIZES = [0, -1, 1.5, True, None, "8", 2**63, np.array([4])]
+BAD_RUNTIME_PARTS: dict[str, dict[str, list[Any]]] = {
+    "config": {
+        "mode": [None, "OFF", 1, ["log"], np.array(["log"]), ""],
+        "ring_capacity": [0, -1, 2**31, *BAD_SCALARS],
+        "sweep_interval": [-1, 1.5, True, None, 2**63, "2", 3],  # 3: no sweep_source to sweep with
+        "real_kv_hash_mode": ["some", 3, -1, 1.5, True, None, 2**70, object(), ["all"]],
+        "write_input_assert": [1, "yes", None, np.array([True])],
+        "health_check": [0, "no", None],
+        "stats_interval": [-1, 1.5, None, 2**64],
+        "backend": ["gpu", None, 3, ["numpy"], "NUMPY", *(["cuda"] if unavailable_reason("cuda") else [])],
+        "logger": ["", None, 3],
+    },
+    "capacities": {
+        "max_batch_size": [*_BAD_SIZES, 2**24 + 1], "max_tokens": [0, -1, 2**60, *BAD_SCALARS],
+        "verify_capacity": [0, -1, 2**31, 1.5, True, "8"], "pool_rows": [0, 2**31, 2.0, False],
+        "max_context_len": [-1, "8"], "max_history_tokens": [0, 1.5], "max_sweep_slots": [0, -2, 2**40],
+    },
+    "FULL": {
+        "name": ["", None, 3, "SWA"], "num_slots": [0, -1, 2**60, 1.5, True, None, "32"],
+        "k_sources": [None, 3, (None,), ("source",), "source"], "v_sources": [3, (object(),), "v"],
+        "swa_window": [2, -1, 1.5], "kv_token_id_vs_position_offset": [2**31, None, "1", 1.5, True],
+        "model": ["", None, 3], "layout": [object(), "blocks", {"block_table": None}],
+    },
+    "SWA": {"swa_window": [-1, 0, 1.5, None], "num_slots": [0, 2**63]},
+    "pools": {"layout": [object(), BlockTable(np.zeros((3, 4), np.int32), block_size=0)]},
+    "create": {"device": ["gpu", 3, None, "cuda:x", "cpu:0", *NO_GPU_DEVICES], "framework": ["jax", None, 3,
+                                                                                            ["numpy"], "TORCH"],
+               "sweep_source": [3, "x"], "observer": [3], "timer": ["t"]},
+}
+
+
+def _runtime_creation_case(rng: random.Random, engine: _RtEngine) -> tuple[Callable[[], Any], str]:
+    parts = _rt_parts(engine, rng.choice(BACKENDS))
+    part = rng.choice([*BAD_RUNTIME_PARTS, "lut", "req_to_token", "groups", "no table"])
+    if part == "lut":  # the SWA group's LUT, any bad array
+        label, value = rng.choice([b for b in bad_arrays(engine.lut, output=False, rng=rng) if b[0] != "None"])
+        parts["SWA"]["full_to_swa_index_mapping"] = value
+        what = f"SWA lut: {label}"
+    elif part == "req_to_token":
+        label, value = rng.choice(bad_arrays(engine.req_to_token, output=False, rng=rng))
+        parts["pools"]["req_to_token"] = value
+        what = f"req_to_token: {label}"
+    elif part == "groups":
+        groups = rng.choice([None, (), (1,), "FULL", "dup"])
+        config, caps = CanaryConfig(**parts["config"]), Capacities(**parts["capacities"])
+        full = KvGroup(**parts["FULL"])
+
+        def call() -> Any:
+            pools = KvPools((full, full) if groups == "dup" else groups, req_to_token=engine.req_to_token)
+            return CanaryRuntime.create(config, pools, caps)
+
+        return call, f"KvPools.groups={groups!r}"
+    elif part == "no table":  # the expected-token pool's shape comes from nowhere
+        parts["pools"] = {"req_to_token": None}
+        parts["FULL"]["layout"] = parts["SWA"]["layout"] = BlockTable(engine.block_table, block_size=4,
+                                                                      batch_rows=True)
+        what = "verify_token_assert without req_to_token or Capacities.pool_rows"
+    else:
+        key = rng.choice(list(BAD_RUNTIME_PARTS[part]))
+        parts[part][key] = rng.choice(BAD_RUNTIME_PARTS[part][key])
+        if part == "pools" and key == "layout" and rng.random() < 0.5:
+            parts["pools"]["layout"] = BlockTable(engine.block_table, block_size=4, batch_rows=True)
+            what = "pools: both req_to_token and layout"
+        else:
+            what = f"{part}.{key}={parts[part][key]!r}"
+    return lambda: _create(parts), what
+
+
+def test_runtime_creation_refuses_random_bad_configs_pools_and_capacities():
+    rng = random.Random("runtime-create")
+    engine = _RtEngine()
+    for backend in BACKENDS:  # the baseline is valid
+        _create(_rt_parts(engine, backend))
+    for case in range(400):
+        call, what = _runtime_creation_case(rng, engine)
+        refuses(call, engine.arrays(), f"case {case}: {what}")
+
+
+def _runtime_buffers(rt: CanaryRuntime) -> list[Any]:
+    """Every array the runtime owns: canary buffers, rings, plans, device words, staged batches, the
+    expected-token pool and its staged histories."""
+    history = vars(rt._history) if rt._history is not None else None
+    return _arrays([rt.groups, [vars(st) for st in rt.stages.values()], vars(rt.scalars), history, rt._sweep_in,
+                    rt.expected_token_pool])
+
+
+def _rt_batch(full: bool) -> dict[str, Any]:
+    batch = {"req_pool_indices": np.array([1, 2], np.int64), "prefix_lens": np.array([2, 1], np.int64),
+             "extend_seq_lens": np.array([1, 2], np.int64), "input_ids": np.array([5, 6, 7], np.int64),
+             "positions": np.array([2, 1, 2], np.int64), "out_cache_loc": np.array([3, 4, 5], np.int64)}
+    if full:  # write_input_assert and verify_token_assert on
+        batch.update(expected_input_ids=batch["input_ids"].copy(), expected_positions=batch["positions"].copy(),
+                     valid_lens=np.array([3, 3], np.int64), history_ids=np.arange(6, dtype=np.int64),
+                     history_offsets=np.array([0, 3, 6], np.int64),
+                     history_req_pool_indices=np.array([1, 2], np.int64))
+    return batch
+
+
+ROW_FIELDS = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "valid_lens")
+TOKEN_FIELDS = ("input_ids", "positions", "out_cache_loc", "expected_input_ids", "expected_positions")
+HISTORY_FIELDS = ("history_ids", "history_offsets", "history_req_pool_indices")
+
+
+def _mutate_batch(batch: dict[str, Any], full: bool, rng: random.Random) -> str:
+    """Break a valid batch: a bad array, lengths that disagree, a capacity exceeded, a field missing or extra."""
+    kind = rng.random()
+    present = [k for k, v in batch.items() if isinstance(v, np.ndarray)]
+    if kind < 0.45 and present:
+        name = rng.choice(present)
+        # a misaligned batch array is fine: the runtime copies it into its own buffers
+        bad = [b for b in bad_arrays(batch[name], output=False, rng=rng) if b[0] != "misaligned"]
+        if name == "req_pool_indices" and not full:  # the row-less layout needs no request rows
+            bad = [b for b in bad if b[0] != "None"]
+        label, batch[name] = rng.choice(bad)
+        return f"batch.{name}: {label}"
+    if kind < 0.55:
+        fields = rng.choice([ROW_FIELDS, TOKEN_FIELDS])
+        name = rng.choice([f for f in fields if isinstance(batch.get(f), np.ndarray)])
+        batch[name] = np.append(batch[name], 1)
+        return f"batch.{name} one entry longer than the others"
+    if kind < 0.7:
+        which = rng.choice(["rows", "tokens", "history tokens", "history rows"] if full else ["rows", "tokens"])
+        if which in ("rows", "tokens"):
+            size = RT_BS + 1 if which == "rows" else RT_TOKENS + 1
+            for f in ROW_FIELDS if which == "rows" else TOKEN_FIELDS:
+                if batch.get(f) is not None:
+                    batch[f] = np.ones(size, np.int64)
+        elif which == "history tokens":
+            batch["history_ids"] = np.zeros(RT_HISTORY + 1, np.int64)
+            batch["history_offsets"] = np.array([0, 8, RT_HISTORY + 1], np.int64)
+        else:
+            batch["history_req_pool_indices"] = np.ones(RT_BS + 1, np.int64)
+            batch["history_offsets"] = np.zeros(RT_BS + 2, np.int64)
+        return f"capacity exceeded: {which}"
+    if kind < 0.85:
+        if full:
+            name = rng.choice(["req_pool_indices", "expected_input_ids", "expected_positions", "valid_lens",
+                               rng.choice(HISTORY_FIELDS)])
+            batch[name] = None
+            return f"batch.{name} missing"
+        name = rng.choice(["expected_input_ids", "valid_lens", "history_ids"])
+        batch[name] = np.zeros(2 if name == "valid_lens" else 3, np.int64)
+        if name == "history_ids":
+            batch.update(history_offsets=np.array([0, 3], np.int64), history_req_pool_indices=np.ones(1, np.int64))
+        return f"batch.{name} given with its switch off"
+    if full:
+        batch["history_offsets"] = np.array([0, 3], np.int64)  # 2 entries where k + 1 = 3 are needed
+        return "history offsets that disagree with the rows"
+    batch["prefix_lens"] = np.array([0, 2, 1], np.int64)
+    return "prefix_lens of another length"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_runtime_refuses_random_bad_batches_and_models_and_writes_nothing(backend):
+    """Phase 1 (prepare) takes the batch; phases 2 and 3 take the model. A refused call leaves every canary
+    buffer, ring, plan, device word and staged buffer of the runtime, and the engine's arrays, unchanged."""
+    rng = random.Random(f"runtime-steps-{backend}")
+    engine = _RtEngine()
+    full = _create(_rt_parts(engine, backend))
+    lean_parts = _rt_parts(engine, backend)
+    lean_parts["config"].update(write_input_assert=False, verify_token_assert=False)
+    lean_parts["pools"] = {"layout": BlockTable(engine.block_table, block_size=4, batch_rows=True)}
+    lean = _create(lean_parts)
+    runtimes = [(full, True), (lean, False)]
+    for rt, is_full in runtimes:  # one valid step first, so that the buffers hold more than their fill
+        rt.mark_init_finished()
+        rt.prepare(StepBatch(**_rt_batch(is_full)))
+        rt.pre_forward()
+        rt.post_forward()
+        rt.finish_step()
+    for case in range(350):
+        rt, is_full = rng.choice(runtimes)
+        watched = [_runtime_buffers(rt), engine.arrays()]
+        kind = rng.random()
+        if kind < 0.1:
+            model = rng.choice(["draft", None, 3, ["target"], "", np.array(["target"])])
+            phase = rng.choice([rt.prepare, rt.pre_forward, rt.post_forward])
+            if phase == rt.prepare:
+                call: Callable[[], Any] = lambda model=model: rt.prepare(StepBatch(**_rt_batch(is_full)), model=model)
+            else:
+                call = lambda phase=phase, model=model: phase(model=model)
+            refuses(call, watched, f"case {case}: {phase.__name__}(model={model!r})")
+            continue
+        if kind < 0.15:
+            batch: Any = rng.choice([None, _rt_batch(is_full), object(), "batch"])
+            refuses(lambda batch=batch: rt.prepare(batch), watched, f"case {case}: batch is a {type(batch).__name__}")
+            continue
+        fields = _rt_batch(is_full)
+        what = _mutate_batch(fields, is_full, rng)
+        if rng.random() < 0.2:
+            what += "; " + _mutate_batch(fields, is_full, rng)
+        watched.append(dict(fields))
+        refuses(lambda fields=fields: rt.prepare(StepBatch(**fields)), watched, f"case {case}: {what}")
