@@ -858,24 +858,27 @@ def test_runtime_refuses_random_bad_batches_and_models_and_writes_nothing(backen
         rt.finish_step()
     for case in range(350):
         rt, is_full = rng.choice(runtimes)
-        watched = [_runtime_buffers(rt), engine.arrays()]
-        kind = rng.random()
-        if kind < 0.1:
-            model = rng.choice(["draft", None, 3, ["target"], "", np.array(["target"])])
-            phase = rng.choice([rt.prepare, rt.pre_forward, rt.post_forward])
-            if phase == rt.prepare:
-                call: Callable[[], Any] = lambda model=model: rt.prepare(StepBatch(**_rt_batch(is_full)), model=model)
-            else:
-                call = lambda phase=phase, model=model: phase(model=model)
-            refuses(call, watched, f"case {case}: {phase.__name__}(model={model!r})")
-            continue
-        if kind < 0.15:
-            batch: Any = rng.choice([None, _rt_batch(is_full), object(), "batch"])
-            refuses(lambda batch=batch: rt.prepare(batch), watched, f"case {case}: batch is a {type(batch).__name__}")
-            continue
-        fields = _rt_batch(is_full)
-        what = _mutate_batch(fields, is_full, rng)
-        if rng.random() < 0.2:
-            what += "; " + _mutate_batch(fields, is_full, rng)
-        watched.append(dict(fields))
-        refuses(lambda fields=fields: rt.prepare(StepBatch(**fields)), watched, f"case {case}: {what}")
+        call, watched, what = _runtime_step_case(rt, is_full, rng)
+        refuses(call, [watched, engine.arrays()], f"case {case}: {what}")
+
+
+def _runtime_step_case(rt: CanaryRuntime, is_full: bool,
+                       rng: random.Random) -> tuple[Callable[[], Any], list[Any], str]:
+    """A phase call that must be refused, what it must leave unchanged, and what is wrong with it."""
+    watched: list[Any] = [_runtime_buffers(rt)]
+    kind = rng.random()
+    if kind < 0.1:
+        model = rng.choice(["draft", None, 3, ["target"], "", np.array(["target"])])
+        phase = rng.choice(["prepare", "pre_forward", "post_forward"])
+        if phase == "prepare":
+            return lambda: rt.prepare(StepBatch(**_rt_batch(is_full)), model=model), watched, f"prepare({model!r})"
+        return lambda: getattr(rt, phase)(model=model), watched, f"{phase}(model={model!r})"
+    if kind < 0.15:
+        batch: Any = rng.choice([None, _rt_batch(is_full), object(), "batch"])
+        return lambda: rt.prepare(batch), watched, f"batch is a {type(batch).__name__}"
+    fields = _rt_batch(is_full)
+    what = _mutate_batch(fields, is_full, rng)
+    if rng.random() < 0.2:
+        what += "; " + _mutate_batch(fields, is_full, rng)
+    watched.append(dict(fields))
+    return lambda: rt.prepare(StepBatch(**fields)), watched, what
