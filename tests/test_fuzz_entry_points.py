@@ -759,7 +759,7 @@ def test_runtime_creation_refuses_random_bad_configs_pools_and_capacities():
     engine = _RtEngine()
     for backend in BACKENDS:  # the baseline is valid
         _create(_rt_parts(engine, backend))
-    for case in range(400):
+    for case in range(800):
         call, what = _runtime_creation_case(rng, engine)
         refuses(call, engine.arrays(), f"case {case}: {what}")
 
