@@ -431,7 +431,13 @@ def test_a_valid_call_of_each_launcher_is_accepted():
 # ---- constructors, endpoints, ring reading ---------------------------------------------------------------------
 
 def _constructor_cases(rng: random.Random) -> tuple[Callable[[], Any], Any, str]:
-    kind = rng.randrange(9)
+    kind = rng.randrange(10)
+    if kind == 9:
+        key = rng.choice(["verify_capacity", "max_requests", "device"])
+        value = {"verify_capacity": [0, -1, 2**31, *BAD_SCALARS], "max_requests": [0, -3, 2**62, *BAD_SCALARS],
+                 "device": ["gpu", None, 7, "cuda:one", *NO_GPU_DEVICES]}[key]
+        args = {"verify_capacity": 8, "max_requests": 2, key: rng.choice(value)}
+        return lambda: ReceivedPrefixVerifier(**args), None, f"ReceivedPrefixVerifier {args}"
     if kind == 0:
         key = rng.choice(["verify_capacity", "device"])
         value = rng.choice([*BAD_SCALARS, 0, -5]) if key == "verify_capacity" else rng.choice(
@@ -844,7 +850,10 @@ def test_runtime_refuses_random_bad_batches_and_models_and_writes_nothing(backen
     buffer, ring, plan, device word and staged buffer of the runtime, and the engine's arrays, unchanged."""
     rng = random.Random(f"runtime-steps-{backend}")
     engine = _RtEngine()
-    full = _create(_rt_parts(engine, backend))
+    swept: list[Any] = [None]
+    parts = _rt_parts(engine, backend)
+    parts["create"]["sweep_source"] = lambda: swept[0]
+    full = _create(parts)
     lean_parts = _rt_parts(engine, backend)
     lean_parts["config"].update(write_input_assert=False, verify_token_assert=False)
     lean_parts["pools"] = {"layout": BlockTable(engine.block_table, block_size=4, batch_rows=True)}
@@ -859,7 +868,15 @@ def test_runtime_refuses_random_bad_batches_and_models_and_writes_nothing(backen
     for case in range(350):
         rt, is_full = rng.choice(runtimes)
         call, watched, what = _runtime_step_case(rt, is_full, rng)
+        if rng.random() < 0.1:  # what the engine's prefix cache reports to the sweep
+            swept[0] = rng.choice(BAD_SWEEPS)
+            call, watched, what = full.sweep, [_runtime_buffers(full)], f"sweep_source() -> {swept[0]!r}"
         refuses(call, [watched, engine.arrays()], f"case {case}: {what}")
+
+
+BAD_SWEEPS = [None, 3, ([1], [0]), ([1.5], [0], [-1]), (["a"], [0], [-1]), ([2**70], [0], [-1]),
+              (np.array([2**64 - 1], np.uint64), [0], [-1]), ([1, 2], [0], [-1]), ([1], [True], [-1]),
+              ([[1], [2, 3]], [0], [-1]), "abc"]
 
 
 def _runtime_step_case(rt: CanaryRuntime, is_full: bool,
