@@ -24,7 +24,7 @@ OnInvalid = Literal["raise", "flag"]
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 
 
-def _allocate(device: Any, shape: int, dtype: type, fill: int | None = None) -> Any:
+def _allocate(device: Any, shape: int | tuple[int, ...], dtype: Any, fill: int | None = None) -> Any:
     """One plan array on ``device`` ("cpu" -> NumPy, "cuda"/"cuda:N" -> CuPy)."""
     dev = str(device)
     xp: Any = np

@@ -27,13 +27,13 @@ from typing import Any
 import numpy as np
 
 from ._errors import fail
-from ._validate import array_arg, int_arg, optional_array_arg, same_device
+from ._validate import array_arg, check_memory, int_arg, optional_array_arg, same_device
 from .backends import resolve_backend
 from .constants import CANARY_FIELDS_PER_SLOT, CANARY_SLOT_BYTES
 from .context import VerifyOrWriteContext
 from .dlpack import Device, device_scope, stream_scope
 from .plan import OnInvalid, VerifyPlan, WritePlan, _allocate, launch_canary_plan_kernels
-from .verify import launch_canary_verify_kernel
+from .verify import prepare_verify_launch
 
 RECORD_BYTES = CANARY_SLOT_BYTES  # one record on the wire: 4 little-endian int64 fields
 
@@ -54,11 +54,6 @@ class RecordTransferLaunch:
         return int(self.slots.shape[0])
 
 
-def _byte_range(arr: Any) -> tuple[int, int]:
-    ptr = int(arr.ctypes.data) if isinstance(arr, np.ndarray) else int(arr.data.ptr)
-    return ptr, ptr + int(arr.nbytes)
-
-
 def prepare_record_transfer(*, canary_buf: Any, records: Any, slots: Any, status: Any | None,
                             records_written: bool) -> RecordTransferLaunch:
     """Every host-visible check of a gather (``records_written``) or scatter, for all backends."""
@@ -69,24 +64,21 @@ def prepare_record_transfer(*, canary_buf: Any, records: Any, slots: Any, status
              f"fields, got {stride} bytes")
     if buf.shape[0] < 1:
         fail("canary_buf must hold at least one slot")
-    if _byte_range(buf)[0] % 8:
-        fail("canary_buf must start at an 8-byte aligned address (its fields are read as int64)")
     slot_arr = array_arg(slots, "slots", dtype=np.int64, ndim=1)
     n = int(slot_arr.shape[0])
     rec = array_arg(records, "records", dtype=np.int64, ndim=2, shape=(n, CANARY_FIELDS_PER_SLOT),
                     writable=records_written)
     status_arr = optional_array_arg(status, "status", dtype=np.int32, ndim=1, shape=(1,), writable=True)
-    device = same_device([("canary_buf", buf), ("records", rec), ("slots", slot_arr), ("status", status_arr)])
-    written, written_name = (rec, "records") if records_written else (buf, "canary_buf")
-    others = [("canary_buf", buf), ("records", rec), ("slots", slot_arr), ("status", status_arr)]
-    lo, hi = _byte_range(written)
-    for name, arr in others:
-        if arr is None or name == written_name or arr.nbytes == 0 or written.nbytes == 0:
-            continue
-        a, b = _byte_range(arr)
-        if a < hi and lo < b:
-            fail(f"{written_name} overlaps {name}; the call writes {written_name} while it reads {name}")
-    return RecordTransferLaunch(buf.view(np.int64), rec, slot_arr, status_arr, device)
+    named = [("canary_buf", buf), ("records", rec), ("slots", slot_arr), ("status", status_arr)]
+    device = same_device(named)
+    # SPEC §0.8 as for every launcher: each array aligned to its elements (the int64 view of canary_buf
+    # included), and what the call writes (records or canary_buf, and status) sharing no byte with anything
+    # else it touches.
+    fields = buf.view(np.int64)
+    written = {"records", "status"} if records_written else {"canary_buf", "status"}
+    check_memory(outputs=[(n, fields if n == "canary_buf" else a) for n, a in named if n in written],
+                 inputs=[(n, fields if n == "canary_buf" else a) for n, a in named if n not in written])
+    return RecordTransferLaunch(fields, rec, slot_arr, status_arr, device)
 
 
 def gather_canary_records(*, canary_buf: Any, slots: Any, records_out: Any, status: Any | None = None,
@@ -158,13 +150,18 @@ class ReceivedPrefixVerifier:
         if bs > self.max_requests:
             fail(f"req_pool_indices holds {bs} requests, more than this verifier's max_requests="
                  f"{self.max_requests}")
-        launch_canary_plan_kernels(
-            verify_plan_out=self.plan, write_plan_out=self._write_plan, req_pool_indices=req_pool_indices,
-            prefix_lens=received_lens, extend_seq_lens=self._no_extend[:bs], req_to_token=req_to_token,
-            swa_window_size=swa_window_size, full_to_swa_index_mapping=full_to_swa_index_mapping,
-            verify_capacity=self.verify_capacity, req_to_verify_expected_tokens=req_to_verify_expected_tokens,
-            req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
-            kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, backend=backend, on_invalid=on_invalid)
-        launch_canary_verify_kernel(context=context, plan=self.plan,
-                                    check_verify_expected_token=req_to_verify_expected_tokens is not None,
-                                    backend=backend, on_invalid=on_invalid)
+        with stream_scope(context, self.plan):
+            # The verify is validated before the plan launch fills self.plan: a refused call writes nothing.
+            verify = prepare_verify_launch(context=context, plan=self.plan,
+                                           check_verify_expected_token=req_to_verify_expected_tokens is not None)
+            impl = resolve_backend(backend, verify.device, on_invalid)
+            launch_canary_plan_kernels(
+                verify_plan_out=self.plan, write_plan_out=self._write_plan, req_pool_indices=req_pool_indices,
+                prefix_lens=received_lens, extend_seq_lens=self._no_extend[:bs], req_to_token=req_to_token,
+                swa_window_size=swa_window_size, full_to_swa_index_mapping=full_to_swa_index_mapping,
+                verify_capacity=self.verify_capacity, req_to_verify_expected_tokens=req_to_verify_expected_tokens,
+                req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
+                kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, backend=backend,
+                on_invalid=on_invalid)
+            with device_scope(verify.device):
+                impl.verify(verify)

@@ -6,7 +6,10 @@ construction (a wrong dtype, rank, length, type, alignment, contiguity, writabil
 out-of-range scalar, a NumPy subclass, a DLPack producer that fails...). Launchers are called through the
 NumPy and host backends and through ``bind_*``; the allocators, ``from_tensors``, ``RealKvSource``,
 ``for_endpoint``, ``read_violations``, the DLPack bridge and the SGLang compat layer get their own catalogues.
-Thousands of cases per run, drawn from a fixed seed.
+The plan runs under each slot layout (``kvcanary_cupy.layouts``), the record transfer
+(``kvcanary_cupy.transfer``) like a launcher, and the engine runtime (``kvcanary_cupy.runtime``) is created
+from broken configurations and pools and fed broken batches. Thousands of cases per run, drawn from a fixed
+seed.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import kvcanary_cupy as kc
 from kvcanary_cupy.backends import unavailable_reason
 from kvcanary_cupy.bind import bind_plan, bind_scatter, bind_verify, bind_write
 from kvcanary_cupy.dlpack import as_array, as_byte_rows, export
+from kvcanary_cupy.layouts import BlockTable, PageList, TokenTable
+from kvcanary_cupy.runtime import CanaryConfig, CanaryRuntime, Capacities, KvGroup, KvPools, StepBatch
+from kvcanary_cupy.transfer import ReceivedPrefixVerifier, gather_canary_records, scatter_canary_records
 
 try:
     import torch
@@ -42,6 +48,8 @@ def _arrays(value: Any) -> list[Any]:
         return [a for f in dataclasses.fields(value) for a in _arrays(getattr(value, f.name))]
     if isinstance(value, dict):
         return [a for v in value.values() for a in _arrays(v)]
+    if isinstance(value, ReceivedPrefixVerifier):  # its plans: scratch a refused verify must not touch either
+        return _arrays([value.plan, value._write_plan, value._no_extend])
     if isinstance(value, (tuple, list)):
         return [a for v in value for a in _arrays(v)]
     if isinstance(value, np.ndarray) or (torch is not None and isinstance(value, torch.Tensor)):
@@ -149,7 +157,7 @@ def _plan_call() -> dict[str, Any]:
         "extend_seq_lens": np.array([1, 2], np.int64), "req_to_token": rtt, "swa_window_size": 0,
         "full_to_swa_index_mapping": None, "verify_capacity": 16,
         "req_to_verify_expected_tokens": np.zeros((4, 8), np.int32),
-        "req_to_verify_expected_tokens_valid_lens": np.array([4, 4], np.int64),
+        "req_to_verify_expected_tokens_valid_lens": np.array([4, 4], np.int64), "kv_token_id_vs_position_offset": 0,
     }
 
 
@@ -186,28 +194,97 @@ def _scatter_call() -> dict[str, Any]:
             "status": np.zeros(1, np.int32)}
 
 
+def _plan_blocks_call() -> dict[str, Any]:
+    call = _plan_call()
+    del call["req_to_token"]
+    table = np.array([[0, 0, 0, 0], [3, 1, 0, 0], [2, 5, 4, 0], [0, 0, 0, 0]], np.int32)
+    call["layout"] = BlockTable(table, block_size=2, block_stride=3, num_slots=64)
+    return call
+
+
+def _plan_pages_call() -> dict[str, Any]:
+    call = _plan_call()
+    del call["req_to_token"]
+    call["layout"] = PageList(np.array([0, 2, 4], np.int32), np.array([3, 1, 2, 5], np.int32), page_size=2,
+                              num_slots=64)
+    return call
+
+
+def _received_call() -> dict[str, Any]:
+    verifier = ReceivedPrefixVerifier(verify_capacity=16, max_requests=3)
+    verifier.plan.verify_slot_indices[:] = 9  # a previous verify's plan, which a refused call must keep
+    return {"verifier": verifier, "context": _context(), "req_pool_indices": np.array([1, 2], np.int64),
+            "received_lens": np.array([3, 2], np.int64),
+            "req_to_token": (np.arange(4 * 8, dtype=np.int32) % 31 + 1).reshape(4, 8),
+            "req_to_verify_expected_tokens": np.zeros((4, 8), np.int32),
+            "req_to_verify_expected_tokens_valid_lens": np.array([3, 2], np.int64),
+            "kv_token_id_vs_position_offset": 0, "swa_window_size": 0, "full_to_swa_index_mapping": None}
+
+
+def _received_verify(verifier: ReceivedPrefixVerifier, **kwargs: Any) -> None:
+    verifier.verify(**kwargs)
+
+
+def _gather_call() -> dict[str, Any]:
+    canary = (np.arange(8 * 40) % 251).astype(np.uint8).reshape(8, 40)
+    return {"canary_buf": canary, "slots": np.array([1, 5, 2], np.int64), "records_out": np.zeros((3, 4), np.int64),
+            "status": np.zeros(1, np.int32)}
+
+
+def _scatter_records_call() -> dict[str, Any]:
+    return {"records": np.arange(12, dtype=np.int64).reshape(3, 4), "slots": np.array([1, 5, 2], np.int64),
+            "canary_buf": np.zeros((8, 32), np.uint8), "status": np.zeros(1, np.int32)}
+
+
 LAUNCHERS = {
     "plan": (_plan_call, kc.launch_canary_plan_kernels, bind_plan),
+    "plan-blocks": (_plan_blocks_call, kc.launch_canary_plan_kernels, bind_plan),
+    "plan-pages": (_plan_pages_call, kc.launch_canary_plan_kernels, bind_plan),
     "verify": (_verify_call, kc.launch_canary_verify_kernel, bind_verify),
     "write": (_write_call, kc.launch_canary_write_kernel, bind_write),
     "scatter": (_scatter_call, kc.launch_scatter_req_token_ids, bind_scatter),
+    # the record transfer and the received-prefix verify have no bind_* (each call converts its arguments)
+    "gather-records": (_gather_call, gather_canary_records, None),
+    "scatter-records": (_scatter_records_call, scatter_canary_records, None),
+    "received": (_received_call, _received_verify, None),
 }
+# Cases per launcher: the layouts and the transfer add about as many as one core launcher.
+CASES = {"plan": 1500, "verify": 1500, "write": 1500, "scatter": 1500, "plan-blocks": 700, "plan-pages": 700,
+         "gather-records": 500, "scatter-records": 500, "received": 500}
 # Fields a launch neither reads nor writes (SPEC §0.7: only what is read is checked).
 NOT_READ = {"verify": (("context", "enable_chain_position_assert"), ("plan", "status")),
-            "write": (("plan", "verify_offsets"),)}
-OPTIONAL_ARRAYS = {"plan": ("req_to_verify_expected_tokens",), "scatter": ("status",)}
-SCALARS = {"swa_window_size", "verify_capacity", "check_verify_expected_token", "enable_write_input_assert"}
+            "write": (("plan", "verify_offsets"),), "received": (("context", "enable_chain_position_assert"),)}
+OPTIONAL_ARRAYS = {"plan": ("req_to_verify_expected_tokens",), "plan-blocks": ("req_to_verify_expected_tokens",),
+                   "plan-pages": ("req_to_verify_expected_tokens", "req_pool_indices"), "scatter": ("status",),
+                   "gather-records": ("status",), "scatter-records": ("status",),
+                   "received": ("req_to_verify_expected_tokens",)}
+SCALARS = {"swa_window_size", "verify_capacity", "check_verify_expected_token", "enable_write_input_assert",
+           "kv_token_id_vs_position_offset"}
 OUTPUT_FIELDS = {"verify_plan_out", "write_plan_out", "pool_out", "status"}
+STEP_OUTPUTS = {"gather-records": {"records_out"}, "scatter-records": {"canary_buf"}}
+LAYOUTS = (TokenTable, BlockTable, PageList)
+# Values no layout field accepts (None is valid for the optional ones, so it is not among them).
+BAD_LAYOUT_SCALARS = {
+    "block_size": [0, -2, 2**31, 1.5, True, "2", np.array([2]), 2**64],
+    "block_stride": [1, 0, -3, 2**31, 1.5, False, "3", 2**63],
+    "batch_rows": [1, 0, "yes", 2.0, np.array([True]), None],
+    "num_slots": [-1, 1.5, True, "64", 2**63, 10**30, object()],
+    "page_size": [0, -1, 2**31, 2.0, True, None, 2**64],
+}
 CONTEXT_OUTPUTS = {"canary_buf", "violation_ring", "violation_write_index", "slot_run_counter",
                    "kernel_run_counter", "status"}
 
 
-def _array_slots(call: dict[str, Any]) -> list[tuple[str, str | None, bool]]:
+def _array_slots(step: str, call: dict[str, Any]) -> list[tuple[str, str | None, bool]]:
     """(argument, field or None, is output) for every array a launcher takes."""
     slots = []
+    outputs = STEP_OUTPUTS.get(step, OUTPUT_FIELDS)
     for name, value in call.items():
         if isinstance(value, np.ndarray):
-            slots.append((name, None, name in OUTPUT_FIELDS))
+            slots.append((name, None, name in outputs | {"status"}))
+        elif isinstance(value, LAYOUTS):
+            slots += [(name, f.name, False) for f in dataclasses.fields(value)
+                      if isinstance(getattr(value, f.name), np.ndarray)]
         elif isinstance(value, (kc.VerifyPlan, kc.WritePlan)):
             output = name in OUTPUT_FIELDS
             slots += [(name, f.name, output) for f in dataclasses.fields(value)]
@@ -227,30 +304,42 @@ def _set(call: dict[str, Any], arg: str, field: str | None, value: Any) -> None:
         call[arg] = dataclasses.replace(call[arg], **{field: value})
 
 
+def _alias(target: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """An array shaped like ``target`` over the first bytes of ``other`` (same memory, any dtypes)."""
+    return other.reshape(-1).view(np.uint8)[: target.nbytes].view(target.dtype).reshape(target.shape)
+
+
 def _mutate_launch(step: str, call: dict[str, Any], rng: random.Random) -> str:
     """Break ``call`` in place with one invalid change; returns what was done."""
     choice = rng.random()
-    slots = [s for s in _array_slots(call) if (s[0], s[1]) not in NOT_READ.get(step, ())]
+    slots = [s for s in _array_slots(step, call) if (s[0], s[1]) not in NOT_READ.get(step, ())]
     outputs = [s for s in slots if s[2] and isinstance(_get(call, *s[:2]), np.ndarray)]
-    if choice < 0.12 and outputs:  # an output aliased with another array of the launch
+    if choice < 0.12 and outputs:  # an output sharing memory with another array of the launch
         arg, field, _ = rng.choice(outputs)
         target = _get(call, arg, field)
-        others = [s for s in slots if s[:2] != (arg, field) and isinstance(_get(call, *s[:2]), np.ndarray)
-                  and _get(call, *s[:2]).dtype == target.dtype and _get(call, *s[:2]).nbytes >= target.nbytes]
+        others = [s for s in slots if s[:2] != (arg, field) and type(_get(call, *s[:2])) is np.ndarray
+                  and _get(call, *s[:2]).nbytes >= target.nbytes and _get(call, *s[:2]).flags.c_contiguous
+                  # the received-prefix verify runs two launches in turn: the verify's context may share
+                  # memory with what the plan launch read before it (no race); within the verify it may not
+                  and (step != "received" or s[0] == arg)]
         if others:
             o_arg, o_field, _ = rng.choice(others)
-            source = _get(call, o_arg, o_field).reshape(-1)[: target.size].reshape(target.shape)
-            _set(call, arg, field, source)
+            _set(call, arg, field, _alias(target, _get(call, o_arg, o_field)))
             return f"{arg}.{field} aliased with {o_arg}.{o_field}"
+    layouts = [n for n in call if isinstance(call[n], LAYOUTS)]
+    if choice < 0.2 and layouts:
+        return _mutate_layout(call, rng)
     if choice < 0.25:
         scalars = [n for n in call if n in SCALARS] + ["backend", "on_invalid"]
         name = rng.choice(scalars)
         if name == "backend":
-            call["backend"] = rng.choice(["gpu", "", 3, None, "NUMPY", "auto "])
+            call["backend"] = rng.choice(["gpu", "", 3, None, "NUMPY", "auto ", ["numpy"]])
         elif name == "on_invalid":
             call["on_invalid"] = rng.choice(["ignore", 1, True])
         elif name in ("check_verify_expected_token", "enable_write_input_assert"):
             call[name] = rng.choice([1, 0, "yes", None, 2.0, np.array([True])])
+        elif name == "kv_token_id_vs_position_offset":
+            call[name] = rng.choice([2**31, -(2**31) - 1, None, "0", 1.5, True, 2**64])
         else:
             call[name] = rng.choice([-1, *BAD_SCALARS]) if name != "swa_window_size" else rng.choice(
                 [-1, None, "0", 1.5, True, 2**63, 10**30, object()])
@@ -262,7 +351,16 @@ def _mutate_launch(step: str, call: dict[str, Any], rng: random.Random) -> str:
         if call["expected_input_tokens"] is not None:
             call["enable_write_input_assert"] = False
         return "input assert and expected tensors disagree"
-    objects = [n for n in call if isinstance(call[n], (kc.VerifyPlan, kc.WritePlan, kc.VerifyOrWriteContext))]
+    if choice < 0.3 and step == "received":
+        call["req_pool_indices"] = np.ones(5, np.int64)  # more requests than the verifier was sized for
+        call["received_lens"] = np.ones(5, np.int64)
+        return "more requests than max_requests"
+    if choice < 0.3 and "canary_buf" in call and isinstance(call["canary_buf"], np.ndarray):
+        call["canary_buf"] = rng.choice([np.zeros((8, 24), np.uint8), np.zeros((8, 36), np.uint8),
+                                         np.zeros((0, 32), np.uint8), np.zeros((8, 4), np.int64)])
+        return f"canary_buf {call['canary_buf'].dtype}{call['canary_buf'].shape}"
+    objects = [n for n in call if isinstance(call[n], (kc.VerifyPlan, kc.WritePlan, kc.VerifyOrWriteContext,
+                                                       *LAYOUTS))]
     if choice < 0.34 and objects:
         arg = rng.choice(objects)
         call[arg] = rng.choice([None, {}, object(), np.zeros(3, np.int64), "plan"])
@@ -280,11 +378,34 @@ def _mutate_launch(step: str, call: dict[str, Any], rng: random.Random) -> str:
     return f"{arg}.{field}: {label}"
 
 
+def _mutate_layout(call: dict[str, Any], rng: random.Random) -> str:
+    """A layout scalar no launch accepts, a second layout source, a missing row selector or too few rows."""
+    layout = call["layout"]
+    kind = rng.random()
+    if kind < 0.15:
+        call["req_to_token"] = np.zeros((4, 8), np.int32)
+        return "both req_to_token and layout"
+    if kind < 0.3 and isinstance(layout, BlockTable):
+        if rng.random() < 0.5:
+            call["layout"] = dataclasses.replace(layout, batch_rows=True, block_table=layout.block_table[:1].copy())
+            return "batch_rows=True with fewer table rows than the batch"
+        call["req_pool_indices"] = None
+        return "BlockTable(batch_rows=False) without req_pool_indices"
+    if kind < 0.3 and isinstance(layout, PageList):
+        call["layout"] = dataclasses.replace(layout, kv_page_indptr=np.array([0, 2, 4, 4], np.int32))
+        return "kv_page_indptr of bs + 2 entries"
+    names = [f.name for f in dataclasses.fields(layout) if f.name in BAD_LAYOUT_SCALARS]
+    name = rng.choice(names)
+    value = rng.choice(BAD_LAYOUT_SCALARS[name])
+    call["layout"] = dataclasses.replace(layout, **{name: value})
+    return f"layout.{name}={value!r}"
+
+
 @pytest.mark.parametrize("step", list(LAUNCHERS))
 def test_launchers_and_bind_refuse_random_bad_arguments_and_write_nothing(step):
     make, launch, bind = LAUNCHERS[step]
     rng = random.Random(f"launch-{step}")
-    for case in range(1500):
+    for case in range(CASES[step]):
         call = make()
         watched = dict(call)  # the valid buffers, which no refused call may change
         what = _mutate_launch(step, call, rng)
@@ -293,7 +414,7 @@ def test_launchers_and_bind_refuse_random_bad_arguments_and_write_nothing(step):
         backend = rng.choice(BACKENDS)
         if "backend" not in call:
             call["backend"] = backend
-        entry = bind if case % 3 == 0 else launch
+        entry = bind if case % 3 == 0 and bind is not None else launch
         refuses(lambda entry=entry, call=call: entry(**call), [watched, call], f"{step} case {case}: {what}")
 
 
@@ -302,14 +423,21 @@ def test_a_valid_call_of_each_launcher_is_accepted():
     for step, (make, launch, bind) in LAUNCHERS.items():
         for backend in BACKENDS:
             launch(**make(), backend=backend)
-            bind(**make(), backend=backend)()
+            if bind is not None:
+                bind(**make(), backend=backend)()
         assert step
 
 
 # ---- constructors, endpoints, ring reading ---------------------------------------------------------------------
 
 def _constructor_cases(rng: random.Random) -> tuple[Callable[[], Any], Any, str]:
-    kind = rng.randrange(9)
+    kind = rng.randrange(10)
+    if kind == 9:
+        key = rng.choice(["verify_capacity", "max_requests", "device"])
+        value = {"verify_capacity": [0, -1, 2**31, *BAD_SCALARS], "max_requests": [0, -3, 2**62, *BAD_SCALARS],
+                 "device": ["gpu", None, 7, "cuda:one", *NO_GPU_DEVICES]}[key]
+        args = {"verify_capacity": 8, "max_requests": 2, key: rng.choice(value)}
+        return lambda: ReceivedPrefixVerifier(**args), None, f"ReceivedPrefixVerifier {args}"
     if kind == 0:
         key = rng.choice(["verify_capacity", "device"])
         value = rng.choice([*BAD_SCALARS, 0, -5]) if key == "verify_capacity" else rng.choice(
@@ -413,8 +541,8 @@ def test_the_compat_layer_refuses_random_bad_arguments_and_writes_nothing():
     from kvcanary_cupy.compat import sglang
 
     rng = random.Random("compat")
-    for case in range(800):
-        kind = rng.randrange(4)
+    for case in range(1000):
+        kind = rng.randrange(5)
         if kind == 0:
             cls = rng.choice([sglang.VerifyPlan, sglang.WritePlan, sglang.VerifyOrWriteContext])
             key = {"VerifyPlan": "verify_capacity", "WritePlan": "write_req_capacity",
@@ -453,6 +581,16 @@ def test_the_compat_layer_refuses_random_bad_arguments_and_writes_nothing():
             refuses(lambda args=args: sglang.launch_canary_plan_kernels_torch_reference(**args), watched,
                     f"case {case}: torch reference {change}")
             continue
+        if kind == 4:  # a slot layout through either compat plan entry
+            entry = rng.choice([sglang.launch_canary_plan_kernels, sglang.launch_canary_plan_kernels_torch_reference])
+            # the torch reference reads every input as int64 like SGLang's (a float table is converted)
+            args["layout"], change = _bad_torch_layout(rng, converts=entry is not sglang.launch_canary_plan_kernels)
+            if change != "both":  # with both, req_to_token stays next to a valid TokenTable
+                args["req_to_token"] = None
+            watched.append(args["layout"])
+            refuses(lambda args=args, entry=entry: entry(**args), watched,
+                    f"case {case}: {entry.__name__} layout {change}")
+            continue
         if kind == 2:
             key = rng.choice(["req_pool_indices", "prefix_lens", "req_to_token", "verify_capacity"])
             args[key] = rng.choice([args[key].to(torch.float32) if key != "verify_capacity" else 0,
@@ -464,6 +602,32 @@ def test_the_compat_layer_refuses_random_bad_arguments_and_writes_nothing():
         pool = torch.zeros(4, 8, dtype=torch.int32)
         bad = _compat_launcher_case(rng.randrange(4), sglang, ctx, pool, vp, wp)
         refuses(bad, [ctx, pool, vp, wp], f"case {case}: compat launcher")
+
+
+def _bad_torch_layout(rng: random.Random, *, converts: bool) -> tuple[Any, str]:
+    """A torch-tensor layout that the compat plan entries refuse (``converts``: the entry reads every integer
+    or float tensor as int64), and what is wrong with it."""
+    table = torch.tensor([[0, 0, 0, 0], [3, 1, 0, 0], [2, 5, 4, 0], [0, 0, 0, 0]], dtype=torch.int32)
+    indptr, indices = torch.tensor([0, 2, 3], dtype=torch.int32), torch.tensor([3, 1, 2], dtype=torch.int32)
+    changes = ["table rank", "table beyond int32", "block size", "stride", "rows", "indptr length", "indices 2-D",
+               "page size", "num_slots", "not a layout", "both"]
+    change = rng.choice(changes if converts else [*changes, "table dtype", "indptr float"])
+    layout: Any = {
+        "table dtype": lambda: BlockTable(table.to(torch.float32), block_size=2),
+        "table rank": lambda: BlockTable(table.reshape(-1), block_size=2),
+        "table beyond int32": lambda: BlockTable(table.to(torch.int64) + 2**40, block_size=2),
+        "block size": lambda: BlockTable(table, block_size=rng.choice([0, -1, 2**40, 1.5, True])),
+        "stride": lambda: BlockTable(table, block_size=2, block_stride=1),
+        "rows": lambda: BlockTable(table[:1], block_size=2, batch_rows=True),
+        "indptr length": lambda: PageList(indptr[:2], indices, page_size=2),
+        "indptr float": lambda: PageList(indptr.to(torch.float64), indices, page_size=2),
+        "indices 2-D": lambda: PageList(indptr, indices.reshape(1, 3), page_size=2),
+        "page size": lambda: PageList(indptr, indices, page_size=rng.choice([0, 2**31, None, "2"])),
+        "num_slots": lambda: PageList(indptr, indices, page_size=2, num_slots=rng.choice([-1, 2**63, 2.0])),
+        "not a layout": lambda: rng.choice([table, "blocks", {"block_table": table}, object()]),
+        "both": lambda: TokenTable(torch.zeros(4, 8, dtype=torch.int32)),
+    }[change]()
+    return layout, change
 
 
 def _compat_launcher_case(kind: int, sglang: Any, ctx: Any, pool: Any, vp: Any, wp: Any) -> Callable[[], Any]:
@@ -482,3 +646,256 @@ def _compat_launcher_case(kind: int, sglang: Any, ctx: Any, pool: Any, vp: Any, 
         verify_slot_indices=vp.verify_slot_indices, verify_expected_tokens=vp.verify_expected_tokens,
         verify_expected_positions=vp.verify_expected_positions, verify_prev_slot_indices=vp.verify_prev_slot_indices,
         verify_num_valid=object(), enable=vp.enable)
+
+
+# ---- the engine runtime ----------------------------------------------------------------------------------------
+
+RT_SLOTS, RT_BS, RT_TOKENS, RT_HISTORY = 32, 3, 8, 16
+RT_LOGGER = "kvcanary_cupy.test.fuzz"
+
+
+class _RtEngine:
+    """A tiny engine: one K pool per group (page size 1), ``req_to_token``, a SWA LUT and a block table."""
+
+    def __init__(self) -> None:
+        self.kv = {g: (np.arange(RT_SLOTS * 32) % 253).astype(np.uint8).reshape(RT_SLOTS, 32) for g in ("F", "S")}
+        self.req_to_token = (np.arange(4 * 8, dtype=np.int32) % (RT_SLOTS - 1) + 1).reshape(4, 8)
+        self.lut = np.arange(RT_SLOTS + 1, dtype=np.int64)
+        self.block_table = np.array([[1, 2, 3, 0], [4, 5, 6, 0], [7, 0, 0, 0]], np.int32)
+
+    def source(self, g: str) -> kc.RealKvSource:
+        return kc.RealKvSource(self.kv[g], page_size=1, num_bytes_per_token=32, read_bytes=32)
+
+    def arrays(self) -> list[np.ndarray]:
+        return [*self.kv.values(), self.req_to_token, self.lut, self.block_table]
+
+
+def _rt_parts(engine: _RtEngine, backend: str) -> dict[str, dict[str, Any]]:
+    """Valid keyword arguments of every object the runtime is created from."""
+    return {
+        "config": {"mode": "log", "ring_capacity": 16, "real_kv_hash_mode": "all", "write_input_assert": True,
+                   "verify_token_assert": True, "backend": backend, "logger": RT_LOGGER},
+        "capacities": {"max_batch_size": RT_BS, "max_tokens": RT_TOKENS, "max_history_tokens": RT_HISTORY},
+        "FULL": {"name": "FULL", "num_slots": RT_SLOTS, "k_sources": (engine.source("F"),)},
+        "SWA": {"name": "SWA", "num_slots": RT_SLOTS, "k_sources": (engine.source("S"),), "swa_window": 2,
+                "full_to_swa_index_mapping": engine.lut},
+        "pools": {"req_to_token": engine.req_to_token},
+        "create": {"device": "cpu", "framework": "numpy"},
+    }
+
+
+def _create(parts: dict[str, dict[str, Any]]) -> CanaryRuntime:
+    groups = tuple(KvGroup(**parts[g]) for g in ("FULL", "SWA"))
+    pools = {"groups": groups, **parts["pools"]}
+    return CanaryRuntime.create(CanaryConfig(**parts["config"]), KvPools(**pools), Capacities(**parts["capacities"]),
+                                **parts["create"])
+
+
+_BAD_SIZES = [0, -1, 1.5, True, None, "8", 2**63, np.array([4])]
+BAD_RUNTIME_PARTS: dict[str, dict[str, list[Any]]] = {
+    "config": {
+        "mode": [None, "OFF", 1, ["log"], np.array(["log"]), ""],
+        "ring_capacity": [0, -1, 2**31, *BAD_SCALARS],
+        "sweep_interval": [-1, 1.5, True, None, 2**63, "2", 3],  # 3: no sweep_source to sweep with
+        "real_kv_hash_mode": ["some", 3, -1, 1.5, True, None, 2**70, object(), ["all"]],
+        "write_input_assert": [1, "yes", None, np.array([True])],
+        "health_check": [0, "no", None],
+        "stats_interval": [-1, 1.5, None, 2**64],
+        "backend": ["gpu", None, 3, ["numpy"], "NUMPY", *(["cuda"] if unavailable_reason("cuda") else [])],
+        "logger": ["", None, 3],
+    },
+    "capacities": {
+        "max_batch_size": [*_BAD_SIZES, 2**24 + 1], "max_tokens": [0, -1, 2**60, *BAD_SCALARS],
+        "verify_capacity": [0, -1, 2**31, 1.5, True, "8"], "pool_rows": [0, 2**31, 2.0, False],
+        "max_context_len": [-1, "8"], "max_history_tokens": [0, 1.5], "max_sweep_slots": [0, -2, 2**40],
+    },
+    "FULL": {
+        "name": ["", None, 3, "SWA"], "num_slots": [0, -1, 2**60, 1.5, True, None, "32"],
+        "k_sources": [None, 3, (None,), ("source",), "source"], "v_sources": [3, (object(),), "v"],
+        "swa_window": [2, -1, 1.5], "kv_token_id_vs_position_offset": [2**31, None, "1", 1.5, True],
+        "model": ["", None, 3], "layout": [object(), "blocks", {"block_table": None}],
+    },
+    "SWA": {"swa_window": [-1, 0, 1.5, None], "num_slots": [0, 2**63]},
+    "pools": {"layout": [object(), BlockTable(np.zeros((3, 4), np.int32), block_size=0)]},
+    "create": {"device": ["gpu", 3, None, "cuda:x", "cpu:0", *NO_GPU_DEVICES], "framework": ["jax", None, 3,
+                                                                                            ["numpy"], "TORCH"],
+               "sweep_source": [3, "x"], "observer": [3], "timer": ["t"]},
+}
+
+
+def _runtime_creation_case(rng: random.Random, engine: _RtEngine) -> tuple[Callable[[], Any], str]:
+    parts = _rt_parts(engine, rng.choice(BACKENDS))
+    part = rng.choice([*BAD_RUNTIME_PARTS, "lut", "req_to_token", "groups", "no table"])
+    if part == "lut":  # the SWA group's LUT, any bad array
+        label, value = rng.choice([b for b in bad_arrays(engine.lut, output=False, rng=rng) if b[0] != "None"])
+        parts["SWA"]["full_to_swa_index_mapping"] = value
+        what = f"SWA lut: {label}"
+    elif part == "req_to_token":
+        label, value = rng.choice(bad_arrays(engine.req_to_token, output=False, rng=rng))
+        parts["pools"]["req_to_token"] = value
+        what = f"req_to_token: {label}"
+    elif part == "groups":
+        groups = rng.choice([None, (), (1,), "FULL", "dup"])
+        config, caps = CanaryConfig(**parts["config"]), Capacities(**parts["capacities"])
+        full = KvGroup(**parts["FULL"])
+
+        def call() -> Any:
+            pools = KvPools((full, full) if groups == "dup" else groups, req_to_token=engine.req_to_token)
+            return CanaryRuntime.create(config, pools, caps)
+
+        return call, f"KvPools.groups={groups!r}"
+    elif part == "no table":  # the expected-token pool's shape comes from nowhere
+        parts["pools"] = {"req_to_token": None}
+        parts["FULL"]["layout"] = parts["SWA"]["layout"] = BlockTable(engine.block_table, block_size=4,
+                                                                      batch_rows=True)
+        what = "verify_token_assert without req_to_token or Capacities.pool_rows"
+    else:
+        key = rng.choice(list(BAD_RUNTIME_PARTS[part]))
+        parts[part][key] = rng.choice(BAD_RUNTIME_PARTS[part][key])
+        if part == "pools" and key == "layout" and rng.random() < 0.5:
+            parts["pools"]["layout"] = BlockTable(engine.block_table, block_size=4, batch_rows=True)
+            what = "pools: both req_to_token and layout"
+        else:
+            what = f"{part}.{key}={parts[part][key]!r}"
+    return lambda: _create(parts), what
+
+
+def test_runtime_creation_refuses_random_bad_configs_pools_and_capacities():
+    rng = random.Random("runtime-create")
+    engine = _RtEngine()
+    for backend in BACKENDS:  # the baseline is valid
+        _create(_rt_parts(engine, backend))
+    for case in range(800):
+        call, what = _runtime_creation_case(rng, engine)
+        refuses(call, engine.arrays(), f"case {case}: {what}")
+
+
+def _runtime_buffers(rt: CanaryRuntime) -> list[Any]:
+    """Every array the runtime owns: canary buffers, rings, plans, device words, staged batches, the
+    expected-token pool and its staged histories."""
+    history = vars(rt._history) if rt._history is not None else None
+    return _arrays([rt.groups, [vars(st) for st in rt.stages.values()], vars(rt.scalars), history, rt._sweep_in,
+                    rt.expected_token_pool])
+
+
+def _rt_batch(full: bool) -> dict[str, Any]:
+    batch = {"req_pool_indices": np.array([1, 2], np.int64), "prefix_lens": np.array([2, 1], np.int64),
+             "extend_seq_lens": np.array([1, 2], np.int64), "input_ids": np.array([5, 6, 7], np.int64),
+             "positions": np.array([2, 1, 2], np.int64), "out_cache_loc": np.array([3, 4, 5], np.int64)}
+    if full:  # write_input_assert and verify_token_assert on
+        batch.update(expected_input_ids=batch["input_ids"].copy(), expected_positions=batch["positions"].copy(),
+                     valid_lens=np.array([3, 3], np.int64), history_ids=np.arange(6, dtype=np.int64),
+                     history_offsets=np.array([0, 3, 6], np.int64),
+                     history_req_pool_indices=np.array([1, 2], np.int64))
+    return batch
+
+
+ROW_FIELDS = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "valid_lens")
+TOKEN_FIELDS = ("input_ids", "positions", "out_cache_loc", "expected_input_ids", "expected_positions")
+HISTORY_FIELDS = ("history_ids", "history_offsets", "history_req_pool_indices")
+
+
+def _mutate_batch(batch: dict[str, Any], full: bool, rng: random.Random) -> str:
+    """Break a valid batch: a bad array, lengths that disagree, a capacity exceeded, a field missing or extra."""
+    kind = rng.random()
+    present = [k for k, v in batch.items() if isinstance(v, np.ndarray)]
+    if kind < 0.45 and present:
+        name = rng.choice(present)
+        # a misaligned batch array is fine: the runtime copies it into its own buffers
+        bad = [b for b in bad_arrays(batch[name], output=False, rng=rng) if b[0] != "misaligned"]
+        if name == "req_pool_indices" and not full:  # the row-less layout needs no request rows
+            bad = [b for b in bad if b[0] != "None"]
+        label, batch[name] = rng.choice(bad)
+        return f"batch.{name}: {label}"
+    if kind < 0.55:
+        fields = rng.choice([ROW_FIELDS, TOKEN_FIELDS])
+        name = rng.choice([f for f in fields if isinstance(batch.get(f), np.ndarray)])
+        batch[name] = np.append(batch[name], 1)
+        return f"batch.{name} one entry longer than the others"
+    if kind < 0.7:
+        which = rng.choice(["rows", "tokens", "history tokens", "history rows"] if full else ["rows", "tokens"])
+        if which in ("rows", "tokens"):
+            size = RT_BS + 1 if which == "rows" else RT_TOKENS + 1
+            for f in ROW_FIELDS if which == "rows" else TOKEN_FIELDS:
+                if batch.get(f) is not None:
+                    batch[f] = np.ones(size, np.int64)
+        elif which == "history tokens":
+            batch["history_ids"] = np.zeros(RT_HISTORY + 1, np.int64)
+            batch["history_offsets"] = np.array([0, 8, RT_HISTORY + 1], np.int64)
+        else:
+            batch["history_req_pool_indices"] = np.ones(RT_BS + 1, np.int64)
+            batch["history_offsets"] = np.zeros(RT_BS + 2, np.int64)
+        return f"capacity exceeded: {which}"
+    if kind < 0.85:
+        if full:
+            name = rng.choice(["req_pool_indices", "expected_input_ids", "expected_positions", "valid_lens",
+                               rng.choice(HISTORY_FIELDS)])
+            batch[name] = None
+            return f"batch.{name} missing"
+        name = rng.choice(["expected_input_ids", "valid_lens", "history_ids"])
+        batch[name] = np.zeros(2 if name == "valid_lens" else 3, np.int64)
+        if name == "history_ids":
+            batch.update(history_offsets=np.array([0, 3], np.int64), history_req_pool_indices=np.ones(1, np.int64))
+        return f"batch.{name} given with its switch off"
+    if full:
+        batch["history_offsets"] = np.array([0, 3], np.int64)  # 2 entries where k + 1 = 3 are needed
+        return "history offsets that disagree with the rows"
+    batch["prefix_lens"] = np.array([0, 2, 1], np.int64)
+    return "prefix_lens of another length"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_runtime_refuses_random_bad_batches_and_models_and_writes_nothing(backend):
+    """Phase 1 (prepare) takes the batch; phases 2 and 3 take the model. A refused call leaves every canary
+    buffer, ring, plan, device word and staged buffer of the runtime, and the engine's arrays, unchanged."""
+    rng = random.Random(f"runtime-steps-{backend}")
+    engine = _RtEngine()
+    swept: list[Any] = [None]
+    parts = _rt_parts(engine, backend)
+    parts["create"]["sweep_source"] = lambda: swept[0]
+    full = _create(parts)
+    lean_parts = _rt_parts(engine, backend)
+    lean_parts["config"].update(write_input_assert=False, verify_token_assert=False)
+    lean_parts["pools"] = {"layout": BlockTable(engine.block_table, block_size=4, batch_rows=True)}
+    lean = _create(lean_parts)
+    runtimes = [(full, True), (lean, False)]
+    for rt, is_full in runtimes:  # one valid step first, so that the buffers hold more than their fill
+        rt.mark_init_finished()
+        rt.prepare(StepBatch(**_rt_batch(is_full)))
+        rt.pre_forward()
+        rt.post_forward()
+        rt.finish_step()
+    for case in range(350):
+        rt, is_full = rng.choice(runtimes)
+        call, watched, what = _runtime_step_case(rt, is_full, rng)
+        if rng.random() < 0.1:  # what the engine's prefix cache reports to the sweep
+            swept[0] = rng.choice(BAD_SWEEPS)
+            call, watched, what = full.sweep, [_runtime_buffers(full)], f"sweep_source() -> {swept[0]!r}"
+        refuses(call, [watched, engine.arrays()], f"case {case}: {what}")
+
+
+BAD_SWEEPS = [None, 3, ([1], [0]), ([1.5], [0], [-1]), (["a"], [0], [-1]), ([2**70], [0], [-1]),
+              (np.array([2**64 - 1], np.uint64), [0], [-1]), ([1, 2], [0], [-1]), ([1], [True], [-1]),
+              ([[1], [2, 3]], [0], [-1]), "abc"]
+
+
+def _runtime_step_case(rt: CanaryRuntime, is_full: bool,
+                       rng: random.Random) -> tuple[Callable[[], Any], list[Any], str]:
+    """A phase call that must be refused, what it must leave unchanged, and what is wrong with it."""
+    watched: list[Any] = [_runtime_buffers(rt)]
+    kind = rng.random()
+    if kind < 0.1:
+        model = rng.choice(["draft", None, 3, ["target"], "", np.array(["target"])])
+        phase = rng.choice(["prepare", "pre_forward", "post_forward"])
+        if phase == "prepare":
+            return lambda: rt.prepare(StepBatch(**_rt_batch(is_full)), model=model), watched, f"prepare({model!r})"
+        return lambda: getattr(rt, phase)(model=model), watched, f"{phase}(model={model!r})"
+    if kind < 0.15:
+        batch: Any = rng.choice([None, _rt_batch(is_full), object(), "batch"])
+        return lambda: rt.prepare(batch), watched, f"batch is a {type(batch).__name__}"
+    fields = _rt_batch(is_full)
+    what = _mutate_batch(fields, is_full, rng)
+    if rng.random() < 0.2:
+        what += "; " + _mutate_batch(fields, is_full, rng)
+    watched.append(dict(fields))
+    return lambda: rt.prepare(StepBatch(**fields)), watched, what

@@ -89,6 +89,35 @@ class TestLayoutChecks:
                        extend_seq_lens=np.array([1, 1, 1], np.int64))
         assert_rejected(kwargs, "extend_seq_lens", backend=backend)
 
+    # SPEC §0.8: the layout's arrays go through the same memory check as every other plan input.
+    def test_layout_arrays_misaligned(self, backend):
+        def misaligned(arr):
+            raw = np.zeros(arr.nbytes + 16, np.uint8)
+            start = (-raw.ctypes.data) % 8 + 2
+            out = raw[start:start + arr.nbytes].view(arr.dtype).reshape(arr.shape)
+            out[...] = arr
+            return out
+
+        assert_rejected(paged(kc.BlockTable(misaligned(TABLE), 4)), "layout.block_table is not aligned",
+                        backend=backend)
+        assert_rejected(paged(kc.PageList(misaligned(INDPTR), PAGES, 4)), "layout.kv_page_indptr is not aligned",
+                        backend=backend)
+        assert_rejected(paged(kc.PageList(INDPTR, misaligned(PAGES), 4)), "layout.kv_page_indices is not aligned",
+                        backend=backend)
+
+    def test_plan_outputs_overlapping_layout_arrays(self, backend):
+        table = TABLE.copy()
+        kwargs = paged(kc.BlockTable(table, 4))
+        kwargs["verify_plan_out"] = kc.VerifyPlan(**{**vars(kwargs["verify_plan_out"]),
+                                                     "status": table.reshape(-1)[:1]})
+        assert_rejected(kwargs, "verify_plan_out.status overlaps layout.block_table", backend=backend)
+        indices = PAGES.copy()
+        kwargs = paged(kc.PageList(INDPTR, indices, 4))
+        kwargs["write_plan_out"] = kc.WritePlan(**{**vars(kwargs["write_plan_out"]),
+                                                   "write_num_valid_reqs": indices[2:]})
+        assert_rejected(kwargs, "write_plan_out.write_num_valid_reqs overlaps layout.kv_page_indices",
+                        backend=backend)
+
 
 def test_bind_plan_validates_layouts_the_same_way():
     kwargs = paged(kc.BlockTable(TABLE, 4, block_stride=2))

@@ -7,6 +7,7 @@ The last test reruns the host-backend tests of this file under AddressSanitizer 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from kvcanary_cupy.backends import resolve_backend, unavailable_reason
 from kvcanary_cupy.backends.host import HOST_SHAPE
 from kvcanary_cupy.backends.kernel_backend import KernelBackend
 from kvcanary_cupy.dlpack import CPU
-from kvcanary_cupy.transfer import prepare_record_transfer
+from kvcanary_cupy.transfer import ReceivedPrefixVerifier, prepare_record_transfer
 
 SCALE = float(os.environ.get("KVCANARY_DIFFERENTIAL_SCALE", "1"))
 needs_host = pytest.mark.skipif(unavailable_reason("host") is not None,
@@ -173,6 +174,23 @@ def _bad_calls():
                                                         records_out=whole[64:128].view(np.int64).reshape(2, 4))
     yield "canary_buf overlaps records", "scatter", dict(records=whole[64:128].view(np.int64).reshape(2, 4),
                                                          slots=slots, canary_buf=whole[: 8 * 32].reshape(8, 32))
+    # SPEC §0.8 through the shared check: every array aligned to its elements, status an output like the rest
+    raw = np.zeros(8 * 32 + 16, np.uint8)
+    base = (-raw.ctypes.data) % 8
+    yield "canary_buf is not aligned", "gather", dict(canary_buf=raw[base + 4: base + 4 + 8 * 32].reshape(8, 32),
+                                                      slots=slots, records_out=records)
+    yield "slots is not aligned", "scatter", dict(records=records, canary_buf=canary,
+                                                  slots=raw[base + 4: base + 20].view(np.int64))
+    yield "records is not aligned", "gather", dict(canary_buf=canary, slots=slots,
+                                                   records_out=raw[base + 4: base + 68].view(np.int64).reshape(2, 4))
+    yield "status is not aligned", "scatter", dict(records=records, slots=slots, canary_buf=canary,
+                                                   status=raw[base + 2: base + 6].view(np.int32))
+    yield "status overlaps slots", "gather", dict(canary_buf=canary, slots=slots, records_out=records,
+                                                  status=slots.view(np.int32)[:1])
+    yield "overlaps", "gather", dict(canary_buf=canary, slots=slots, records_out=records,
+                                     status=records.reshape(-1).view(np.int32)[3:4])
+    yield "status overlaps canary_buf", "scatter", dict(records=records, slots=slots, canary_buf=canary,
+                                                        status=canary[0, :4].view(np.int32))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -187,6 +205,50 @@ def test_bad_arguments_raise_before_anything_is_written(backend, message, call, 
 
 
 # ---- the receiver's verify of a whole received prefix ---------------------------------------------------------
+
+def _plan_bytes(verifier: ReceivedPrefixVerifier) -> list[bytes]:
+    plans = (verifier.plan, verifier._write_plan)
+    return [np.asarray(getattr(p, f.name)).tobytes() for p in plans for f in dataclasses.fields(p)]
+
+
+def _refused_verify_keeps_the_plan(backend: str, kv: object, break_context) -> None:
+    """A verify that its own checks refuse is refused before the plan launch rewrites the verifier's plan."""
+    verifier = ReceivedPrefixVerifier(verify_capacity=8, max_requests=2)
+    source = kc.RealKvSource(kv, page_size=1, num_bytes_per_token=32, read_bytes=32)
+    ctx = kc.VerifyOrWriteContext.allocate(num_slots=32, ring_capacity=64, real_kv_sources=(source,),
+                                           real_kv_hash_mode=kc.RealKvHashMode.ALL)
+    rtt = np.arange(1, 17, dtype=np.int32).reshape(2, 8)
+    verifier.verify(context=ctx, req_pool_indices=np.array([1], np.int64), received_lens=np.array([3], np.int64),
+                    req_to_token=rtt, backend=backend, on_invalid="flag")
+    before, ring = _plan_bytes(verifier), ctx.violation_ring.copy()
+    bad, message = break_context(ctx)
+    with pytest.raises(kc.CanaryArgumentError, match=f"^kv-canary: .*{message}"):
+        # other rows and lengths: a plan launch would have changed every plan field
+        verifier.verify(context=bad, req_pool_indices=np.array([0, 1], np.int64), received_lens=np.array([5, 6]),
+                        req_to_token=rtt, backend=backend, on_invalid="flag")
+    assert _plan_bytes(verifier) == before
+    np.testing.assert_array_equal(ctx.violation_ring, ring)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_received_verify_with_aliased_context_outputs_leaves_the_verifier_plan_unchanged(backend):
+    def alias(ctx):
+        return dataclasses.replace(ctx, status=ctx.violation_write_index), "overlaps"
+
+    _refused_verify_keeps_the_plan(backend, np.zeros((32, 32), np.uint8), alias)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_received_verify_after_the_kv_tensor_moved_leaves_the_verifier_plan_unchanged(backend):
+    torch = pytest.importorskip("torch")
+    kv = torch.zeros(32, 32, dtype=torch.uint8)
+
+    def move(ctx):
+        kv.resize_(64, 64)  # a larger storage elsewhere: the source's view would read freed memory
+        return ctx, "moved or shrank"
+
+    _refused_verify_keeps_the_plan(backend, kv, move)
+
 
 PAGE_SENDER, PAGE_RECEIVER, WORDS = 4, 8, 4  # the two sides page their KV differently
 

@@ -10,6 +10,7 @@ some serial order; launches on unrelated contexts still run side by side.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -44,6 +45,11 @@ def _context_state(ctx: Any) -> _Serialised:
     return _Serialised(ctx.write_index, ctx.slot_run_counter, ctx.kernel_run_counter, ctx.status)
 
 
+def _status_word(status: Any | None) -> contextlib.AbstractContextManager:
+    """The lock of an optional status word that a launch ORs bits into."""
+    return contextlib.nullcontext() if status is None else _Serialised(status)
+
+
 class NumpyBackend:
     """Reference backend. ``on_invalid="raise"`` refuses out-of-range device values with ValueError;
     ``"flag"`` reports them exactly like the kernels do (status bits, neutralised entries)."""
@@ -66,14 +72,16 @@ class NumpyBackend:
             verify_reference(launch, self.on_invalid)
 
     def scatter(self, launch: Any) -> None:
-        if launch.status is None:
-            scatter_reference(launch, self.on_invalid)
-            return
-        with _Serialised(launch.status):
+        with _status_word(launch.status):
             scatter_reference(launch, self.on_invalid)
 
     def gather_records(self, launch: Any) -> None:
-        gather_records_reference(launch, self.on_invalid)
+        with _status_word(launch.status):
+            gather_records_reference(launch, self.on_invalid)
 
     def scatter_records(self, launch: Any) -> None:
-        scatter_records_reference(launch, self.on_invalid)
+        # The status word is read-modify-written (it may be shared with other launches, a context's included);
+        # the records land in the caller's slots by plain stores, never read back, so two threads scattering
+        # into one canary buffer race on the slots as two CUDA streams would (README, Threads).
+        with _status_word(launch.status):
+            scatter_records_reference(launch, self.on_invalid)

@@ -6,29 +6,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from .._errors import fail
 from .._validate import bool_arg, int_arg
 from ..backends import BACKEND_NAMES
-from ..constants import RealKvHashMode
+from ..constants import MAX_PLAN_BATCH_SIZE, RealKvHashMode
+from ..context import real_kv_mode_arg
 
 MODES = ("off", "log", "raise")
 _HASH_MODES = {"none": RealKvHashMode.NONE, "partial": RealKvHashMode.PARTIAL, "all": RealKvHashMode.ALL}
 
 
 def hash_mode(value: Any, name: str) -> RealKvHashMode:
-    """``value`` ("none" / "partial" / "all", a :class:`RealKvHashMode` or its int) as the enum; a bool or a
-    float is refused rather than read as a mode number."""
+    """A hash mode by name (any case) or as a :class:`RealKvHashMode` / its int value (not a bool or float)."""
     if isinstance(value, str):
         if value.lower() in _HASH_MODES:
             return _HASH_MODES[value.lower()]
-    elif isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        try:
-            return RealKvHashMode(int(value))
-        except ValueError:
-            pass
-    fail(f"{name} must be one of none, partial, all (or a RealKvHashMode), got {value!r}")
+        fail(f"{name} must be one of none, partial, all (or a RealKvHashMode), got {value!r}")
+    return real_kv_mode_arg(value, name)
+
+
+def _choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
+    # isinstance first: `in` on an array or an object with an odd __eq__ would not give a bool
+    if not isinstance(value, str) or value not in choices:
+        fail(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,7 @@ class CanaryConfig:
     logger: str = "kvcanary_cupy.runtime"
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            fail(f"CanaryConfig.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        _choice(self.mode, "CanaryConfig.mode", MODES)
         int_arg(self.ring_capacity, "CanaryConfig.ring_capacity", minimum=1, maximum=(1 << 31) - 1)
         int_arg(self.sweep_interval, "CanaryConfig.sweep_interval", minimum=0)
         int_arg(self.stats_interval, "CanaryConfig.stats_interval", minimum=0)
@@ -72,8 +72,7 @@ class CanaryConfig:
                                                                 "CanaryConfig.real_kv_hash_mode"))
         for flag in ("write_input_assert", "verify_token_assert", "health_check"):
             bool_arg(getattr(self, flag), f"CanaryConfig.{flag}")
-        if self.backend not in ("auto", *BACKEND_NAMES):
-            fail(f"CanaryConfig.backend must be one of auto, {', '.join(BACKEND_NAMES)}, got {self.backend!r}")
+        _choice(self.backend, "CanaryConfig.backend", ("auto", *BACKEND_NAMES))
         if not isinstance(self.logger, str) or not self.logger:
             fail(f"CanaryConfig.logger must be a non-empty str, got {self.logger!r}")
 
@@ -107,7 +106,8 @@ class Capacities:
     max_sweep_slots: int | None = None
 
     def __post_init__(self) -> None:
-        int_arg(self.max_batch_size, "Capacities.max_batch_size", minimum=1)
+        # one plan launch takes at most MAX_PLAN_BATCH_SIZE rows: refused here, before anything is allocated
+        int_arg(self.max_batch_size, "Capacities.max_batch_size", minimum=1, maximum=MAX_PLAN_BATCH_SIZE)
         int_arg(self.max_tokens, "Capacities.max_tokens", minimum=1)
         for name in ("verify_capacity", "max_context_len", "pool_rows", "max_history_tokens", "max_sweep_slots"):
             value = getattr(self, name)

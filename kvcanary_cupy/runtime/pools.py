@@ -14,28 +14,19 @@ from typing import Any
 
 from .._errors import fail
 from .._validate import int_arg
-from ..constants import MAX_REAL_KV_SOURCES
-from ..context import RealKvSource
+from ..context import RealKvSource, real_kv_sources_arg
 from ..layouts import BlockTable, PageList
 
 _INT32_MAX = (1 << 31) - 1
 
 
 def _sources(value: Any, name: str, *, optional: bool) -> tuple[RealKvSource, ...] | None:
+    """A group's sources: one RealKvSource or a tuple of them (checked as the contexts check them)."""
     if value is None:
         if optional:
             return None
         fail(f"{name} must be a tuple of RealKvSource, got None")
-    if isinstance(value, RealKvSource):
-        value = (value,)
-    if not isinstance(value, (tuple, list)):
-        fail(f"{name} must be a tuple of RealKvSource, got {type(value).__name__}")
-    for i, src in enumerate(value):
-        if not isinstance(src, RealKvSource):
-            fail(f"{name}[{i}] must be a RealKvSource, got {type(src).__name__}")
-    if len(value) > MAX_REAL_KV_SOURCES:
-        fail(f"{name}: at most {MAX_REAL_KV_SOURCES} RealKvSource entries are supported, got {len(value)}")
-    return tuple(value)
+    return real_kv_sources_arg((value,) if isinstance(value, RealKvSource) else value, name)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .._errors import fail
+from .._validate import INT64_MAX, array_arg
 from ..bind import BoundLaunch, bind_scatter
 from ..constants import CanaryStatus
 from ..dlpack import first_torch_cuda_tensor
@@ -54,10 +55,13 @@ def _sweep_entries(answer: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     for name, value in zip(("slots", "positions", "prev_slots"), answer, strict=True):
         try:
             arr = np.asarray(value)
-        except (TypeError, ValueError, RuntimeError) as exc:  # e.g. a CUDA tensor
-            fail(f"sweep_source's {name} must be a host array: {exc}")
+        except Exception as exc:  # a device array, a ragged list...
+            fail(f"sweep_source's {name} must be a host array ({type(exc).__name__}: {exc})")
+        # ints beyond int64 make an object array; bools and floats are not slots
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             fail(f"sweep_source's {name} must be a 1-D integer host array, got {arr.dtype.name} {arr.shape}")
+        if arr.dtype == np.uint64 and arr.size and int(arr.max()) > INT64_MAX:
+            fail(f"sweep_source's {name} must hold integers within int64")
         out.append(arr.astype(np.int64, copy=False))
     slots, positions, prevs = out
     if not slots.shape[0] == positions.shape[0] == prevs.shape[0]:
@@ -120,8 +124,9 @@ class CanaryRuntime:
             fail(f"pools must be a KvPools, got {type(pools).__name__}")
         if not isinstance(capacities, Capacities):
             fail(f"capacities must be a Capacities, got {type(capacities).__name__}")
-        if sweep_source is not None and not callable(sweep_source):
-            fail(f"sweep_source must be callable, got {type(sweep_source).__name__}")
+        for hook, value in (("sweep_source", sweep_source), ("observer", observer), ("timer", timer)):
+            if value is not None and not callable(value):
+                fail(f"{hook} must be callable, got {type(value).__name__}")
         if config.sweep_interval and sweep_source is None:
             fail(f"CanaryConfig.sweep_interval={config.sweep_interval} needs a sweep_source (the slots the prefix "
                  "cache holds)")
@@ -169,7 +174,9 @@ class CanaryRuntime:
         if space.is_cuda and space.framework != "torch" and first_torch_cuda_tensor(pools.engine_arrays()) is not None:
             # the runtime's copies would run on CuPy's stream and the launches on torch's: no ordering between them
             fail("the KV pools hold torch CUDA tensors: create the runtime with framework='torch'")
-        table = pools.req_to_token
+        # validated like the plan will (bind_group), but before its shape sizes the expected-token pool
+        table = None if pools.req_to_token is None else array_arg(pools.req_to_token, "KvPools.req_to_token",
+                                                                  dtype=np.int32, ndim=2)
         pool_shape = None
         if cfg.verify_token_assert:
             rows = caps.pool_rows if caps.pool_rows is not None else (None if table is None else int(table.shape[0]))
@@ -245,7 +252,7 @@ class CanaryRuntime:
             fail(f"{call}() runs outside CUDA-graph capture; only pre_forward() and post_forward() may be captured")
 
     def _groups_of(self, model: str) -> list[GroupState]:
-        groups = self._by_model.get(model)
+        groups = self._by_model.get(model) if isinstance(model, str) else None
         if groups is None:
             fail(f"model must be one of {', '.join(self.models)}, got {model!r}")
         return groups

@@ -18,6 +18,7 @@ import numpy as np
 
 from .._errors import fail
 from ..dlpack import Device, as_array, cupy_module, cupy_stream_for
+from ..plan import _allocate
 
 FRAMEWORKS = ("numpy", "torch")
 
@@ -37,7 +38,7 @@ class ArraySpace:
     """Allocation, stream scope, host snapshots and events for one device and framework."""
 
     def __init__(self, device: Any, framework: str) -> None:
-        if framework not in FRAMEWORKS:
+        if not isinstance(framework, str) or framework not in FRAMEWORKS:
             fail(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
         self.device = parse_device(device)
         self.framework = framework
@@ -63,15 +64,18 @@ class ArraySpace:
     # -- allocation (creation time only) -------------------------------------------------------------------
 
     def alloc(self, shape: int | tuple[int, ...], dtype: Any, fill: int = 0) -> tuple[Any, Any]:
-        """A filled buffer: ``(owner, view)``."""
+        """A filled buffer: ``(owner, view)``. Sizes no device can hold are a ``kv-canary: `` error."""
+        if self.torch is None:
+            owner = _allocate(str(self.device), shape, dtype, fill)
+            return owner, owner
+        torch = self.torch
         with self.scope():
-            if self.torch is not None:
-                torch = self.torch
+            try:
                 owner = torch.full(shape if isinstance(shape, tuple) else (shape,), fill,
                                    dtype=getattr(torch, np.dtype(dtype).name), device=str(self.device))
-                view = as_array(owner, "runtime buffer", writable=True)
-            else:
-                owner = view = self.xp.full(shape, fill, dtype)
+            except (MemoryError, RuntimeError, ValueError) as exc:  # torch's out-of-memory is a RuntimeError
+                fail(f"cannot allocate {shape} x {np.dtype(dtype).name} on device={str(self.device)!r} ({exc})")
+            view = as_array(owner, "runtime buffer", writable=True)
         return owner, view
 
     def host(self, shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
