@@ -156,7 +156,16 @@ def test_dumped_launches_carry_the_layout_and_replay_with_it(tmp_path, layout):
 def test_the_command_line_takes_a_layout(capsys):
     assert main(["simulate", "--preset", "decode", "--steps", "12", "--requests", "3", "--layout", "csr",
                  "--backend", "numpy", "--quiet", "--plain"]) == 0
-    assert "backend numpy, csr layout" in " ".join(capsys.readouterr().out.split())  # the table may wrap
+    assert "backend numpy, csr layout, 16-token blocks" in " ".join(capsys.readouterr().out.split())  # may wrap
+    assert main(["simulate", "--preset", "decode", "--steps", "12", "--requests", "3", "--layout", "block",
+                 "--block-size", "4", "--block-stride", "6", "--backend", "numpy", "--quiet", "--plain"]) == 0
+    assert "block layout, 4-token blocks 6 slots apart" in " ".join(capsys.readouterr().out.split())
+    assert main(["simulate", "--block-size", "4"]) == 2
+    assert "--block-size applies to --layout block or csr" in capsys.readouterr().err
+    assert main(["simulate", "--layout", "csr", "--block-stride", "32"]) == 2
+    assert "--block-stride applies to --layout block" in capsys.readouterr().err
+    assert main(["simulate", "--layout", "block", "--block-size", "8", "--block-stride", "4"]) == 2
+    assert "must lie in [block size 8, 4096], got 4" in capsys.readouterr().err
     assert main(["simulate", "--layout", "paged"]) == 2
     assert "argument --layout: invalid choice: 'paged'" in capsys.readouterr().err
     assert main(["simulate", "--disaggregated", "--layout", "csr"]) == 2

@@ -125,10 +125,11 @@ class SimConfig:
         if self.block_size is not None and (self.layout == "token" or not 1 <= self.block_size <= MAX_BLOCK_SIZE):
             raise ValueError(f"--block-size applies to --layout block or csr and must lie in [1, {MAX_BLOCK_SIZE}], "
                              f"got {self.block_size} with --layout {self.layout}")
-        if self.block_stride is not None and (self.layout != "block" or not self.blocks[0] <= self.block_stride
+        size = self.blocks[0]
+        if self.block_stride is not None and (self.layout != "block" or not size <= self.block_stride
                                               <= MAX_BLOCK_SIZE):
-            raise ValueError(f"--block-stride applies to --layout block and must lie in [block size "
-                             f"{self.blocks[0]}, {MAX_BLOCK_SIZE}], got {self.block_stride} with --layout {self.layout}")
+            raise ValueError(f"--block-stride applies to --layout block and must lie in [block size {size}, "
+                             f"{MAX_BLOCK_SIZE}], got {self.block_stride} with --layout {self.layout}")
         if self.canary_mode not in ("log", "raise"):
             raise ValueError(f"canary_mode must be 'log' or 'raise', got {self.canary_mode!r}")
         if self.backend not in ("auto", *BACKEND_NAMES):
