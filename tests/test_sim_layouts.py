@@ -38,6 +38,7 @@ def test_a_block_stride_above_the_block_size_detects_every_kind():
                            block_size=5, block_stride=7, inject=parse_inject(["all"], kinds)))
     _check_detected(report, kinds)
     assert (report["config"]["engine"]["block_size"], report["config"]["engine"]["block_stride"]) == (5, 7)
+    assert report["workload"]["swa_evicted_slots"] > 0  # the SWA window still slides over the blocks' slots
 
 
 def test_block_table_and_page_lists_of_the_same_blocks_read_the_same_violations():
