@@ -34,7 +34,7 @@ def test_every_preset_detects_every_applicable_kind_in_each_layout(preset, layou
 def test_a_block_stride_above_the_block_size_detects_every_kind():
     """transformers' physical layout: blocks of 5 tokens, 7 slots apart (the slots between stay unused)."""
     kinds = applicable_kinds("mixed")
-    report = run(SimConfig(preset="mixed", steps=40, requests=10, seed=8, backend="numpy", layout="block",
+    report = run(SimConfig(preset="mixed", steps=120, requests=8, seed=8, backend="numpy", layout="block",
                            block_size=5, block_stride=7, inject=parse_inject(["all"], kinds)))
     _check_detected(report, kinds)
     assert (report["config"]["engine"]["block_size"], report["config"]["engine"]["block_stride"]) == (5, 7)
