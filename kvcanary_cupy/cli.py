@@ -170,8 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--sweep-interval", type=_non_negative, default=8, metavar="N",
                      help="verify every prefix-cache slot every N steps (0: never; default: 8)")
     sim.add_argument("--layout", choices=["token", "block", "csr"], default="token",
-                     help="slot layout the plan reads: token (SGLang's req_to_token), block (a batch-row block "
-                     "table, vLLM-style) or csr (page lists, FlashInfer-style) (default: token)")
+                     help="slot layout the plan reads: token (SGLang's req_to_token; KV allocated per token), "
+                     "block (a batch-row block table, vLLM-style) or csr (page lists, FlashInfer-style); in "
+                     "block and csr the engine allocates KV in blocks of --block-size tokens, keeps each "
+                     "request's block list and shares the prefix cache in whole blocks (default: token)")
+    sim.add_argument("--block-size", type=_positive, default=None, metavar="N",
+                     help="tokens per KV block with --layout block or csr (default: the preset's page size, 16)")
+    sim.add_argument("--block-stride", type=_positive, default=None, metavar="N",
+                     help="slots between consecutive block ids with --layout block, >= the block size "
+                     "(transformers' physical stride; default: the block size)")
     sim.add_argument("--with-v", action="store_true", help="add V endpoints next to K")
     sim.add_argument("--real-kv-hash", choices=["all", "partial"], default="all",
                      help="bytes of real KV fingerprinted per slot: all, or the first 16 (default: all)")
@@ -282,7 +289,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                         backend=args.backend, inject=inject, sweep_interval=args.sweep_interval,
                         with_v=args.with_v, real_kv_hash=args.real_kv_hash, warmup_steps=args.warmup,
                         cooldown_steps=args.cooldown, ring_capacity=args.ring_capacity,
-                        dump_dir=args.dump_failures, layout=args.layout)
+                        dump_dir=args.dump_failures, layout=args.layout, block_size=args.block_size,
+                        block_stride=args.block_stride)
         sim = Simulation(cfg)
     except (ValueError, OSError) as exc:
         raise BadArguments(str(exc)) from None
@@ -306,8 +314,9 @@ def _cmd_simulate_disaggregated(args: argparse.Namespace) -> int:
     from .sim.faults import parse_inject
 
     try:
-        if args.layout != "token":
-            raise ValueError("--layout does not apply to --disaggregated (its engines keep req_to_token)")
+        if args.layout != "token" or args.block_size is not None or args.block_stride is not None:
+            raise ValueError("--layout, --block-size and --block-stride do not apply to --disaggregated (its "
+                             "engines keep req_to_token)")
         for option, given in (("--dump-failures", args.dump_failures), ("--cooldown", args.cooldown)):
             if given is not None:
                 raise ValueError(f"{option} does not apply to --disaggregated")

@@ -128,7 +128,7 @@ def test_batches_are_request_major_with_trailing_padding(eagle):
     assert np.asarray(batch.req_pool_indices).tolist()[-1] == 0
     assert np.asarray(batch.positions)[:3].tolist() == [4, 4, 4]
     rows = np.asarray(batch.req_pool_indices)[:3]
-    assert np.array_equal(np.asarray(batch.out_cache_loc)[:3], engine.rtt_host[rows, 4])
+    assert np.array_equal(np.asarray(batch.out_cache_loc)[:3], engine.table_host[rows, 4])
     engine.sample(batch)
     if eagle:  # the draft's slot at position p takes token p + 1
         want = [r.tokens[5] for r in batch.reqs]

@@ -1,4 +1,5 @@
-"""The token-to-KV slot allocator: :class:`SlotAllocator`, a free list with reference counts."""
+"""The KV allocator: :class:`SlotAllocator`, a free list with reference counts over allocation units (slots of
+one token, or blocks of ``block_size`` slots)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import numpy as np
 
 
 class SlotAllocator:
-    """Free-list allocator over ``[1, size)`` with reference counts; slot 0 is never handed out.
+    """Free-list allocator over units ``[1, size)`` with reference counts; unit 0 (the padding slot, or the block
+    that holds it) is never handed out.
 
-    The free list is a stack: ``alloc`` pops from its end and ``free`` pushes there, so a freed slot is the
+    The free list is a stack: ``alloc`` pops from its end and ``free`` pushes there, so a freed unit is the
     next one handed out — the pattern under which a premature free corrupts a live request quickly.
     """
 

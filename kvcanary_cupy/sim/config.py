@@ -62,6 +62,7 @@ MAX_STEPS = 100_000
 MAX_REQUESTS = 100_000
 MAX_RING_CAPACITY = 1 << 24
 MIN_RATE = 1e-6
+MAX_BLOCK_SIZE = 4096
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,16 @@ class SimConfig:
     dump_dir: str | None = None
     canary_mode: str = "log"  # the runtime's mode: "log" (attribute every row) or "raise" (stop at the first)
     layout: str = "token"  # the slot layout the plan reads: token (req_to_token), block (block table), csr
+    block_size: int | None = None  # block and csr layouts: tokens per KV block (None: the preset's page size)
+    block_stride: int | None = None  # block layout: slots between consecutive block ids (None: block_size)
+
+    @property
+    def blocks(self) -> tuple[int, int]:
+        """``(block_size, block_stride)`` of the engine: ``(1, 1)`` in the token layout."""
+        if self.layout == "token":
+            return 1, 1
+        size = PRESETS[self.preset].page_size if self.block_size is None else self.block_size
+        return size, size if self.block_stride is None else self.block_stride
 
     @property
     def cooldown(self) -> int:
@@ -111,6 +122,14 @@ class SimConfig:
             raise ValueError(f"--ring-capacity must lie in [1, {MAX_RING_CAPACITY}], got {self.ring_capacity}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"--layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.block_size is not None and (self.layout == "token" or not 1 <= self.block_size <= MAX_BLOCK_SIZE):
+            raise ValueError(f"--block-size applies to --layout block or csr and must lie in [1, {MAX_BLOCK_SIZE}], "
+                             f"got {self.block_size} with --layout {self.layout}")
+        size = self.blocks[0]
+        if self.block_stride is not None and (self.layout != "block" or not size <= self.block_stride
+                                              <= MAX_BLOCK_SIZE):
+            raise ValueError(f"--block-stride applies to --layout block and must lie in [block size {size}, "
+                             f"{MAX_BLOCK_SIZE}], got {self.block_stride} with --layout {self.layout}")
         if self.canary_mode not in ("log", "raise"):
             raise ValueError(f"canary_mode must be 'log' or 'raise', got {self.canary_mode!r}")
         if self.backend not in ("auto", *BACKEND_NAMES):

@@ -5,21 +5,29 @@ keeps around its KV cache, and nothing else. The pieces live in their own module
 What it models (each piece is what the canary is meant to watch):
 
 * **token-to-KV slot pool** — slots ``[1, num_slots)``; slot 0 is the reserved padding slot. A free-list
-  allocator (:class:`SlotAllocator`, a stack, so a freed slot is handed out again soon) with reference counts,
-  because a slot can be held by a live request and by the prefix cache at once.
-* **req_to_token** — ``int32 [max_reqs, max_seq_len]``; row 0 is the padding row. Rows are recycled when requests
-  finish and are never cleared, so the stale tail of the previous owner stays behind (the plan only reads
-  positions below the prefix).
-* **slot layout** — what the plan reads: ``req_to_token`` itself ("token", SGLang), or, rebuilt on the device
-  before every plan from the requests' rows of it, a batch-row block table ("block", vLLM's persistent batch) or
-  CSR page lists in batch order ("csr", FlashInfer). Slots are allocated per token, so blocks and pages hold one
-  token (page size 1, as in SGLang's FlashInfer backend); corrupting a request's table entry reaches every
-  layout. The two batch-row layouts have no request rows: the expected-token pool is indexed by batch row (every
+  allocator (:class:`SlotAllocator`, a stack, so a freed unit is handed out again soon) with reference counts,
+  because a unit can be held by a live request and by the prefix cache at once. The unit is one slot in the
+  token layout (SGLang, page size 1), and one block of ``block_size`` slots in the block and csr layouts (vLLM,
+  transformers, FlashInfer): block ``b`` holds slots ``b * block_stride + [0, block_size)`` (block 0, which
+  holds the padding slot, is never handed out; with ``block_stride > block_size`` the slots between blocks stay
+  unused, as in transformers' physical layout).
+* **the slot table** — one ``int32`` row per request (row 0 is the padding row): ``req_to_token`` (one slot per
+  position) in the token layout, or ``req_to_block`` (one block id per ``block_size`` positions, the request's
+  block list) in the block layouts. Rows are recycled when requests finish and are never cleared, so the
+  stale tail of the previous owner stays behind (the plan only reads positions below the prefix).
+* **slot layout** — what the plan reads: ``req_to_token`` itself ("token", SGLang), or, gathered on the device
+  before every plan from the requests' ``req_to_block`` rows, a batch-row block table ("block", vLLM's
+  persistent batch; ``slot = block * block_stride + pos % block_size``) or CSR page lists in batch order
+  ("csr", FlashInfer; ``block_stride == block_size``). Corrupting a request's table entry reaches every layout.
+  The two batch-row layouts have no request rows: the expected-token pool is indexed by batch row (every
   request's history is scattered into its row each step) and padding rows have zero lengths, as in vLLM.
 * **prefix cache** — :class:`RadixTree`, radix-style: a finished request donates its token sequence and slots;
   later requests whose prompt starts the same way reuse the donor's slots (their chain hashes are identical
   because the chain covers content only). With EAGLE the keys are token bigrams, as in SGLang, so that the
-  draft slot at the last shared position (which holds the *next* token's KV) matches too.
+  draft slot at the last shared position (which holds the *next* token's KV) matches too. In the block layouts
+  only whole blocks are cached and shared (a request whose match ends inside a block recomputes from the
+  block's start), and every holder of a block (each request whose block list has it, and the cache) holds one
+  reference to it.
 * **requests and batches** — chunked prefill under a token budget and one-token decode steps in the same
   batch; decode-only batches are padded to a CUDA-graph batch size with padding rows (``req_pool_index`` 0).
 * **real KV** — :class:`KvStore`, a paged tensor per layer (page size > 1) written by :meth:`Engine.forward`
@@ -76,6 +84,22 @@ class EngineConfig:
     eagle: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
     layout: str = "token"  # the plan's slot layout: token, block or csr
+    block_size: int = 1  # tokens per KV block (block and csr layouts; 1 in the token layout)
+    block_stride: int = 0  # slots between consecutive block ids (0: block_size)
+
+    @property
+    def paged(self) -> bool:
+        """KV is allocated in blocks and the engine keeps block lists (the block and csr layouts)."""
+        return self.layout != "token"
+
+    @property
+    def stride(self) -> int:
+        return self.block_stride or self.block_size
+
+    @property
+    def max_blocks(self) -> int:
+        """Entries of a slot-table row: positions, or blocks of ``block_size`` positions."""
+        return -(-self.max_seq_len // self.block_size)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -97,6 +121,7 @@ class EngineConfig:
             "max_running": self.max_running, "chunk_size": self.chunk_size, "page_size": self.page_size,
             "kv_bytes_per_token": self.kv_bytes_per_token, "num_layers": self.num_layers, "with_v": self.with_v,
             "swa_window": self.swa_window, "swa_slots": self.swa_slots, "eagle": self.eagle, "layout": self.layout,
+            "block_size": self.block_size, "block_stride": self.stride,
         }
 
 
@@ -106,6 +131,12 @@ def size_engine(workload: list[RequestSpec], *, max_running: int, **kwargs: Any)
     page = int(kwargs.get("page_size", 16))
     max_seq_len = -(-(longest + 8) // 64) * 64
     slots = max_running * longest + 4 * longest + 256
+    if kwargs.get("layout", "token") != "token":
+        # whole blocks: every request may leave its last block partly empty, and the cache holds whole blocks
+        size = int(kwargs.get("block_size", 1))
+        stride = int(kwargs.get("block_stride", 0)) or size
+        blocks = 1 + (max_running + 4) * -(-longest // size) + -(-256 // size)
+        slots = blocks * stride
     slots = -(-slots // page) * page
     rows = max_running + 4  # a few spare rows; finished rows are recycled LIFO
     swa_slots = slots + 256 if kwargs.get("swa_window", 0) else 0
@@ -129,22 +160,32 @@ class Engine:
         self.xp = xp
         self.workload = sorted(workload, key=lambda s: (s.arrival, s.rid))
         self._arrivals = deque(self.workload)
-        self.alloc = SlotAllocator(cfg.num_slots)
+        if cfg.layout not in ("token", "block", "csr"):
+            raise ValueError(f"--layout must be token, block or csr, got {cfg.layout!r}")
+        if not cfg.paged and (cfg.block_size != 1 or cfg.stride != 1):
+            raise ValueError("the token layout allocates single slots: block_size and block_stride must be 1")
+        if cfg.layout == "csr" and cfg.stride != cfg.block_size:
+            raise ValueError("CSR page lists have no block stride: block_stride must equal block_size")
+        self.paged = cfg.paged
+        self.unit = cfg.block_size  # positions per slot-table entry
+        self.stride = cfg.stride
+        # allocation units: slots, or blocks (block b holds slots b * stride + [0, unit))
+        self.alloc = SlotAllocator(cfg.num_slots // self.stride if self.paged else cfg.num_slots)
         self.rows_free = list(range(cfg.max_reqs - 1, 0, -1))
         self.row_used = np.zeros(cfg.max_reqs, bool)
-        self.rtt_host = np.zeros((cfg.max_reqs, cfg.max_seq_len), np.int32)
-        self.req_to_token = xp.zeros((cfg.max_reqs, cfg.max_seq_len), np.int32)
-        self.row_less = cfg.layout != "token"  # the plan reads batch rows, not request rows
+        # the slot table: req_to_token (token layout) or req_to_block (the requests' block lists), host mirror
+        self.table_host = np.zeros((cfg.max_reqs, cfg.max_blocks), np.int32)
+        self.table = xp.zeros((cfg.max_reqs, cfg.max_blocks), np.int32)
+        self.req_to_token: Any = None if self.paged else self.table
+        self.row_less = self.paged  # the plan reads batch rows, not request rows
         rows = cfg.max_batch_rows
         self.pool_host = np.zeros((rows if self.row_less else cfg.max_reqs, cfg.max_seq_len), np.int32)
         if cfg.layout == "block":
-            self.block_table = xp.zeros((rows, cfg.max_seq_len), np.int32)
+            self.block_table = xp.zeros((rows, cfg.max_blocks), np.int32)
         elif cfg.layout == "csr":
             self.kv_page_indptr = xp.zeros(rows + 1, np.int32)
-            self.kv_page_indices = xp.zeros(rows * cfg.max_seq_len, np.int32)
-        elif cfg.layout != "token":
-            raise ValueError(f"--layout must be token, block or csr, got {cfg.layout!r}")
-        self.tree = RadixTree()
+            self.kv_page_indices = xp.zeros(rows * cfg.max_blocks, np.int32)
+        self.tree = RadixTree(self.unit)
         self.swa = cfg.swa_window > 0
         self.lut_host = np.zeros(cfg.num_slots + 1, np.int64)
         self.lut: Any = xp.zeros(cfg.num_slots + 1, np.int64) if self.swa else None
@@ -163,8 +204,8 @@ class Engine:
         self.decoding: list[Request] = []
         self.on_assign: AssignHook | None = None
         self.on_splice: SpliceHook | None = None
-        self._rtt_dirty: list[tuple[int, int, int]] = []
-        self.rtt_overrides: dict[tuple[int, int], int] = {}  # device entries that differ from the host's (faults)
+        self._table_dirty: list[tuple[int, int, int]] = []
+        self.table_overrides: dict[tuple[int, int], int] = {}  # device entries that differ from the host's (faults)
         self._lut_dirty: set[int] = set()
         self.stats = dict(requests_admitted=0, requests_finished=0, prefill_tokens=0, decode_tokens=0,
                           prefix_tokens_reused=0, rows_recycled=0, padding_rows=0, tree_evicted_slots=0,
@@ -203,21 +244,41 @@ class Engine:
         return int(self.lut_host[full_slot]) if self.swa else 0
 
     def entry_intact(self, req: Request, position: int) -> bool:
-        """Whether the device ``req_to_token`` entry of ``req`` at ``position`` is the engine's."""
-        return (req.rp, position) not in self.rtt_overrides
+        """Whether the device slot-table entry that maps ``position`` of ``req`` is the engine's."""
+        return (req.rp, position // self.unit) not in self.table_overrides
 
-    def corrupt_req_to_token(self, row: int, position: int, slot: int) -> None:
-        """Overwrite one device ``req_to_token`` entry behind the engine's back (fault injection); the engine
-        writes the entry again when the row's owner is given a slot for that position."""
-        self.req_to_token[row, position] = slot
-        self.rtt_overrides[(row, position)] = slot
+    def corrupt_table_entry(self, row: int, index: int, value: int) -> None:
+        """Overwrite one device slot-table entry (a slot, or a block id) behind the engine's back (fault
+        injection); the engine writes the entry again when the row's owner is given that position (or block)."""
+        self.table[row, index] = value
+        self.table_overrides[(row, index)] = value
+
+    def block_slots(self, block: int) -> np.ndarray:
+        """The slots of ``block``."""
+        return block * self.stride + np.arange(self.unit, dtype=np.int64)
+
+    def _set_entries(self, row: int, start: int, values: Any) -> None:
+        """Write slot-table entries ``[start, start + len)`` of ``row`` (host now, device at the next flush)."""
+        values = np.asarray(values, np.int64)
+        self.table_host[row, start : start + values.shape[0]] = values
+        self._table_dirty.append((row, start, start + values.shape[0]))
 
     # -- memory --------------------------------------------------------------------------------------------
 
     def _release(self, slots: Any) -> None:
+        """Drop one reference to each slot (token layout), or to each whole block that ``slots`` spans."""
+        if self.paged:
+            self._release_blocks(np.asarray(slots, np.int64)[:: self.unit] // self.stride)
+            return
         for f in self.alloc.free(slots):
             if self.swa:
                 self._drop_swa(f)
+
+    def _release_blocks(self, blocks: Any) -> None:
+        for b in self.alloc.free(blocks):
+            if self.swa:
+                for f in self.block_slots(b).tolist():
+                    self._drop_swa(f)
 
     def _drop_swa(self, full_slot: int) -> None:
         x = int(self.lut_host[full_slot])
@@ -230,26 +291,43 @@ class Engine:
             self.swa_alloc.free([x])  # type: ignore[union-attr]
 
     def _evict_tree(self, want: int) -> None:
-        freed = self.tree.evict(want, self._release)
+        """Evict cached paths until ``want`` allocation units were released."""
+        freed = self.tree.evict(want * self.unit, self._release)
         self.stats["tree_evicted_slots"] += freed
 
     def _alloc(self, n: int) -> np.ndarray:
+        """``n`` fresh allocation units (slots, or blocks)."""
         if self.alloc.available < n:
             self._evict_tree(n - self.alloc.available)
         slots = self.alloc.alloc(n)
         if slots is None:
-            raise RuntimeError(f"sim: the KV pool ran out ({n} slots wanted, {self.alloc.available} free)")
+            unit = "blocks" if self.paged else "slots"
+            raise RuntimeError(f"sim: the KV pool ran out ({n} {unit} wanted, {self.alloc.available} free)")
         return slots
 
+    def _blocks_for(self, positions: int) -> int:
+        return -(-positions // self.unit)
+
+    def _grow(self, req: Request, end: int) -> np.ndarray:
+        """Block layouts: extend ``req``'s block list to cover positions ``[0, end)`` (a new block when the last
+        one is full) and return the slots of its positions ``[req.assigned, end)``."""
+        new = self._alloc(max(0, self._blocks_for(end) - len(req.blocks)))
+        if new.shape[0]:
+            self._set_entries(req.rp, len(req.blocks), new)
+            req.blocks.extend(new.tolist())
+        pos = np.arange(req.assigned, end, dtype=np.int64)
+        return np.asarray(req.blocks, np.int64)[pos // self.unit] * self.stride + pos % self.unit
+
     def _assign(self, req: Request, start: int, slots: np.ndarray) -> None:
-        """Give ``req`` fresh ``slots`` for positions ``[start, start + len)`` (and SWA slots)."""
+        """Give ``req`` fresh ``slots`` for positions ``[start, start + len)`` (and SWA slots). In the block
+        layouts the slots come from the request's blocks (:meth:`_grow`), whose table entries are written."""
         n = slots.shape[0]
         if n == 0:
             return
         req.slots[start : start + n] = slots
         req.assigned = max(req.assigned, start + n)
-        self.rtt_host[req.rp, start : start + n] = slots
-        self._rtt_dirty.append((req.rp, start, start + n))
+        if not self.paged:
+            self._set_entries(req.rp, start, slots)
         swa = np.zeros(n, np.int64)
         if self.swa:
             got = self.swa_alloc.alloc(n)  # type: ignore[union-attr]
@@ -279,8 +357,7 @@ class Engine:
             self._drop_swa(old)  # the SWA slot allocated with it goes back
         self._release([old])
         req.slots[pos] = slot
-        self.rtt_host[req.rp, pos] = slot
-        self._rtt_dirty.append((req.rp, pos, pos + 1))
+        self._set_entries(req.rp, pos, [slot])
         if self.swa:
             got = self.swa_alloc.alloc(1)  # type: ignore[union-attr]
             if got is None:
@@ -301,17 +378,49 @@ class Engine:
             batch.swa_out_cache_loc[token] = self.lut[slot]
         return old
 
+    def rebind_block(self, batch: Batch, row: int, index: int, block: int) -> None:
+        """Block layouts: make block ``index`` of batch row ``row``'s request, allocated this step, be ``block``
+        instead (the fresh block is freed); ``block`` gains a reference. Used by the double-allocation fault: this
+        is what a block allocator that hands out a live block does. This step's tokens in it are redirected."""
+        req = batch.reqs[row]
+        self.alloc.share(block)
+        self._release_blocks([req.blocks[index]])  # with the SWA slots given with its slots
+        req.blocks[index] = block
+        self._set_entries(req.rp, index, [block])
+        lo, hi = index * self.unit, min((index + 1) * self.unit, req.assigned)
+        slots = self.block_slots(block)[: hi - lo]
+        req.slots[lo:hi] = slots
+        swa = np.zeros(hi - lo, np.int64)
+        if self.swa:
+            got = self.swa_alloc.alloc(hi - lo)  # type: ignore[union-attr]
+            if got is None:
+                raise RuntimeError("sim: the SWA pool ran out")
+            swa = got
+            self.swa_owner[swa] = slots
+            self.lut_host[slots] = swa  # the victim's SWA slots there are orphaned, as the real bug would do
+            self._lut_dirty.update(slots.tolist())
+        if self.on_assign is not None:
+            preds = np.concatenate([[req.slots[lo - 1] if lo > 0 else -1], slots[:-1]]).astype(np.int64)
+            pred_swa = np.where(preds > 0, self.lut_host[np.maximum(preds, 0)], 0) if self.swa else preds * 0
+            self.on_assign(req, np.arange(lo, hi, dtype=np.int64), slots, preds, swa, pred_swa)
+        tokens = batch.token_index(row, lo) + np.arange(hi - lo)
+        batch.token_slot[tokens] = slots
+        self.flush()
+        batch.out_cache_loc[self.xp.asarray(tokens)] = self.xp.asarray(slots)
+        if self.swa:
+            batch.swa_out_cache_loc[self.xp.asarray(tokens)] = self.lut[self.xp.asarray(slots)]
+
     def flush(self) -> None:
-        """Copy the host-side changes of req_to_token and the LUT to the device (one scatter each)."""
+        """Copy the host-side changes of the slot table and the LUT to the device (one scatter each)."""
         xp = self.xp
-        if self._rtt_dirty:
-            for r, a, b in self._rtt_dirty if self.rtt_overrides else ():
-                for pos in range(a, b):
-                    self.rtt_overrides.pop((r, pos), None)
-            rows = np.concatenate([np.full(b - a, r, np.int64) for r, a, b in self._rtt_dirty])
-            cols = np.concatenate([np.arange(a, b, dtype=np.int64) for _, a, b in self._rtt_dirty])
-            self.req_to_token[xp.asarray(rows), xp.asarray(cols)] = xp.asarray(self.rtt_host[rows, cols])
-            self._rtt_dirty.clear()
+        if self._table_dirty:
+            for r, a, b in self._table_dirty if self.table_overrides else ():
+                for index in range(a, b):
+                    self.table_overrides.pop((r, index), None)
+            rows = np.concatenate([np.full(b - a, r, np.int64) for r, a, b in self._table_dirty])
+            cols = np.concatenate([np.arange(a, b, dtype=np.int64) for _, a, b in self._table_dirty])
+            self.table[xp.asarray(rows), xp.asarray(cols)] = xp.asarray(self.table_host[rows, cols])
+            self._table_dirty.clear()
         if self._lut_dirty:
             idx = np.fromiter(sorted(self._lut_dirty), np.int64)
             self.lut[xp.asarray(idx)] = xp.asarray(self.lut_host[idx])
@@ -319,8 +428,10 @@ class Engine:
 
     # -- scheduling ----------------------------------------------------------------------------------------
 
-    def _swa_usable(self, slots: np.ndarray, length: int) -> int:
-        """Longest ``L' <= length`` whose last window of shared positions still has SWA slots."""
+    def _usable(self, slots: np.ndarray, length: int) -> int:
+        """Longest ``L' <= length`` of whole blocks (any length in the token layout) whose last window of shared
+        positions still has SWA slots."""
+        length -= length % self.unit
         if not self.swa or length == 0:
             return length
         alive = self.lut_host[slots[:length]] != 0
@@ -330,7 +441,7 @@ class Engine:
             count = count + 1 if a else 0
             run[i] = count
         window = self.cfg.swa_window
-        for cut in range(length, 0, -1):
+        for cut in range(length, 0, -self.unit):
             if run[cut - 1] >= min(window, cut):
                 return cut
         return 0
@@ -340,11 +451,11 @@ class Engine:
             return None
         keys = self.keys(spec.tokens[: spec.prompt_len])
         shared, node = self.tree.match(keys, step)
-        usable = self._swa_usable(shared, min(shared.shape[0], spec.prompt_len - 1))
+        usable = self._usable(shared, min(shared.shape[0], spec.prompt_len - 1))
         if usable < shared.shape[0]:
             shared, node = self.tree.match(keys[:usable], step)
             shared = shared[:usable]
-        need = spec.total_len - 1 - usable + sum(r.kv_left for r in self.running)
+        need = self._blocks_for(spec.total_len - 1) - usable // self.unit + sum(map(self._units_left, self.running))
         self.tree.lock(node, +1)
         if self.alloc.available < need:
             self._evict_tree(need - self.alloc.available)
@@ -358,13 +469,24 @@ class Engine:
         self.row_used[rp] = True
         req.node, req.tree_len, req.computed, req.admitted_step = node, usable, usable, step
         req.assigned = usable
-        if usable:
+        if usable and self.paged:
             req.slots[:usable] = shared
-            self.rtt_host[rp, :usable] = shared
-            self._rtt_dirty.append((rp, 0, usable))
+            req.blocks = (shared[:: self.unit] // self.stride).tolist()  # the cached path's whole blocks
+            for b in req.blocks:
+                self.alloc.share(b)
+            self._set_entries(rp, 0, req.blocks)
+        elif usable:
+            req.slots[:usable] = shared
+            self._set_entries(rp, 0, shared)
         self.stats["requests_admitted"] += 1
         self.stats["prefix_tokens_reused"] += usable
         return req
+
+    def _units_left(self, req: Request) -> int:
+        """Allocation units (slots, or blocks) ``req`` will still be given."""
+        if not self.paged:
+            return req.kv_left
+        return self._blocks_for(req.spec.total_len - 1) - len(req.blocks)
 
     def schedule(self, step: int) -> Batch:
         """Admit, pick this step's rows (prefill chunks, then decodes) and give every new token a slot."""
@@ -391,13 +513,17 @@ class Engine:
         rows.extend((req, 1) for req in self.decoding)
 
         extend = np.array([e for _, e in rows], np.int64)
-        allocated = self._alloc(int(extend.sum()))
-        at = 0
-        for req, e in rows:
-            self._assign(req, req.computed, allocated[at : at + e])
-            at += e
+        if self.paged:
+            for req, e in rows:
+                self._assign(req, req.computed, self._grow(req, req.computed + e))
+        else:
+            allocated = self._alloc(int(extend.sum()))
+            at = 0
+            for req, e in rows:
+                self._assign(req, req.computed, allocated[at : at + e])
+                at += e
         self.stats["peak_running"] = max(self.stats["peak_running"], len(self.running))
-        used = self.cfg.num_slots - 1 - self.alloc.available
+        used = (self.alloc.size - 1 - self.alloc.available) * self.unit
         self.stats["peak_slots_used"] = max(self.stats["peak_slots_used"], used)
         return self._build_batch(step, [r for r, _ in rows], extend, admitted)
 
@@ -451,30 +577,32 @@ class Engine:
     def slot_layout(self) -> BlockTable | PageList | None:
         """The layout the plan reads (None: ``req_to_token`` itself). Its arrays are refilled in place."""
         if self.cfg.layout == "block":
-            return BlockTable(self.block_table, 1, batch_rows=True, num_slots=self.cfg.num_slots)
+            return BlockTable(self.block_table, self.unit, block_stride=self.stride, batch_rows=True,
+                              num_slots=self.cfg.num_slots)
         if self.cfg.layout == "csr":
-            return PageList(self.kv_page_indptr, self.kv_page_indices, 1, num_slots=self.cfg.num_slots)
+            return PageList(self.kv_page_indptr, self.kv_page_indices, self.unit, num_slots=self.cfg.num_slots)
         return None
 
     def fill_layout(self, batch: Batch) -> None:
-        """Write ``batch``'s block table rows / page lists from the requests' device ``req_to_token`` rows (so a
-        corrupted entry is seen exactly as in the token layout). Device gathers only: no host synchronisation.
-        Padding rows get no pages; they are inactive (``req_pool_indices`` 0) and the plan reads nothing of them."""
-        if self.cfg.layout == "token" or not batch.reqs:
+        """Write ``batch``'s block table rows / page lists from the requests' device block lists
+        (``req_to_block`` rows, so a corrupted entry is seen as the plan would see it). Device gathers only: no
+        host synchronisation. Padding rows get no pages (zero lengths: the plan reads nothing of them)."""
+        if not self.paged or not batch.reqs:
             return
-        xp, width = self.xp, self.cfg.max_seq_len
+        xp, width = self.xp, self.cfg.max_blocks
         rps = np.array([r.rp for r in batch.reqs], np.int64)
         if self.cfg.layout == "block":
-            self.block_table[: rps.shape[0]] = self.req_to_token[xp.asarray(rps)]
+            self.block_table[: rps.shape[0]] = self.table[xp.asarray(rps)]
             return
-        lens = batch.prefix_h + batch.extend_h  # the pages a FlashInfer plan gets: cached and new tokens
+        # the pages a FlashInfer plan gets: those of the cached and the new tokens
+        lens = -(-(batch.prefix_h + batch.extend_h) // self.unit)
         indptr = np.zeros(self.kv_page_indptr.shape[0], np.int32)
         np.cumsum(lens, out=indptr[1 : lens.shape[0] + 1])
         indptr[lens.shape[0] + 1 :] = indptr[lens.shape[0]]
         flat = np.concatenate([rp * width + np.arange(n, dtype=np.int64) for rp, n in zip(rps, lens.tolist(),
                                                                                            strict=True)])
         self.kv_page_indptr[...] = xp.asarray(indptr)
-        self.kv_page_indices[: flat.shape[0]] = self.req_to_token.reshape(-1)[xp.asarray(flat)]
+        self.kv_page_indices[: flat.shape[0]] = self.table.reshape(-1)[xp.asarray(flat)]
 
     # -- expected-token pool -------------------------------------------------------------------------------
 
@@ -572,6 +700,9 @@ class Engine:
         req.swa_evicted = max(req.swa_evicted, limit)
 
     def _finish(self, req: Request, step: int) -> None:
+        if self.paged:
+            self._finish_blocks(req, step)
+            return
         keys = self.keys(req.tokens[: req.computed])
         n = keys.shape[0]
         cached, node = self.tree.insert(keys, req.slots[:n], step)
@@ -582,6 +713,22 @@ class Engine:
             self._release(req.slots[req.tree_len : cached])  # duplicates of what the cache already holds
         if n < req.computed:
             self._release(req.slots[n : req.computed])
+        if req.node is not None:
+            self.tree.lock(req.node, -1)
+        self.rows_free.append(req.rp)
+        self.stats["requests_finished"] += 1
+
+    def _finish_blocks(self, req: Request, step: int) -> None:
+        """Block layouts: the cache takes a reference to each whole block it did not hold yet, then the request
+        drops its references (a duplicate of a cached block, or its partly filled last block, is freed)."""
+        keys = self.keys(req.tokens[: req.computed])
+        n = keys.shape[0] - keys.shape[0] % self.unit
+        cached, node = self.tree.insert(keys[:n], req.slots[:n], step)
+        if 0 < cached < n and self.on_splice is not None and node.parent is not None:
+            self.on_splice(int(node.parent.slots[-1]), int(node.slots[0]))
+        for b in req.blocks[cached // self.unit : n // self.unit]:
+            self.alloc.share(b)
+        self._release_blocks(req.blocks)
         if req.node is not None:
             self.tree.lock(req.node, -1)
         self.rows_free.append(req.rp)

@@ -282,7 +282,9 @@ class DoubleAllocation(FaultKind):
     """The allocator hands a slot that a live request still holds to a second request (a double free, or a
     free-list race). The second request's write overwrites the first one's canary: the first request's next
     verify sees a foreign position/token at that slot (POSITION, TOKEN) and a broken chain on its successor
-    (CHAIN); its TAIL verify sees the new real KV bytes (REAL_KV)."""
+    (CHAIN); its TAIL verify sees the new real KV bytes (REAL_KV). In the block layouts the allocator hands out a
+    live *block*: the second request takes it as its next block, and each of its tokens written there overwrites
+    the first request's canary at that offset."""
 
     name = "double-alloc"
     title = "slot handed to two live requests"
@@ -292,6 +294,8 @@ class DoubleAllocation(FaultKind):
     allowed_bits = SLOT_CORRUPTION
 
     def inject(self, ctx: InjectionContext) -> Fault | None:
+        if ctx.engine.paged:
+            return self._inject_block(ctx)
         batch, eng, rng = ctx.batch, ctx.engine, ctx.rng
         assert batch is not None
         # victim: a row with a written position of its own (not shared through the prefix cache) below its seed
@@ -318,12 +322,40 @@ class DoubleAllocation(FaultKind):
         eng.rebind(batch, batch.token_index(j, q), slot)
         return fault
 
+    def _inject_block(self, ctx: InjectionContext) -> Fault | None:
+        batch, eng, rng = ctx.batch, ctx.engine, ctx.rng
+        assert batch is not None
+        size = eng.unit
+        # victim: a whole block of a row's own (not shared through the prefix cache), written, below its seed
+        victims = [(i, k) for i, req in enumerate(batch.reqs)
+                   for k in range(-(-req.tree_len // size), (int(batch.prefix_h[i]) - 1) // size)
+                   if eng.entry_intact(req, k * size)]
+        # thief: a row given a fresh block this step (its first position is one of this step's new tokens)
+        thieves = [(j, k) for j in range(len(batch.reqs))
+                   for k in range(-(-int(batch.prefix_h[j]) // size),
+                                  -(-int(batch.prefix_h[j] + batch.extend_h[j]) // size))]
+        pairs = [(v, t) for v in victims for t in thieves if v[0] != t[0]]
+        if not pairs:
+            return None
+        (i, k), (j, kj) = _choice(rng, pairs)
+        victim, thief = batch.reqs[i], batch.reqs[j]
+        block = victim.blocks[k]
+        slots = eng.block_slots(block)
+        fault = ctx.tracker.new(self, ctx.step, "FULL", f"block {block} (request {victim.rid}, positions {k * size}-"
+                                f"{k * size + size - 1}) also given to request {thief.rid} as its block {kj}",
+                                request=victim, position=k * size, slot=int(slots[0]))
+        ctx.tracker.taint_full(fault, slots, source=True)  # the thief overwrites them as it fills the block
+        ctx.tracker.taint_full(fault, set().union(*(eng.successors(s) for s in slots.tolist())))
+        eng.rebind_block(batch, j, kj, block)
+        return fault
+
 
 class ReqToTokenCorruption(FaultKind):
     """A ``req_to_token`` entry of a live request points at the wrong slot (a stale or mis-indexed table
     write, e.g. after a retract or a prefix-cache remap). Attention reads someone else's KV; the plan gathers
     the wrong slot, whose stored position/token/chain belong to another sequence (POSITION, TOKEN, CHAIN), and
-    the next position's chain check fails because its predecessor is now the foreign slot."""
+    the next position's chain check fails because its predecessor is now the foreign slot. In the block layouts
+    the entry is a block id of the request's block list: all its positions read another block's slots."""
 
     name = "req-to-token"
     title = "req_to_token entry pointing at the wrong slot"
@@ -333,6 +365,8 @@ class ReqToTokenCorruption(FaultKind):
     allowed_bits = SLOT_CORRUPTION
 
     def inject(self, ctx: InjectionContext) -> Fault | None:
+        if ctx.engine.paged:
+            return self._inject_block(ctx)
         batch, eng, rng = ctx.batch, ctx.engine, ctx.rng
         assert batch is not None
         rows = _written_rows(batch, 2)
@@ -356,7 +390,37 @@ class ReqToTokenCorruption(FaultKind):
                                 f"set to slot {wrong} (position {q} of request {batch.reqs[j].rid}) instead of "
                                 f"{int(victim.slots[p])}", request=victim, position=p, slot=wrong)
         ctx.tracker.taint_full(fault, [wrong, int(victim.slots[p + 1])])
-        eng.corrupt_req_to_token(victim.rp, p, wrong)
+        eng.corrupt_table_entry(victim.rp, p, wrong)
+        return fault
+
+    def _inject_block(self, ctx: InjectionContext) -> Fault | None:
+        batch, eng, rng = ctx.batch, ctx.engine, ctx.rng
+        assert batch is not None
+        size = eng.unit
+        # a block whose positions and the one after it are all verified (below the seed)
+        rows = _written_rows(batch, size + 1)
+        if not rows:
+            return None
+        i = _choice(rng, rows)
+        victim = batch.reqs[i]
+        intact = [k for k in range((int(batch.prefix_h[i]) - 1) // size) if eng.entry_intact(victim, k * size)]
+        if not intact:
+            return None
+        k = _choice(rng, intact)
+        donors = [j for j in _written_rows(batch, size) if j != i] or [i]
+        j = _choice(rng, donors)
+        # another written block at another block index: its stored positions differ from the victim's
+        choices = [q for q in range(int(batch.prefix_h[j]) // size) if q != k
+                   and batch.reqs[j].blocks[q] != victim.blocks[k]]
+        if not choices:
+            return None
+        q = _choice(rng, choices)
+        wrong = batch.reqs[j].blocks[q]
+        fault = ctx.tracker.new(self, ctx.step, "FULL", f"req_to_block[{victim.rp}, {k}] of request {victim.rid} "
+                                f"set to block {wrong} (block {q} of request {batch.reqs[j].rid}) instead of "
+                                f"{victim.blocks[k]}", request=victim, position=k * size, slot=int(wrong * eng.stride))
+        ctx.tracker.taint_full(fault, [*eng.block_slots(wrong).tolist(), int(victim.slots[(k + 1) * size])])
+        eng.corrupt_table_entry(victim.rp, k, wrong)
         return fault
 
 

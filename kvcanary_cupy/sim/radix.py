@@ -1,5 +1,6 @@
 """The prefix cache: :class:`RadixTree`, radix-style sharing of finished requests' slot paths, LRU eviction,
-and the depth-first walk the sweep verifies."""
+and the depth-first walk the sweep verifies. Sharing is per token, or per whole block of ``unit`` tokens for an
+engine that allocates KV in blocks (a partially matching block is not shared)."""
 
 from __future__ import annotations
 
@@ -17,46 +18,58 @@ class RadixNode:
         self.key = key
         self.slots = slots
         self.parent = parent
-        self.children: dict[int, RadixNode] = {}
+        self.children: dict[int | bytes, RadixNode] = {}
         self.lock = 0
         self.last_use = 0
         self.uid = uid
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(a.shape[0], b.shape[0])
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.shape[0] else n
-
-
 class RadixTree:
     """A radix tree from key sequences to slot sequences: the prefix cache (a donor's prefix for later
-    requests). Nodes on the path of a live request are locked; unlocked leaves are evicted LRU first."""
+    requests). Nodes on the path of a live request are locked; unlocked leaves are evicted LRU first.
 
-    def __init__(self) -> None:
+    ``unit``: the sharing granularity in keys. With ``unit > 1`` (a block engine) every node starts and ends on
+    a block boundary: matches and splits are rounded down to whole blocks, children are told apart by their
+    whole first block, and :meth:`insert` takes whole blocks only."""
+
+    def __init__(self, unit: int = 1) -> None:
+        self.unit = unit
         self._uid = itertools.count()
         self.root = RadixNode(np.empty(0, np.int64), np.empty(0, np.int64), None, next(self._uid))
         self.root.lock = 1
         self.size = 0  # slots held
+
+    def _edge(self, keys: np.ndarray, at: int) -> int | bytes:
+        """The child key of the path continuing with ``keys[at:]``: its first key, or its first whole block."""
+        if self.unit == 1:
+            return int(keys[at])
+        return np.ascontiguousarray(keys[at : at + self.unit], np.int64).tobytes()
+
+    def _common_prefix(self, a: np.ndarray, b: np.ndarray) -> int:
+        n = min(a.shape[0], b.shape[0])
+        diff = np.flatnonzero(a[:n] != b[:n])
+        common = int(diff[0]) if diff.shape[0] else n
+        return common - common % self.unit
 
     def _split(self, child: RadixNode, at: int) -> RadixNode:
         parent = child.parent
         assert parent is not None
         head = RadixNode(child.key[:at], child.slots[:at], parent, next(self._uid))
         head.lock, head.last_use = child.lock, child.last_use
-        parent.children[int(head.key[0])] = head
+        parent.children[self._edge(head.key, 0)] = head
         child.key, child.slots, child.parent = child.key[at:], child.slots[at:], head
-        head.children[int(child.key[0])] = child
+        head.children[self._edge(child.key, 0)] = child
         return head
 
     def match(self, keys: np.ndarray, now: int) -> tuple[np.ndarray, RadixNode]:
-        """Longest cached prefix of ``keys``: its slots and the node that ends exactly there."""
+        """Longest cached prefix of ``keys`` (whole blocks of ``unit`` keys): its slots and the node that ends
+        exactly there."""
         node, i, parts = self.root, 0, []
         while i < keys.shape[0]:
-            child = node.children.get(int(keys[i]))
+            child = node.children.get(self._edge(keys, i))
             if child is None:
                 break
-            common = _common_prefix(child.key, keys[i:])
+            common = self._common_prefix(child.key, keys[i:])
             child.last_use = now
             if common < child.key.shape[0]:
                 child = self._split(child, common)
@@ -69,17 +82,19 @@ class RadixTree:
 
     def insert(self, keys: np.ndarray, slots: np.ndarray, now: int) -> tuple[int, RadixNode]:
         """Add ``keys -> slots``; returns how many leading keys were cached already (their slots in
-        ``slots`` are duplicates the caller frees) and the node that ends at the last key."""
+        ``slots`` are duplicates the caller frees) and the node that ends at the last key. ``keys`` holds whole
+        blocks of ``unit`` keys."""
+        assert keys.shape[0] % self.unit == 0, "the prefix cache takes whole blocks"
         node, i = self.root, 0
         while i < keys.shape[0]:
-            child = node.children.get(int(keys[i]))
+            child = node.children.get(self._edge(keys, i))
             if child is None:
                 leaf = RadixNode(keys[i:].copy(), slots[i:].copy(), node, next(self._uid))
                 leaf.last_use = now
-                node.children[int(keys[i])] = leaf
+                node.children[self._edge(keys, i)] = leaf
                 self.size += leaf.slots.shape[0]
                 return i, leaf
-            common = _common_prefix(child.key, keys[i:])
+            common = self._common_prefix(child.key, keys[i:])
             child.last_use = now
             if common < child.key.shape[0]:
                 child = self._split(child, common)
@@ -111,7 +126,7 @@ class RadixTree:
             self.size -= node.slots.shape[0]
             parent = node.parent
             assert parent is not None
-            del parent.children[int(node.key[0])]
+            del parent.children[self._edge(node.key, 0)]
             if parent is not self.root and not parent.children and parent.lock == 0:
                 heapq.heappush(heap, (parent.last_use, parent.uid, parent))
         return freed

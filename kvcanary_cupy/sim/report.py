@@ -13,7 +13,7 @@ deterministic function of the run's arguments (same seed, same report).
   ("all"/"partial"), ``ring_capacity``, ``engine`` (pool and model sizes: ``num_slots``, ``max_reqs``,
   ``max_seq_len``, ``max_running``, ``chunk_size``, ``page_size``, ``kv_bytes_per_token``, ``num_layers``,
   ``with_v``, ``swa_window``, ``swa_slots``, ``eagle``, ``layout``: the slot layout the plan read, token / block
-  / csr).
+  / csr, ``block_size`` and ``block_stride``: the engine's KV blocks, 1 and 1 in the token layout).
 * ``workload``: what the engine did — ``steps_run``, ``requests_admitted``, ``requests_finished``,
   ``prefill_tokens``, ``decode_tokens``, ``prefix_tokens_reused``, ``rows_recycled``, ``padding_rows``,
   ``tree_evicted_slots``, ``swa_evicted_slots``, ``peak_running``, ``peak_slots_used``, ``sweeps``.
@@ -97,7 +97,8 @@ SCHEMA: dict[str, Any] = _obj({
             "num_slots": _INT, "max_reqs": _INT, "max_seq_len": _INT, "max_running": _INT, "chunk_size": _INT,
             "page_size": _INT, "kv_bytes_per_token": _INT, "num_layers": _INT, "with_v": _BOOL,
             "swa_window": _INT, "swa_slots": _INT, "eagle": _BOOL,
-            "layout": {"type": "string", "enum": ["token", "block", "csr"]},
+            "layout": {"type": "string", "enum": ["token", "block", "csr"]}, "block_size": _INT,
+            "block_stride": _INT,
         }),
     }),
     "workload": _obj({k: _INT for k in (
@@ -306,10 +307,15 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
 
 def headline(report: dict[str, Any]) -> str:
     c = report["config"]
-    layout = c["engine"].get("layout", "token")  # reports that embed this one (disaggregated) nest their engines
+    engine = c["engine"]
+    layout = engine.get("layout", "token")  # reports that embed this one (disaggregated) nest their engines
+    blocks = ""
+    if layout != "token":
+        size, stride = engine["block_size"], engine["block_stride"]
+        blocks = f", {size}-token blocks" + ("" if stride == size else f" {stride} slots apart")
     return (f"kv-canary: preset {c['preset']}, {report['workload']['steps_run']} steps, "
             f"{c['requests']} requests, seed {c['seed']}, backend {report['cost']['backend']}"
-            + ("" if layout == "token" else f", {layout} layout"))
+            + ("" if layout == "token" else f", {layout} layout{blocks}"))
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:

@@ -14,13 +14,15 @@ if TYPE_CHECKING:
 
 
 class Request:
-    """A live request: its row, the ground-truth slot of every position, and how far it got."""
+    """A live request: its row, the ground-truth slot of every position (and, in the block layouts, its block
+    list, from which the slots derive), and how far it got."""
 
     def __init__(self, spec: RequestSpec, rp: int, max_seq_len: int) -> None:
         self.spec = spec
         self.rid = spec.rid
         self.rp = rp
         self.slots = np.zeros(max_seq_len, np.int64)  # ground truth: slot of position p
+        self.blocks: list[int] = []  # block layouts: its block list (position p is in block p // block_size)
         self.computed = 0  # positions whose KV is written
         self.assigned = 0  # positions that have a slot (computed + this step's new tokens)
         self.num_tokens = spec.prompt_len  # tokens known so far (prompt + sampled)

@@ -109,7 +109,7 @@ class Simulation:
         self.engine_cfg = size_engine(self.workload, max_running=self.preset.max_running,
                                       chunk_size=self.preset.chunk_size, page_size=self.preset.page_size,
                                       swa_window=self.preset.swa_window, eagle=self.preset.eagle, with_v=cfg.with_v,
-                                      layout=cfg.layout)
+                                      layout=cfg.layout, block_size=cfg.blocks[0], block_stride=cfg.blocks[1])
         self.engine = Engine(self.engine_cfg, self.workload, self.xp)
         self.tracker = FaultTracker(self.engine)
         self.engine.on_assign = self.tracker.on_assign
