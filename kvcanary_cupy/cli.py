@@ -73,6 +73,7 @@ examples:
   {PROG} simulate --preset decode --steps 100             (a clean run must show no violation)
   {PROG} simulate --preset swa --inject swa-early-evict:0.1 --inject kv-bitflip
   {PROG} simulate --inject all --json report/run.json --html report/run.html --dump-failures report/dumps
+  {PROG} simulate --engine transformers --inject all   (the canary inside transformers' continuous batching)
   {PROG} replay report/dumps/kv-bitflip-step12-TAIL_K_FULL-verify.npz --backend host --sanitize
 
 fault kinds (--inject KIND[:RATE]; RATE = expected injections per step, default {DEFAULT_RATE};
@@ -114,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "faults, and report per fault kind what was detected, how fast, the false positives and "
                          "the canary's cost.", epilog=_simulate_epilog(),
                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    sim.add_argument("--engine", choices=["synthetic", "transformers"], default="synthetic",
+                     help="synthetic (this project's engine) or transformers (Hugging Face continuous batching with "
+                     "a random-weight model; needs the transformers extra; --preset/--steps/--requests/--sweep-"
+                     "interval/--warmup/--cooldown/--dump-failures do not apply)")
+    sim.add_argument("--model-size", choices=["small", "medium"], default="small",
+                     help="--engine transformers: small (hidden 64, 2 layers) or medium (~58M params)")
     sim.add_argument("--preset", choices=list(PRESETS), default="mixed", help="scenario (default: mixed)")
     sim.add_argument("--steps", type=_positive, default=200, help="engine steps to run (default: 200)")
     sim.add_argument("--requests", type=_positive, default=48, help="requests in the workload (default: 48)")
@@ -156,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    if args.engine == "transformers":
+        return _cmd_simulate_transformers(args)
     from .sim.faults import parse_inject
     from .sim.report import ProgressDisplay, print_report, write_html, write_json
     from .sim.runner import SimConfig, Simulation, applicable_kinds
@@ -187,6 +196,17 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             first = next(iter(sim.recorder.dumped.values()))
             print(f"replay one on the CPU with: {PROG} replay {first} --backend host --sanitize")
     return int(report["exit_code"])
+
+
+def _cmd_simulate_transformers(args: argparse.Namespace) -> int:
+    try:
+        from .integrations.transformers.simulate import run_cli
+    except ImportError as exc:
+        raise BadArguments(f"--engine transformers needs torch and transformers: {exc}") from None
+    try:
+        return run_cli(args)
+    except ValueError as exc:
+        raise BadArguments(str(exc)) from None
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:

@@ -16,6 +16,8 @@ evicted SWA slot does in SGLang).
 from __future__ import annotations
 
 import logging
+import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,7 +202,12 @@ class TransformersCanaryState:
         self.status_bits = 0
         self.dropped = 0
         self.steps = 0
-        self._pending: list[StepViolation] = []
+        self.seconds: dict[str, float] = defaultdict(float)  # wall time per canary phase
+
+    def _timed(self, phase: str, start: float) -> float:
+        now = time.perf_counter()
+        self.seconds[phase] += now - start
+        return now
 
     # -- launches --------------------------------------------------------------------------------------------
 
@@ -210,6 +217,7 @@ class TransformersCanaryState:
             for g in self.groups:
                 g.chain_flag.fill(0 if g.geo.window else 1)
         backend = self.opts.backend
+        t = time.perf_counter()
         for g in self.groups:
             table = batch.tables[g.geo.index]
             g.ensure_capacity(batch.verify_entries(g.geo), batch.size)
@@ -220,28 +228,34 @@ class TransformersCanaryState:
                 swa_window_size=g.geo.window, full_to_swa_index_mapping=g.lut,
                 verify_capacity=g.verify_capacity, req_to_verify_expected_tokens=batch.expected_pool,
                 req_to_verify_expected_tokens_valid_lens=batch.valid_lens, backend=backend)
+            t = self._timed("plan", t)
             for ep in g.head:
                 launch_canary_verify_kernel(context=ep.verify, plan=g.verify_plan, check_verify_expected_token=True,
                                             backend=backend)
+                t = self._timed("verify", t)
                 launch_canary_write_kernel(
                     context=ep.write, plan=g.write_plan, input_ids=batch.input_ids, positions=batch.positions,
                     out_cache_loc=batch.head_locs[g.geo.index], enable_write_input_assert=True,
                     expected_input_tokens=batch.expected_input_ids, expected_input_positions=batch.expected_positions,
                     backend=backend)
+                t = self._timed("write", t)
 
     def after_forward(self, batch: StepBatch, written: dict[int, np.ndarray]) -> None:
         """TAIL verify (re-hashing every prefix slot's real K/V) and TAIL write (fingerprints of the new K/V) of
         every group; ``written[g]`` is where the forward actually wrote each token (-1: not stamped)."""
         backend = self.opts.backend
+        t = time.perf_counter()
         for g in self.groups:
             assert g.verify_plan is not None
             loc = written[g.geo.index]
             for ep in g.tail:
                 launch_canary_verify_kernel(context=ep.verify, plan=g.verify_plan, check_verify_expected_token=True,
                                             backend=backend)
+                t = self._timed("verify", t)
                 launch_canary_write_kernel(context=ep.write, plan=g.write_plan, input_ids=batch.input_ids,
                                            positions=batch.positions, out_cache_loc=loc,
                                            enable_write_input_assert=False, backend=backend)
+                t = self._timed("write", t)
         self.steps += 1
 
     # -- violations ------------------------------------------------------------------------------------------
@@ -252,6 +266,7 @@ class TransformersCanaryState:
         state = self.state
         if int(state.violation_write_index[0]) == 0 and int(state.status[0]) == 0:
             return []
+        start = time.perf_counter()
         report = read_violations(state)
         state.violation_write_index.fill(0)
         if report.status:
@@ -264,6 +279,7 @@ class TransformersCanaryState:
         if self.opts.mode == "log":
             for v in new:
                 logger.warning("step=%d group=%s %s", v.step, v.group, v.violation.log_line())
+        self._timed("read", start)
         return new
 
     def counters(self) -> dict[str, int]:

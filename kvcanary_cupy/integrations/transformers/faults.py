@@ -81,6 +81,9 @@ class Injector:
     def after_forward(self, canary: Any, step: int, batch: Any, cache: Any) -> None:
         return None
 
+    def close(self) -> None:
+        """Undo whatever is still patched into the engine (the run is over)."""
+
     def _target_group(self, canary: Any, cache: Any, sliding: bool = False) -> Any:
         groups = canary.states[id(cache)].groups
         for g in groups:
@@ -122,13 +125,20 @@ class BlockTableRedirect(Injector):
         super().__init__(at, seed)
         self._undo: tuple[Any, str, int, int] | None = None
 
-    def after_forward(self, canary: Any, step: int, batch: Any, cache: Any) -> None:
-        if self._undo is not None:  # the redirected step has run: put the entry back
+    def close(self) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        if self._undo is not None:
             allocator, rid, k, block = self._undo
             table = allocator.block_table.get(rid)
             if table is not None and k < len(table):
                 table[k] = block
             self._undo = None
+
+    def after_forward(self, canary: Any, step: int, batch: Any, cache: Any) -> None:
+        if self._undo is not None:  # the redirected step has run: put the entry back
+            self._restore()
             return
         if not self.armed or step < self.at:
             return
@@ -247,7 +257,11 @@ class DoubleAlloc(Injector):
     def __init__(self, at: int, seed: int = 0) -> None:
         super().__init__(at, seed)
         self._victim: tuple[str, int] | None = None
-        self._canary_steps: Any = None
+        self._pool: Any = None
+
+    def close(self) -> None:
+        if self._pool is not None and "get_free_blocks" in vars(self._pool):
+            del self._pool.get_free_blocks
 
     def after_forward(self, canary: Any, step: int, batch: Any, cache: Any) -> None:
         if not self.armed or step < self.at or self._victim is not None:
@@ -267,7 +281,7 @@ class DoubleAlloc(Injector):
             return
 
     def _arm(self, canary: Any, cache: Any, allocator: Any, geo: Any) -> None:
-        pool = allocator.pool
+        pool = self._pool = allocator.pool
         original = pool.get_free_blocks
         state = canary.states[id(cache)]
         assert self._victim is not None

@@ -19,6 +19,7 @@ Where it hooks (transformers 5.24; see the README section "The canary in Hugging
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -162,8 +163,10 @@ class TransformersCanary:
         def update(key_states: Any, value_states: Any, layer_idx: int, read_index: Any, write_index: Any) -> Any:
             for obs in self.observers:
                 write_index = obs.on_layer_write(self, st.steps, allocator, layer_idx, write_index)
+            start = time.perf_counter()
             self._layer_writes[(int(allocator.index), int(layer_idx))] = \
                 write_index.detach().to("cpu").numpy().astype(np.int64)
+            st.seconds["batch"] += time.perf_counter() - start
             return original(key_states, value_states, layer_idx, read_index, write_index)
 
         return update
@@ -180,7 +183,9 @@ class TransformersCanary:
         requests = self._requests_for(cache)
         for obs in self.observers:
             obs.before_batch(self, st.steps, kwargs, requests, cache)
+        start = time.perf_counter()
         batch = build_step_batch(st.steps, kwargs, requests, [g.geo for g in st.groups])
+        st.seconds["batch"] += time.perf_counter() - start
         self._layer_writes.clear()
         st.before_forward(batch)
         self._current = (st, batch)

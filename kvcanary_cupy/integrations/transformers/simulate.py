@@ -1,0 +1,529 @@
+"""``kvcanary simulate --engine transformers``: the canary inside Hugging Face transformers' continuous batching,
+clean runs and runs with faults injected into the real KV cache, reported like the synthetic engine's runs.
+
+For every workload (see :mod:`.workloads`): one ``generate_batch`` without the canary (the reference tokens),
+one with it (the tokens must be identical and no violation may be read: any is a false positive), then one run
+per requested fault kind with that single fault armed at ``inject_at`` (it fires at the first step from there
+that has a target). In a fault run, violations from launches before the fault took effect are false positives;
+those from its step on are attributed to it. The first one read is its detection (the canary reads its ring one
+step after the launch, as an engine must), and its latency is counted from the step the fault took effect.
+Steps are numbered globally across runs for the timeline. Exit status 0 only when every run is token-exact
+without faults, every requested kind was injected and detected in every run that injected it, and nothing else
+was flagged.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from ...constants import reason_names
+from .canary import CanaryOptions, StepViolation
+from .faults import FAULT_KINDS, Injector, make_injector
+from .hooks import TransformersCanary, install
+from .workloads import MODEL_SIZES, Workload, build_model, cb_config, generation_config, workloads
+
+SCHEMA_ID = "kvcanary-transformers-report/1"
+PHASES = ("batch", "plan", "verify", "write", "read")
+
+
+@dataclass(frozen=True)
+class TransformersSimConfig:
+    model_size: str = "small"
+    inject: tuple[str, ...] = ()
+    seed: int = 0
+    backend: str = "auto"
+    real_kv_hash: str = "partial"
+    with_v: bool = True
+    inject_at: int = 4
+    workloads: tuple[str, ...] = ()  # empty: all
+
+    def validate(self) -> None:
+        from ..._errors import fail
+
+        if self.model_size not in MODEL_SIZES:
+            fail(f"--model-size must be one of {', '.join(MODEL_SIZES)}, got {self.model_size!r}")
+        for kind in self.inject:
+            if kind not in FAULT_KINDS:
+                fail(f"unknown fault kind {kind!r} for --engine transformers; choose from {', '.join(FAULT_KINDS)}")
+        if self.backend not in ("auto", "numpy", "host"):
+            fail(f"--backend {self.backend} is not available with --engine transformers on a CPU model "
+                 "(use auto, numpy or host)")
+        known = workloads()
+        for name in self.workloads:
+            if name not in known:
+                fail(f"unknown workload {name!r}; choose from {', '.join(known)}")
+
+
+class WorkloadStats:
+    """Counts what the engine did in a run, from the canary's batch hook (no engine internals beyond it)."""
+
+    def __init__(self) -> None:
+        self.prefill_tokens = 0
+        self.decode_tokens = 0
+        self.prefix_tokens_reused = 0
+        self.soft_resets = 0
+        self.peak_batch = 0
+        self._seen: dict[str, int] = {}
+
+    def before_batch(self, canary: Any, step: int, kwargs: dict[str, Any], requests: list[Any], cache: Any) -> None:
+        self.peak_batch = max(self.peak_batch, len(requests))
+        for future in requests:
+            state, q = future.state, int(future.query_length)
+            past = int(state.position_offset) - q
+            rid = state.request_id
+            if rid not in self._seen:
+                self.prefix_tokens_reused += past
+            elif past == 0 and self._seen[rid] > 0:
+                self.soft_resets += 1
+            self._seen[rid] = past + q
+            prompt = max(0, min(past + q, len(state.initial_tokens)) - past)
+            self.prefill_tokens += prompt
+            self.decode_tokens += q - prompt
+
+    def on_layer_write(self, canary: Any, step: int, allocator: Any, layer_idx: int, write_index: Any) -> Any:
+        return write_index
+
+    def after_forward(self, canary: Any, step: int, batch: Any, cache: Any) -> None:
+        return None
+
+
+@dataclass
+class RunResult:
+    workload: str
+    kind: str | None
+    steps: int
+    step_offset: int
+    tokens: dict[str, list[int]]
+    errors: dict[str, str]
+    violations: list[StepViolation]
+    fault: Any
+    stats: WorkloadStats
+    seconds: dict[str, float]
+    wall: float
+    counters: dict[str, int]
+    status_bits: int
+    dropped: int
+
+
+@dataclass
+class TransformersSimulation:
+    cfg: TransformersSimConfig
+    runs: list[RunResult] = field(default_factory=list)
+    token_exact: dict[str, bool] = field(default_factory=dict)
+    reference_wall: dict[str, float] = field(default_factory=dict)
+    model_params: int = 0
+
+    def _run(self, model: Any, w: Workload, kind: str | None, offset: int, injector: Injector | None) -> RunResult:
+        opts = CanaryOptions(mode="log", real_kv_hash=self.cfg.real_kv_hash, with_v=self.cfg.with_v,
+                             backend=self.cfg.backend)
+        canary: TransformersCanary = install(model, opts)
+        stats = WorkloadStats()
+        canary.observers.append(stats)
+        if injector is not None:
+            canary.observers.append(injector)
+        start = time.perf_counter()
+        try:
+            out = model.generate_batch(inputs=[list(p) for p in w.prompts],
+                                       generation_config=generation_config(w.max_new_tokens),
+                                       continuous_batching_config=cb_config(**w.cb), progress_bar=False)
+            wall = time.perf_counter() - start
+            canary.finish()
+        finally:
+            canary.remove()
+            if injector is not None:
+                injector.close()
+        seconds: Counter[str] = Counter()
+        counters: Counter[str] = Counter()
+        status = dropped = 0
+        for st in canary.states.values():
+            seconds.update(st.seconds)
+            counters.update(st.counters())
+            status |= st.status_bits
+            dropped += st.dropped
+        return RunResult(w.name, kind, canary.steps, offset, {rid: list(r.generated_tokens) for rid, r in out.items()},
+                         {rid: str(r.error) for rid, r in out.items() if r.error is not None}, canary.violations,
+                         None if injector is None else injector.fault, stats, dict(seconds), wall, dict(counters),
+                         status, dropped)
+
+    def run(self, progress: Any = None) -> dict[str, Any]:
+        self.cfg.validate()
+        start = time.perf_counter()
+        chosen = workloads(seed=self.cfg.seed)
+        names = list(self.cfg.workloads) or list(chosen)
+        models: dict[str, Any] = {}
+        offset = 0
+        total = len(names) * (2 + len(self.cfg.inject))
+        done = 0
+        for name in names:
+            w = chosen[name]
+            if w.arch not in models:
+                models[w.arch] = build_model(w.arch, self.cfg.model_size, self.cfg.seed)
+            model = models[w.arch]
+            self.model_params = max(self.model_params, sum(p.numel() for p in model.parameters()))
+            t = time.perf_counter()
+            reference = model.generate_batch(inputs=[list(p) for p in w.prompts],
+                                             generation_config=generation_config(w.max_new_tokens),
+                                             continuous_batching_config=cb_config(**w.cb), progress_bar=False)
+            self.reference_wall[name] = time.perf_counter() - t
+            ref_tokens = {rid: list(r.generated_tokens) for rid, r in reference.items()}
+            done += 1
+            clean = self._run(model, w, None, offset, None)
+            offset += clean.steps + 1
+            self.runs.append(clean)
+            self.token_exact[name] = clean.tokens == ref_tokens and not clean.errors
+            done += 1
+            if progress is not None:
+                progress(done, total, f"{name}: clean run, {len(clean.violations)} violation(s)")
+            for i, kind in enumerate(self.cfg.inject):
+                injector = make_injector(kind, self.cfg.inject_at, seed=self.cfg.seed * 100 + i,
+                                         vocab_size=int(model.config.vocab_size))
+                result = self._run(model, w, kind, offset, injector)
+                offset += result.steps + 1
+                self.runs.append(result)
+                done += 1
+                if progress is not None:
+                    progress(done, total, f"{name}: {kind}")
+        self.wall = time.perf_counter() - start
+        self.total_steps = offset
+        return build_report(self)
+
+
+# ---- the report ----------------------------------------------------------------------------------------------
+
+
+def _violation_row(v: StepViolation, run: RunResult) -> dict[str, Any]:
+    x = v.violation
+    return {"read_step": run.step_offset + v.step + 1, "launch_step": run.step_offset + v.step, "group": v.group,
+            "launch_tag": x.launch_tag, "slot": x.slot, "position": x.position, "stored_token": x.stored_token,
+            "expected_token": x.expected_token, "reasons": list(x.reasons), "workload": run.workload}
+
+
+def build_report(sim: TransformersSimulation) -> dict[str, Any]:
+    import transformers
+
+    cfg = sim.cfg
+    steps = sim.total_steps
+    tl = {k: [0] * (steps + 1) for k in ("violations", "explained", "false_positives", "detected", "injected")}
+    false_positives: list[dict[str, Any]] = []
+    by_tag: Counter[str] = Counter()
+    by_reason: Counter[str] = Counter()
+    faults = []
+    fp_total = explained = 0
+    status_bits = dropped = 0
+    for run in sim.runs:
+        status_bits |= run.status_bits
+        dropped += run.dropped
+        fault = run.fault
+        mine = []
+        for v in run.violations:
+            read = run.step_offset + v.step + 1
+            tl["violations"][read] += 1
+            by_tag[v.violation.launch_tag] += 1
+            for r in v.violation.reasons:
+                by_reason[r] += 1
+            if fault is not None and v.step >= fault.step:
+                mine.append(v)
+                tl["explained"][read] += 1
+                explained += 1
+            else:
+                tl["false_positives"][read] += 1
+                fp_total += 1
+                if len(false_positives) < 200:
+                    false_positives.append(_violation_row(v, run))
+        if run.kind is None:
+            continue
+        if fault is None:
+            faults.append({"id": len(faults), "kind": run.kind, "workload": run.workload, "injected": False,
+                           "step": None, "group": None, "request": None, "position": None, "slot": None,
+                           "detail": "no target found", "detected": False, "detection_step": None,
+                           "latency_steps": None, "detected_by": None, "reasons": [], "violations": 0})
+            continue
+        step = run.step_offset + fault.step
+        tl["injected"][step] += 1
+        bits = 0
+        for v in mine:
+            bits |= v.violation.reason_bits
+        first = mine[0] if mine else None
+        detection = None if first is None else run.step_offset + first.step + 1
+        if detection is not None:
+            tl["detected"][detection] += 1
+        faults.append({
+            "id": len(faults), "kind": run.kind, "workload": run.workload, "injected": True, "step": step,
+            "group": fault.group, "request": fault.request, "position": fault.position, "slot": fault.slot,
+            "detail": fault.detail, "detected": first is not None, "detection_step": detection,
+            "latency_steps": None if detection is None else detection - step,
+            "detected_by": None if first is None else first.violation.launch_tag, "reasons": reason_names(bits),
+            "violations": len(mine)})
+    kinds = []
+    for name in cfg.inject:
+        mine = [f for f in faults if f["kind"] == name and f["injected"]]
+        caught = [f for f in mine if f["detected"]]
+        lat = sorted(int(f["latency_steps"]) for f in caught)
+        bits = 0
+        for f in mine:
+            for r in f["reasons"]:
+                bits |= _reason_bit(r)
+        kinds.append({
+            "kind": name, "title": FAULT_KINDS[name], "injected": len(mine), "detected": len(caught),
+            "missed": len(mine) - len(caught),
+            "status": "not injected" if not mine else ("detected" if len(caught) == len(mine) else "missed"),
+            "latency_steps": {"min": lat[0], "median": float(statistics.median(lat)), "max": lat[-1]} if lat else None,
+            "reasons": reason_names(bits), "violations": sum(f["violations"] for f in mine)})
+    token_exact = all(sim.token_exact.values())
+    passed = (token_exact and fp_total == 0 and not status_bits and dropped == 0
+              and all(k["status"] == "detected" for k in kinds))
+    canary_s = sum(sum(r.seconds.get(p, 0.0) for p in PHASES) for r in sim.runs)
+    run_wall = sum(r.wall for r in sim.runs)
+    n_steps = max(1, sum(r.steps for r in sim.runs))
+    ms = {p: round(1000 * sum(r.seconds.get(p, 0.0) for r in sim.runs) / n_steps, 4) for p in PHASES}
+    ms["engine"] = round(1000 * (run_wall - canary_s) / n_steps, 4)
+    counters: Counter[str] = Counter()
+    for r in sim.runs:
+        counters.update(r.counters)
+    verify_s = sum(r.seconds.get("verify", 0.0) for r in sim.runs)
+    per_workload = []
+    for name, exact in sim.token_exact.items():
+        clean = next(r for r in sim.runs if r.workload == name and r.kind is None)
+        w = workloads(seed=cfg.seed)[name]
+        per_workload.append({
+            "name": name, "description": w.description, "arch": w.arch, "requests": len(w.prompts),
+            "max_new_tokens": w.max_new_tokens, "steps": clean.steps, "token_exact": exact,
+            "violations": len(clean.violations), "prefill_tokens": clean.stats.prefill_tokens,
+            "decode_tokens": clean.stats.decode_tokens, "prefix_tokens_reused": clean.stats.prefix_tokens_reused,
+            "soft_resets": clean.stats.soft_resets, "peak_batch": clean.stats.peak_batch,
+            "requests_failed": len(clean.errors), "wall_s": round(clean.wall, 4),
+            "reference_wall_s": round(sim.reference_wall[name], 4)})
+    return {
+        "schema": SCHEMA_ID,
+        "passed": passed,
+        "exit_code": 0 if passed else 1,
+        "config": {"engine": "transformers", "transformers_version": transformers.__version__,
+                   "model_size": cfg.model_size, "model_params": sim.model_params, "seed": cfg.seed,
+                   "backend": cfg.backend, "inject": {k: 1 for k in cfg.inject}, "inject_at": cfg.inject_at,
+                   "real_kv_hash": cfg.real_kv_hash, "with_v": cfg.with_v},
+        "workloads": per_workload,
+        "kinds": kinds,
+        "faults": faults,
+        "violations": {"total": explained + fp_total, "explained": explained, "false_positives": fp_total,
+                       "dropped": dropped, "status": _status_names(status_bits), "by_tag": dict(sorted(by_tag.items())),
+                       "by_reason": dict(sorted(by_reason.items()))},
+        "false_positives": false_positives,
+        "cost": {"backend": _backend_used(cfg.backend), "wall_s": round(sim.wall, 4), "ms_per_step": ms,
+                 "canary_ms_per_step": round(sum(ms[p] for p in PHASES), 4),
+                 "canary_share_of_generate": round(canary_s / run_wall, 4) if run_wall else 0.0,
+                 "verify_entries": counters["verify_entries"], "write_entries": counters["write_entries"],
+                 "launches": counters["launches"],
+                 "verify_entries_per_s": round(counters["verify_entries"] / verify_s, 1) if verify_s else 0.0},
+        "timeline": tl,
+    }
+
+
+def _reason_bit(name: str) -> int:
+    from ...constants import FailReason
+
+    return int(FailReason[name])
+
+
+def _status_names(bits: int) -> list[str]:
+    from ...constants import CanaryStatus
+
+    return [m.name for m in CanaryStatus if bits & m.value]
+
+
+def _backend_used(requested: str) -> str:
+    return "numpy" if requested == "auto" else requested
+
+
+# ---- rendering (the synthetic engine's table and plot, with this engine's headline and summary) ---------------
+
+
+def headline(report: dict[str, Any]) -> str:
+    c = report["config"]
+    return (f"kv-canary in transformers {c['transformers_version']} continuous batching: model {c['model_size']} "
+            f"({c['model_params'] / 1e6:.1f}M params, random weights), {len(report['workloads'])} workloads, "
+            f"seed {c['seed']}, backend {report['cost']['backend']}, real-KV hash {c['real_kv_hash']}")
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    v, cost = report["violations"], report["cost"]
+    ms = cost["ms_per_step"]
+    lines = []
+    for w in report["workloads"]:
+        lines.append(
+            f"{w['name']:<15} {'token-exact' if w['token_exact'] else 'TOKENS DIFFER'}, {w['violations']} "
+            f"violations clean; {w['requests']} requests, {w['steps']} steps, {w['prefill_tokens']} prefill + "
+            f"{w['decode_tokens']} decode tokens, {w['prefix_tokens_reused']} prefix tokens reused, "
+            f"{w['soft_resets']} soft resets")
+    lines.append(
+        f"false positives: {v['false_positives']} (of {v['total']} violations read, {v['explained']} explained by "
+        f"injected faults" + (f", {v['dropped']} dropped by a full ring" if v["dropped"] else "") + ")")
+    lines.append(
+        f"canary cost per step ({cost['backend']}): batch {ms['batch']:.2f} ms, plan {ms['plan']:.2f} ms, verify "
+        f"{ms['verify']:.2f} ms, write {ms['write']:.2f} ms, read {ms['read']:.2f} ms = "
+        f"{cost['canary_ms_per_step']:.2f} ms (engine {ms['engine']:.2f} ms); "
+        f"{100 * cost['canary_share_of_generate']:.1f} % of generate_batch wall time")
+    return lines
+
+
+def verdict(report: dict[str, Any]) -> str:
+    if report["passed"]:
+        if report["kinds"]:
+            return "PASS: token-exact with the canary, every injected fault kind detected, no false positive"
+        return "PASS: token-exact with the canary, no violation in clean runs"
+    problems = [f"tokens differ with the canary installed on {w['name']}" for w in report["workloads"]
+                if not w["token_exact"]]
+    missed = [k["kind"] for k in report["kinds"] if k["status"] == "missed"]
+    absent = [k["kind"] for k in report["kinds"] if k["status"] == "not injected"]
+    if missed:
+        problems.append(f"missed {', '.join(missed)}")
+    if absent:
+        problems.append(f"never injected (no target found) {', '.join(absent)}")
+    if report["violations"]["false_positives"]:
+        problems.append(f"{report['violations']['false_positives']} false positive(s)")
+    if report["violations"]["dropped"]:
+        problems.append(f"{report['violations']['dropped']} violation(s) dropped by a full ring")
+    if report["violations"]["status"]:
+        problems.append(f"kernel status {', '.join(report['violations']['status'])}")
+    return "FAIL: " + "; ".join(problems)
+
+
+def _fp_lines(report: dict[str, Any], limit: int = 10) -> list[str]:
+    from ...sim.report import short_reason
+
+    fps = report["false_positives"]
+    if not fps:
+        return []
+    lines = [f"first false positives (of {report['violations']['false_positives']}):"]
+    for fp in fps[:limit]:
+        lines.append(f"  {fp['workload']} step {fp['launch_step']} {fp['launch_tag']} slot {fp['slot']} position "
+                     f"{fp['position']} token {fp['stored_token']} expected {fp['expected_token']}: "
+                     f"{', '.join(short_reason(r) for r in fp['reasons'])}")
+    return lines
+
+
+def print_report(report: dict[str, Any], stream: TextIO | None = None, *, plain: bool = False) -> None:
+    from ...sim.report import HEADERS, table_rows
+
+    stream = stream or sys.stdout
+    rows = table_rows(report)
+    lines = summary_lines(report) + _fp_lines(report)
+    try:
+        if plain:
+            raise ImportError
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        out = [headline(report), ""]
+        if rows:
+            widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
+            fmt = "  ".join(f"{{:<{w}}}" if i in (0, 4, 5) else f"{{:>{w}}}" for i, w in enumerate(widths))
+            out += [fmt.format(*HEADERS).rstrip(), "  ".join("-" * w for w in widths)]
+            out += [fmt.format(*r).rstrip() for r in rows] + [""]
+        print("\n".join(out + lines + [verdict(report)]), file=stream)
+        return
+    console = Console(file=stream, highlight=False, width=max(160, Console(file=stream).width))
+    console.print(headline(report), markup=False, soft_wrap=True)
+    if rows:
+        table = Table()
+        for i, head in enumerate(HEADERS):
+            table.add_column(head, justify="right" if i in (1, 2, 3) else "left", no_wrap=True)
+        for row, kind in zip(rows, report["kinds"], strict=True):
+            table.add_row(*row, style={"detected": "green", "missed": "bold red",
+                                       "not injected": "yellow"}[kind["status"]])
+        console.print(table)
+    for line in lines:
+        console.print(line, markup=False, soft_wrap=True)
+    console.print(verdict(report), style="bold green" if report["passed"] else "bold red", markup=False,
+                  soft_wrap=True)
+
+
+def write_json(report: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path
+
+
+def write_html(report: dict[str, Any], path: str | Path) -> Path:
+    from ...sim.report import HEADERS, _html_table, plot_png, short_reason, table_rows
+
+    import base64
+
+    png = plot_png(report)
+    plot = (f'<img alt="violations and detections over steps" src="data:image/png;base64,'
+            f'{base64.b64encode(png).decode()}">' if png else "<p><em>No plot: install matplotlib.</em></p>")
+    faults = _html_table(
+        ["kind", "workload", "step", "group", "request", "detail", "detected at", "latency", "first tag", "reasons"],
+        [[f["kind"], f["workload"], f["step"], f["group"], f["request"], f["detail"], f["detection_step"],
+          f["latency_steps"], f["detected_by"], ", ".join(short_reason(r) for r in f["reasons"])]
+         for f in report["faults"]])
+    colour = "#2e7d32" if report["passed"] else "#c62828"
+    summary = "".join(f"<li>{html.escape(line)}</li>" for line in summary_lines(report) + _fp_lines(report))
+    page = f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>kv-canary in transformers</title>
+<style>body {{ font-family: system-ui, sans-serif; margin: 2em; max-width: 1200px; }}
+table {{ border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.9em; }}
+th, td {{ border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; }} th {{ background: #f3f3f3; }}
+.verdict {{ font-weight: bold; color: {colour}; }} img {{ max-width: 100%; }}</style></head><body>
+<h1>kv-canary in transformers continuous batching</h1>
+<p>{html.escape(headline(report))}</p><p class="verdict">{html.escape(verdict(report))}</p>
+<h2>Detection by fault kind</h2>{_html_table(list(HEADERS), [list(r) for r in table_rows(report)])}
+<h2>Violations and detections over the runs</h2>{plot}
+<h2>Summary</h2><ul>{summary}</ul>
+<h2>Injected faults</h2>{faults}
+<h2>Configuration</h2><pre>{html.escape(json.dumps(report["config"], indent=2))}</pre>
+</body></html>
+"""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page)
+    return path
+
+
+def run_cli(args: Any) -> int:
+    """The ``simulate --engine transformers`` command: run, print, write files, return the exit status."""
+    inject: list[str] = []
+    for item in args.inject:
+        for name in item.split(","):
+            name = name.split(":", 1)[0].strip()
+            if name == "all":
+                inject.extend(k for k in FAULT_KINDS if k not in inject)
+            elif name and name not in inject:
+                inject.append(name)
+    cfg = TransformersSimConfig(model_size=args.model_size, inject=tuple(inject), seed=args.seed,
+                                backend=args.backend, real_kv_hash=args.real_kv_hash,
+                                with_v=True)
+    cfg.validate()
+
+    def progress(done: int, total: int, what: str) -> None:
+        if not args.quiet:
+            print(f"run {done}/{total}: {what}", file=sys.stderr, flush=True)
+
+    import logging
+
+    import transformers
+
+    # The report carries every violation; one log record per row would bury the table (the engine's own
+    # CPU-sizing notices too).
+    canary_logger = logging.getLogger("kvcanary_cupy.transformers")
+    level, tf_level = canary_logger.level, transformers.logging.get_verbosity()
+    canary_logger.setLevel(logging.ERROR)
+    transformers.logging.set_verbosity_error()
+    try:
+        report = TransformersSimulation(cfg).run(progress)
+    finally:
+        canary_logger.setLevel(level)
+        transformers.logging.set_verbosity(tf_level)
+    print_report(report, plain=args.plain)
+    for path, writer in ((args.json, write_json), (args.html, write_html)):
+        if path:
+            print(f"wrote {writer(report, path)}")
+    return int(report["exit_code"])
