@@ -453,9 +453,9 @@ def write_json(report: dict[str, Any], path: str | Path) -> Path:
 
 
 def write_html(report: dict[str, Any], path: str | Path) -> Path:
-    from ...sim.report import HEADERS, _html_table, plot_png, short_reason, table_rows
-
     import base64
+
+    from ...sim.report import HEADERS, _html_table, plot_png, short_reason, table_rows
 
     png = plot_png(report)
     plot = (f'<img alt="violations and detections over steps" src="data:image/png;base64,'

@@ -66,8 +66,14 @@ def workloads(vocab: int = 512, seed: int = 0) -> dict[str, Workload]:
 def build_model(arch: str = "llama", size: str = "small", seed: int = 0) -> Any:
     """A random-weight causal LM in eval mode (fp32, CPU)."""
     import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig
-    from transformers import MistralForCausalLM
+    from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+    )
 
     torch.manual_seed(seed)
     dims = dict(MODEL_SIZES[size])

@@ -1,0 +1,289 @@
+"""The canary installed in Hugging Face transformers' continuous batching (CPU torch, random-weight models).
+
+Oracles: the tokens ``generate_batch`` returns without the canary; the engine's own per-layer K/V views
+(``allocator._kv_token_views``) hashed by the scalar oracle in ``tests/oracle.py``; the fault's own record of
+where and when it struck.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from oracle import fold_source_bytes, splitmix64
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from transformers.generation.continuous_batching.cache_allocators.cache_pool import CachePool
+from transformers.generation.continuous_batching.cache_allocators.full_attention import FullAttentionCacheAllocator
+from transformers.generation.continuous_batching.cache_allocators.sliding_attention import (
+    SlidingAttentionCacheAllocator,
+)
+from transformers.generation.continuous_batching.requests import FutureRequestState, RequestState
+
+from kvcanary_cupy import CanaryArgumentError
+from kvcanary_cupy.cli import main
+from kvcanary_cupy.integrations.transformers import CanaryOptions, check_version, install
+from kvcanary_cupy.integrations.transformers.faults import FAULT_KINDS, make_injector
+from kvcanary_cupy.integrations.transformers.workloads import (
+    build_model,
+    cb_config,
+    generate,
+    generation_config,
+    workloads,
+)
+
+WORKLOADS = workloads()
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {arch: build_model(arch) for arch in ("llama", "gemma3")}
+
+
+def _generate_raw(model, w):
+    return model.generate_batch(inputs=[list(p) for p in w.prompts], generation_config=generation_config(
+        w.max_new_tokens), continuous_batching_config=cb_config(**w.cb), progress_bar=False)
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_generation_is_token_exact_and_clean_with_the_canary(models, name):
+    w = WORKLOADS[name]
+    model = models[w.arch]
+    reference = generate(model, w)
+    canary = install(model)
+    counted = {"tokens": 0}
+
+    class CountTokens:
+        def before_batch(self, canary, step, kwargs, requests, cache):
+            counted["tokens"] += sum(int(f.query_length) for f in requests)
+
+        def on_layer_write(self, canary, step, allocator, layer_idx, write_index):
+            return write_index
+
+        def after_forward(self, canary, step, batch, cache):
+            pass
+
+    canary.observers.append(CountTokens())
+    with_canary = generate(model, w)
+    canary.finish()
+    canary.remove()
+    after_removal = generate(model, w)
+    assert with_canary == reference
+    assert after_removal == reference
+    assert canary.violations == []
+    # The canary really ran: every token the engine processed was stamped into the HEAD buffer of the first
+    # group (sliding groups skip the tokens a long chunk sends to the write trash).
+    (state,) = canary.states.values()
+    full = next(g for g in state.groups if not g.geo.window)
+    assert int(full.head[0].write.slot_run_counter[0]) == counted["tokens"]
+    assert int(full.head[0].verify.slot_run_counter[0]) > 0
+    for g in state.groups:  # the sliding group verifies its window too
+        assert all(int(ep.verify.slot_run_counter[0]) > 0 for ep in g.head + g.tail)
+
+
+def test_real_kv_fingerprints_are_the_engine_memory(models):
+    """TAIL records hold the fingerprint of the bytes the engine's own per-layer views show for that slot."""
+    w = WORKLOADS["sliding-window"]
+    model = models[w.arch]
+    canary = install(model, CanaryOptions(real_kv_hash="all"))
+    checked = []
+
+    class Check:
+        def before_batch(self, canary, step, kwargs, requests, cache):
+            pass
+
+        def on_layer_write(self, canary, step, allocator, layer_idx, write_index):
+            return write_index
+
+        def after_forward(self, canary, step, batch, cache):
+            state = canary.states[id(cache)]
+            for g in state.groups:
+                alloc = g.geo.allocator
+                for slot in {int(s) for s in batch.head_locs[g.geo.index] if s >= 0}:
+                    for ep in g.tail:
+                        total = 0
+                        for src in ep.write.real_kv_sources:
+                            layer, kind = _engine_view_of(src, alloc)
+                            row = alloc._kv_token_views[layer][kind][slot].contiguous().view(torch.uint8)
+                            data = row.numpy().tobytes()
+                            total = splitmix64(total ^ fold_source_bytes(data, len(data)))
+                        stored = int(np.frombuffer(ep.write.canary_buf[slot].tobytes(), np.uint64)[3])
+                        assert stored == total, (step, g.geo.name, slot)
+                        checked.append(slot)
+
+    canary.observers.append(Check())
+    generate(model, w)
+    canary.remove()
+    assert len(checked) > 100
+
+
+def _engine_view_of(src, alloc):
+    """(layer, 0 for K / 1 for V) of the engine's own per-layer view starting where the source starts."""
+    base = src.byte_rows.ctypes.data
+    for layer, views in alloc._kv_token_views.items():
+        for kind in (0, 1):
+            if views[kind].data_ptr() == base:
+                return layer, kind
+    raise AssertionError("a real-KV source does not start at any of the engine's K/V views")
+
+
+EXPECTED_REASONS = {
+    "kv-bitflip": {"VERIFY_REAL_KV_HASH_MISMATCH"},
+    "block-table": {"VERIFY_TOKEN_MISMATCH", "VERIFY_CHAIN_HASH_MISMATCH", "VERIFY_POSITION_MISMATCH"},
+    "kv-write-skip": {"VERIFY_POSITION_MISMATCH", "VERIFY_TOKEN_MISMATCH", "VERIFY_CHAIN_HASH_MISMATCH",
+                      "VERIFY_REAL_KV_HASH_MISMATCH"},
+    "kv-misdirect": {"VERIFY_REAL_KV_HASH_MISMATCH"},
+    "wrong-token": {"WRITE_TOKEN_MISMATCH"},
+    "double-alloc": {"VERIFY_POSITION_MISMATCH", "VERIFY_TOKEN_MISMATCH", "VERIFY_REAL_KV_HASH_MISMATCH",
+                     "VERIFY_CHAIN_HASH_MISMATCH"},
+}
+
+
+@pytest.mark.parametrize("workload,kind", [("mixed-lengths", k) for k in FAULT_KINDS]
+                         + [("sliding-window", k) for k in ("kv-bitflip", "wrong-token", "kv-write-skip")])
+def test_each_fault_kind_is_detected_with_reason_and_step(models, workload, kind):
+    w = WORKLOADS[workload]
+    model = models[w.arch]
+    canary = install(model)
+    injector = make_injector(kind, at=4, seed=3, vocab_size=int(model.config.vocab_size))
+    canary.observers.append(injector)
+    _generate_raw(model, w)
+    canary.finish()
+    canary.remove()
+    injector.close()
+    fault = injector.fault
+    assert fault is not None, f"{kind}: no target found"
+    assert fault.step >= 4
+    before = [v for v in canary.violations if v.step < fault.step]
+    after = [v for v in canary.violations if v.step >= fault.step]
+    assert before == []
+    assert after, f"{kind} injected at step {fault.step} ({fault.detail}) was not detected"
+    first = after[0]
+    assert first.step <= fault.step + 1  # found by the launches of the step it struck or the next one
+    assert set(first.violation.reasons) & EXPECTED_REASONS[kind]
+    if kind == "wrong-token":
+        assert first.step == fault.step and first.violation.launch_tag.startswith("HEAD_K")
+        assert first.violation.position == fault.position
+    if kind == "kv-bitflip":
+        assert first.violation.slot == fault.slot and first.violation.position == fault.position
+
+
+def test_raise_mode_stops_the_engine_loop_with_the_violation(models):
+    w = WORKLOADS["mixed-lengths"]
+    model = models[w.arch]
+    canary = install(model, mode="raise")
+    canary.observers.append(make_injector("kv-bitflip", at=3, seed=1))
+    out = _generate_raw(model, w)
+    canary.remove()
+    errors = [str(r.error) for r in out.values() if r.error is not None]
+    assert errors and all("KV-cache violation" in e for e in errors)
+    assert "reasons=verify_real_kv_hash" in errors[0]
+
+
+def test_remove_restores_the_engine_methods(models):
+    model = models["llama"]
+    w = WORKLOADS["mixed-lengths"]
+    canary = install(model)
+    assert "init_continuous_batching" in vars(model)
+    with pytest.raises(CanaryArgumentError, match="already installed"):
+        install(model)
+    generate(model, w)
+    (state,) = canary.states.values()
+    allocators = [g.geo.allocator for g in state.groups]
+    assert all("update" in vars(a) for a in allocators)
+    canary.remove()
+    assert "init_continuous_batching" not in vars(model) and "_kvcanary" not in vars(model)
+    assert model.init_continuous_batching.__func__ is type(model).init_continuous_batching
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    for a in allocators:
+        assert "update" not in vars(a)
+        assert a.update.__func__ is type(a).update
+
+
+def test_install_on_a_manager(models):
+    w = WORKLOADS["mixed-lengths"]
+    model = models["llama"]
+    reference = generate(model, w)
+    manager = model.init_continuous_batching(generation_config(w.max_new_tokens), cb_config(**w.cb))
+    canary = install(manager)
+    manager.warmup()
+    manager.start()
+    try:
+        ids = manager.add_requests(inputs=[list(p) for p in w.prompts], max_new_tokens=w.max_new_tokens)
+        results = {}
+        while len(results) < len(ids):
+            r = manager.get_result(timeout=30)
+            assert r is not None
+            if r.is_finished():
+                results[r.request_id] = list(r.generated_tokens)
+    finally:
+        manager.stop(block=True, timeout=10)
+        manager.destroy()
+    canary.finish()
+    canary.remove()
+    assert results == reference
+    assert canary.steps > 0 and canary.violations == []
+
+
+# Internal transformers methods the integration patches or calls: a change in any of them must fail here,
+# loudly, before it silently breaks the hooks (see the README section on transformers).
+INTERNAL_SIGNATURES = {
+    FullAttentionCacheAllocator.update: ["self", "key_states", "value_states", "layer_idx", "read_index",
+                                         "write_index"],
+    SlidingAttentionCacheAllocator.update: ["self", "key_states", "value_states", "layer_idx", "read_index",
+                                            "write_index"],
+    CachePool.get_free_blocks: ["self", "index", "num_blocks"],
+    PagedAttentionCache.update: ["self", "key_states", "value_states", "layer_idx", "kwargs"],
+}
+
+
+def test_internal_transformers_api_is_the_one_the_hooks_were_written_for(models):
+    for fn, params in INTERNAL_SIGNATURES.items():
+        assert list(inspect.signature(fn).parameters) == params, fn.__qualname__
+    assert FutureRequestState.__slots__ == ("state", "has_new_token", "complete_blocks", "query_length")
+    fields = set(RequestState.__dataclass_fields__)
+    assert {"request_id", "initial_tokens", "generated_tokens", "position_offset", "max_new_tokens"} <= fields
+    w = WORKLOADS["sliding-window"]
+    manager = models["gemma3"].init_continuous_batching(generation_config(4), cb_config(**w.cb))
+    manager.warmup()  # builds the batch processor and its cache in this thread, runs no forward on CPU
+    try:
+        processor = manager.batch_processor
+        assert isinstance(processor.cache, PagedAttentionCache)
+        assert isinstance(processor.inputs_and_outputs.requests_in_batch, list)
+        cache = processor.cache
+        assert cache.cache_tensor.dtype == torch.uint8 and cache.cache_tensor.dim() == 1
+        assert [type(a) for a in cache.cache_allocators.values()] == [SlidingAttentionCacheAllocator,
+                                                                      FullAttentionCacheAllocator]
+        for a in cache.cache_allocators.values():
+            for attr in ("tokens_per_page", "block_physical_stride", "layer_indices", "num_key_value_heads",
+                         "head_dim", "bytes_per_block", "write_trash_index", "block_table", "pool", "index"):
+                assert hasattr(a, attr), attr
+        assert cache.cache_allocators["sliding_attention"].sliding_window == 8
+    finally:
+        manager.destroy()
+
+
+def test_unsupported_transformers_versions_are_refused_naming_the_range():
+    assert check_version() == transformers.__version__
+    assert check_version("5.24.7") == "5.24.7"
+    for bad in ("5.23.0", "5.25.0", "4.57.1", "6.0"):
+        with pytest.raises(CanaryArgumentError, match=r"supported: transformers>=5\.24,<5\.25"):
+            check_version(bad)
+
+
+def test_simulate_engine_transformers_reports_and_exits_zero(tmp_path, capsys):
+    path = tmp_path / "tf.json"
+    status = main(["simulate", "--engine", "transformers", "--inject", "kv-bitflip", "--quiet", "--plain", "--json",
+                   str(path)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    report = json.loads(path.read_text())
+    assert report["passed"] and report["violations"]["false_positives"] == 0
+    assert [k["kind"] for k in report["kinds"]] == ["kv-bitflip"]
+    assert all(k["detected"] == k["injected"] >= 4 for k in report["kinds"])
+    assert all(w["token_exact"] for w in report["workloads"]) and len(report["workloads"]) == 4
+    assert "fault kind" in out and "PASS" in out
