@@ -293,7 +293,7 @@ class DoubleAlloc(Injector):
             del pool.get_free_blocks  # one bad allocation, then the pool behaves again
             self.fault = InjectedFault(self.kind, state.steps, geo.name, victim_rid, 0, block * geo.stride,
                                        f"block {block}, still held by {victim_rid}, handed out again")
-            return [block] + original(index, num_blocks - 1)
+            return [block, *original(index, num_blocks - 1)]
 
         pool.get_free_blocks = get_free_blocks
 
