@@ -26,7 +26,15 @@ enum {
   kWritePosition = 16,
   kVerifyToken = 32,
 };
-enum { kPlanRowOutOfRange = 1, kPlanPrefixBeyondRow = 2, kPlanSlotOutsideLut = 4, kPlanExpectedBeyondPool = 8 };
+enum {
+  kPlanRowOutOfRange = 1,
+  kPlanPrefixBeyondRow = 2,
+  kPlanSlotOutsideLut = 4,
+  kPlanExpectedBeyondPool = 8,
+  kPlanBlockOutsideSlots = 16,
+  kPlanBeyondBlocks = 32,
+  kPlanIndptrInvalid = 64,
+};
 enum { kSlotOutOfRange = 1, kTokenRangeOutOfBounds = 2, kScatterOutOfRange = 4 };
 enum { kHashNone = 0, kHashPartial = 1, kHashAll = 2 };
 enum { kMaxRealKvSources = 4 };

@@ -26,6 +26,7 @@ from .constants import (
     RealKvHashMode,
 )
 from .context import RealKvSource, VerifyOrWriteContext
+from .layouts import BlockTable, PageList, SlotLayout, TokenTable
 from .plan import VerifyPlan, WritePlan, launch_canary_plan_kernels
 from .scatter import launch_scatter_req_token_ids
 from .verify import launch_canary_verify_kernel
@@ -38,14 +39,18 @@ __all__ = [
     "CANARY_CHAIN_ANCHOR",
     "CANARY_SLOT_BYTES",
     "MAX_REAL_KV_SOURCES",
+    "BlockTable",
     "BoundLaunch",
     "CanaryArgumentError",
     "CanaryLaunchTag",
     "CanaryStatus",
     "FailReason",
+    "PageList",
     "PlanStatus",
     "RealKvHashMode",
     "RealKvSource",
+    "SlotLayout",
+    "TokenTable",
     "VerifyOrWriteContext",
     "VerifyPlan",
     "Violation",

@@ -36,6 +36,7 @@ from typing import Any
 from .backends import Backend, resolve_backend
 from .context import VerifyOrWriteContext
 from .dlpack import Device, cupy_stream_for, first_torch_cuda_tensor, stream_scope
+from .layouts import SlotLayout, layout_arrays
 from .plan import OnInvalid, VerifyPlan, WritePlan, prepare_plan_launch
 from .scatter import prepare_scatter_launch
 from .verify import prepare_verify_launch
@@ -110,24 +111,25 @@ def bind_plan(
     *,
     verify_plan_out: VerifyPlan,
     write_plan_out: WritePlan,
-    req_pool_indices: Any,
+    req_pool_indices: Any | None = None,
     prefix_lens: Any,
     extend_seq_lens: Any,
-    req_to_token: Any,
+    req_to_token: Any | None = None,
     swa_window_size: int,
     full_to_swa_index_mapping: Any | None,
     verify_capacity: int,
     req_to_verify_expected_tokens: Any | None = None,
     req_to_verify_expected_tokens_valid_lens: Any | None = None,
     kv_token_id_vs_position_offset: int = 0,
+    layout: SlotLayout | None = None,
     backend: str = "auto",
     on_invalid: OnInvalid | None = None,
 ) -> BoundLaunch:
     """Bind :func:`~kvcanary_cupy.launch_canary_plan_kernels` (same arguments). Scalars such as
     ``swa_window_size`` and ``kv_token_id_vs_position_offset`` are fixed at bind time; the contents of every
     array argument are read at call time."""
-    arguments = (verify_plan_out, write_plan_out, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token,
-                 full_to_swa_index_mapping, req_to_verify_expected_tokens,
+    arguments = (verify_plan_out, write_plan_out, req_pool_indices, prefix_lens, extend_seq_lens,
+                 *layout_arrays(req_to_token, layout), full_to_swa_index_mapping, req_to_verify_expected_tokens,
                  req_to_verify_expected_tokens_valid_lens)
     return _bind("plan", arguments, lambda: prepare_plan_launch(
         verify_plan_out=verify_plan_out, write_plan_out=write_plan_out, req_pool_indices=req_pool_indices,
@@ -135,7 +137,7 @@ def bind_plan(
         swa_window_size=swa_window_size, full_to_swa_index_mapping=full_to_swa_index_mapping,
         verify_capacity=verify_capacity, req_to_verify_expected_tokens=req_to_verify_expected_tokens,
         req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
-        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, function="bind_plan",
+        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, function="bind_plan", layout=layout,
     ), backend, on_invalid)
 
 

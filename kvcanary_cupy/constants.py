@@ -94,12 +94,16 @@ class PlanStatus(enum.IntFlag):
     The plan kernels reset the word on every launch. Each affected verify entry is neutralised to
     (slot 0, expected token -1, its logical position, prev slot 0), which the verify kernel skips; an
     affected seed becomes -1. Checks run in the order of the members below and the first failing one
-    names the bit, so every backend reports the same bits for the same inputs.
+    names the bit, so every backend reports the same bits for the same inputs. The bits 16, 32 and 64
+    concern the paged layouts (:mod:`kvcanary_cupy.layouts`) and are checked where their comments say.
     """
 
-    REQ_POOL_INDEX_OUT_OF_RANGE = 1  # req_pool_indices[r] outside [0, req_to_token rows)
+    REQ_POOL_INDEX_OUT_OF_RANGE = 1  # the table row of a request outside the token / block table's rows
+    PAGE_INDPTR_INVALID = 64  # (2nd) kv_page_indptr[r] < 0, indptr[r+1] < indptr[r] or indptr[r+1] > nnz
     PREFIX_BEYOND_REQ_TO_TOKEN_ROW = 2  # a gathered position outside [0, req_to_token width)
-    SWA_SLOT_OUTSIDE_LUT = 4  # a req_to_token value >= len(full_to_swa_index_mapping)
+    POSITION_BEYOND_BLOCKS = 32  # (3rd, paged) a gathered position beyond the row's blocks / pages
+    BLOCK_ID_OUTSIDE_SLOTS = 16  # (4th) a gathered block or page id < 0 or beyond the layout's num_slots
+    SWA_SLOT_OUTSIDE_LUT = 4  # a slot value >= len(full_to_swa_index_mapping)
     EXPECTED_TOKEN_BEYOND_POOL_ROW = 8  # an expected-token read outside the pool (row or column)
 
 

@@ -18,6 +18,7 @@ from ._validate import array_arg, int_arg, optional_array_arg, same_device
 from .backends import resolve_backend
 from .constants import MAX_PLAN_BATCH_SIZE
 from .dlpack import Device, device_scope, stream_scope
+from .layouts import PagedSlots, SlotLayout, layout_arrays, prepare_layout
 
 OnInvalid = Literal["raise", "flag"]
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
@@ -181,12 +182,17 @@ def _loaded(module: str) -> Any:
 
 @dataclass(frozen=True)
 class PlanLaunch:
-    """Validated, normalized plan arguments: every array a NumPy or CuPy view, every scalar a Python int."""
+    """Validated, normalized plan arguments: every array a NumPy or CuPy view, every scalar a Python int.
 
-    req_pool_indices: Any
+    ``req_pool_indices`` is None when the layout reads batch rows directly (every row active, expected-token
+    pool row = batch row). Exactly one of ``req_to_token`` (the token table) and ``paged`` is set.
+    """
+
+    req_pool_indices: Any | None
     prefix_lens: Any
     extend_seq_lens: Any
-    req_to_token: Any
+    req_to_token: Any | None
+    paged: PagedSlots | None
     full_to_swa_index_mapping: Any | None
     req_to_verify_expected_tokens: Any | None
     req_to_verify_expected_tokens_valid_lens: Any | None
@@ -200,17 +206,17 @@ class PlanLaunch:
 
     @property
     def bs(self) -> int:
-        return int(self.req_pool_indices.shape[0])
+        return int(self.prefix_lens.shape[0])
 
 
 def prepare_plan_launch(
     *,
     verify_plan_out: VerifyPlan,
     write_plan_out: WritePlan,
-    req_pool_indices: Any,
+    req_pool_indices: Any | None = None,
     prefix_lens: Any,
     extend_seq_lens: Any,
-    req_to_token: Any,
+    req_to_token: Any | None = None,
     swa_window_size: int,
     full_to_swa_index_mapping: Any | None,
     verify_capacity: int,
@@ -218,6 +224,7 @@ def prepare_plan_launch(
     req_to_verify_expected_tokens_valid_lens: Any | None,
     kv_token_id_vs_position_offset: int,
     function: str,
+    layout: SlotLayout | None = None,
 ) -> PlanLaunch:
     """Every host-visible check of a plan launch (SPEC §0, §3.4), in one place for all backends."""
     if not isinstance(verify_plan_out, VerifyPlan):
@@ -234,13 +241,16 @@ def prepare_plan_launch(
         fail(f"{function} requires req_to_verify_expected_tokens_valid_lens when "
              "req_to_verify_expected_tokens is set")
 
-    rpi = array_arg(req_pool_indices, "req_pool_indices", dtype=np.int64, ndim=1)
-    bs = int(rpi.shape[0])
+    rpi = optional_array_arg(req_pool_indices, "req_pool_indices", dtype=np.int64, ndim=1)
+    prefix = array_arg(prefix_lens, "prefix_lens", dtype=np.int64, ndim=1)
+    bs = int((prefix if rpi is None else rpi).shape[0])
     if bs > MAX_PLAN_BATCH_SIZE:
-        fail(f"req_pool_indices holds {bs} requests; one plan launch supports at most {MAX_PLAN_BATCH_SIZE}")
-    prefix = array_arg(prefix_lens, "prefix_lens", dtype=np.int64, ndim=1, shape=(bs,))
+        fail(f"the batch holds {bs} requests; one plan launch supports at most {MAX_PLAN_BATCH_SIZE}")
+    if prefix.shape[0] != bs:
+        fail(f"prefix_lens must have shape ({bs},), got {tuple(prefix.shape)} (axis 0)")
     extend = array_arg(extend_seq_lens, "extend_seq_lens", dtype=np.int64, ndim=1, shape=(bs,))
-    rtt = array_arg(req_to_token, "req_to_token", dtype=np.int32, ndim=2)
+    layout_kind, layout_value, layout_named = prepare_layout(req_to_token=req_to_token, layout=layout, bs=bs,
+                                                      has_req_pool_indices=rpi is not None)
     lut = optional_array_arg(full_to_swa_index_mapping, "full_to_swa_index_mapping", dtype=np.int64, ndim=1)
     if lut is not None and lut.shape[0] == 0:
         fail("full_to_swa_index_mapping must not be empty")
@@ -286,11 +296,11 @@ def prepare_plan_launch(
                                  shape=(w_cap + 1,), writable=True),
     )
     if bs > w_cap:
-        fail(f"req_pool_indices holds {bs} requests but write_plan_out has write_req_capacity {w_cap}")
+        fail(f"the batch holds {bs} requests but write_plan_out has write_req_capacity {w_cap}")
 
     named = [
         ("req_pool_indices", rpi), ("prefix_lens", prefix), ("extend_seq_lens", extend),
-        ("req_to_token", rtt), ("full_to_swa_index_mapping", lut),
+        *layout_named, ("full_to_swa_index_mapping", lut),
         ("req_to_verify_expected_tokens", pool),
         ("req_to_verify_expected_tokens_valid_lens", valid_lens),
     ]
@@ -298,7 +308,9 @@ def prepare_plan_launch(
     named += [(f"write_plan_out.{f.name}", getattr(write, f.name)) for f in dataclasses.fields(write)]
     device = same_device(named)
     return PlanLaunch(
-        req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend, req_to_token=rtt,
+        req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend,
+        req_to_token=layout_value if layout_kind == "token" else None,
+        paged=layout_value if layout_kind == "paged" else None,
         full_to_swa_index_mapping=lut, req_to_verify_expected_tokens=pool,
         req_to_verify_expected_tokens_valid_lens=valid_lens, swa_window_size=window,
         kv_token_id_vs_position_offset=offset, verify_capacity=capacity, write_req_capacity=w_cap,
@@ -310,16 +322,17 @@ def launch_canary_plan_kernels(
     *,
     verify_plan_out: VerifyPlan,
     write_plan_out: WritePlan,
-    req_pool_indices: Any,
+    req_pool_indices: Any | None = None,
     prefix_lens: Any,
     extend_seq_lens: Any,
-    req_to_token: Any,
+    req_to_token: Any | None = None,
     swa_window_size: int,
     full_to_swa_index_mapping: Any | None,
     verify_capacity: int,
     req_to_verify_expected_tokens: Any | None = None,
     req_to_verify_expected_tokens_valid_lens: Any | None = None,
     kv_token_id_vs_position_offset: int = 0,
+    layout: SlotLayout | None = None,
     backend: str = "auto",
     on_invalid: OnInvalid | None = None,
 ) -> None:
@@ -330,10 +343,16 @@ def launch_canary_plan_kernels(
     a request row outside ``req_to_token``: the NumPy reference raises ValueError by default ("raise") and
     can instead flag them exactly like the kernels ("flag": bits in ``verify_plan_out.status`` and
     neutralised entries); the kernel backends always flag, since they cannot raise without a host sync.
+
+    The slots come from exactly one of ``req_to_token`` (SGLang's token table) or ``layout`` (a
+    :class:`~kvcanary_cupy.layouts.TokenTable`, :class:`~kvcanary_cupy.layouts.BlockTable` or
+    :class:`~kvcanary_cupy.layouts.PageList`). ``req_pool_indices`` may be None only when the layout reads
+    batch rows directly (``BlockTable(batch_rows=True)``, ``PageList``): every row is then active and reads
+    expected-token pool row ``r``.
     """
-    with stream_scope(verify_plan_out, write_plan_out, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token,
-                      full_to_swa_index_mapping, req_to_verify_expected_tokens,
-                      req_to_verify_expected_tokens_valid_lens):
+    with stream_scope(verify_plan_out, write_plan_out, req_pool_indices, prefix_lens, extend_seq_lens,
+                      *layout_arrays(req_to_token, layout), full_to_swa_index_mapping,
+                      req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens):
         launch = prepare_plan_launch(
             verify_plan_out=verify_plan_out, write_plan_out=write_plan_out, req_pool_indices=req_pool_indices,
             prefix_lens=prefix_lens, extend_seq_lens=extend_seq_lens, req_to_token=req_to_token,
@@ -341,7 +360,7 @@ def launch_canary_plan_kernels(
             verify_capacity=verify_capacity, req_to_verify_expected_tokens=req_to_verify_expected_tokens,
             req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
             kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-            function="launch_canary_plan_kernels",
+            function="launch_canary_plan_kernels", layout=layout,
         )
         impl = resolve_backend(backend, launch.device, on_invalid)
         with device_scope(launch.device):

@@ -113,10 +113,15 @@ def test_every_exported_name_exists_and_the_classes_extend_the_core():
     ("launch_scatter_req_token_ids_kernel", ["flat_in", "offsets", "req_pool_indices", "pool_out"]),
 ])
 def test_launchers_have_sglangs_keyword_only_signature(function, parameters):
+    """SGLang's keywords, in order and keyword-only. The plan launchers add ``layout`` (slot layouts beyond
+    SGLang's table), which makes ``req_to_token`` optional, and ``req_pool_indices`` for layouts that read
+    batch rows; every other SGLang argument stays required."""
     signature = inspect.signature(getattr(sg, function))
-    assert list(signature.parameters) == parameters
+    optional = {"layout", "req_to_token", "req_pool_indices"} if parameters is PLAN_PARAMETERS else set()
+    assert list(signature.parameters) == parameters + (["layout"] if optional else [])
     for p in signature.parameters.values():
-        assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty, p.name
+        assert p.kind is inspect.Parameter.KEYWORD_ONLY, p.name
+        assert (p.default is None) if p.name in optional else (p.default is inspect.Parameter.empty), p.name
 
 
 # --- data model --------------------------------------------------------------------------------------------

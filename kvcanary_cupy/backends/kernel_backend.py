@@ -77,6 +77,20 @@ def _real_kv_args(ctx: Any) -> tuple[Any, ...]:
     return tuple(args)
 
 
+def _paged_args(paged: Any) -> tuple[Any, ...]:
+    """The PagedRows kernel parameters of a block table or CSR page list (kernels/plan.cu)."""
+    ids = paged.ids
+    if paged.indptr is None:
+        rows, width = ids.shape
+        indptr32 = indptr64 = None
+    else:
+        rows, width = 0, 0
+        wide = paged.indptr.dtype == np.int64
+        indptr32, indptr64 = (None, paged.indptr) if wide else (paged.indptr, None)
+    return (ids, _I64(rows), _I64(width), indptr32, indptr64, _I64(ids.shape[0] if paged.indptr is not None else 0),
+            _I32(paged.batch_rows), _I64(paged.block_size), _I64(paged.block_stride), _I64(paged.num_blocks))
+
+
 class KernelBackend:
     """Plan / write / verify / scatter as kernel launches on modules from ``load_module(file)``.
 
@@ -111,23 +125,28 @@ class KernelBackend:
     def plan(self, launch: Any) -> None:
         shape = self.shape
         vp, wp = launch.verify, launch.write
-        rows, width = launch.req_to_token.shape
         lut = launch.full_to_swa_index_mapping
         lut_len = 0 if lut is None else int(lut.shape[0])
         pool = launch.req_to_verify_expected_tokens
         pool_rows, pool_width = (0, 0) if pool is None else pool.shape
         bs = launch.bs
-        self.function("plan.cu", "kvc_plan_offsets")(
+        if launch.paged is None:
+            suffix = ""
+            rows, width = launch.req_to_token.shape
+            layout: tuple[Any, ...] = (launch.req_to_token, _I64(rows), _I64(width))
+        else:
+            suffix = "_paged"
+            layout = _paged_args(launch.paged)
+        self.function("plan.cu", "kvc_plan_offsets" + suffix)(
             (1,), (shape.plan_offsets_block,),
-            (launch.req_pool_indices, launch.prefix_lens, launch.extend_seq_lens, _I64(bs),
-             launch.req_to_token, _I64(rows), _I64(width), lut, _I64(lut_len),
-             _I64(launch.swa_window_size), _I64(launch.verify_capacity), _I64(launch.write_req_capacity),
-             wp.verify_offsets, wp.write_offsets, wp.write_seed_slot_indices, vp.verify_num_valid, vp.enable,
-             wp.write_num_valid_reqs, vp.status),
+            (launch.req_pool_indices, launch.prefix_lens, launch.extend_seq_lens, _I64(bs), *layout,
+             lut, _I64(lut_len), _I64(launch.swa_window_size), _I64(launch.verify_capacity),
+             _I64(launch.write_req_capacity), wp.verify_offsets, wp.write_offsets, wp.write_seed_slot_indices,
+             vp.verify_num_valid, vp.enable, wp.write_num_valid_reqs, vp.status),
         )
-        self.function("plan.cu", "kvc_plan_entries")(
+        self.function("plan.cu", "kvc_plan_entries" + suffix)(
             (shape.plan_entries_grid,), (shape.plan_entries_block,),
-            (launch.req_pool_indices, launch.prefix_lens, _I64(bs), launch.req_to_token, _I64(rows), _I64(width),
+            (launch.req_pool_indices, launch.prefix_lens, _I64(bs), *layout,
              lut, _I64(lut_len), _I64(launch.swa_window_size), pool, _I64(pool_rows), _I64(pool_width),
              launch.req_to_verify_expected_tokens_valid_lens, _I32(pool is not None),
              _I32(launch.kv_token_id_vs_position_offset), wp.verify_offsets, vp.enable,

@@ -8,7 +8,8 @@ that raises leaves every output byte as it was.
 Device-value checks follow :class:`~kvcanary_cupy.constants.PlanStatus`: per entry, in order, request row,
 position inside the ``req_to_token`` row, LUT coverage, expected-token pool bounds; the first failing check
 sets its bit and neutralises the entry to (slot 0, expected -1, position, prev 0). Seeds check the first
-three and become -1. Entry checks run only when entries are written (no overflow).
+three and become -1. Entry checks run only when entries are written (no overflow). The paged layouts' own
+gathers and checks live in :mod:`.numpy_paged`; everything after the raw slots is shared here.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from .._errors import fail
 from ..constants import PlanStatus
+from . import numpy_paged
 from .workspace import workspace
 
 
@@ -45,16 +47,19 @@ def _translate(raw: np.ndarray, lut: np.ndarray, out: np.ndarray | None = None) 
     return np.where(raw < 0, raw, lut[np.clip(raw, 0, size - 1)]), outside
 
 
+def pool_rows_of(launch) -> np.ndarray:
+    """The expected-token pool row of every batch row: ``req_pool_indices``, or the batch row without it."""
+    rpi = launch.req_pool_indices
+    return np.arange(launch.bs, dtype=np.int64) if rpi is None else rpi
+
+
 def compute_plan(launch) -> _PlanResult:
     rpi = launch.req_pool_indices
     prefix = launch.prefix_lens
     extend = launch.extend_seq_lens
-    rtt = launch.req_to_token
-    lut = launch.full_to_swa_index_mapping
     window = launch.swa_window_size
     capacity = launch.verify_capacity
-    bs = rpi.shape[0]
-    rows, width = rtt.shape
+    bs = launch.bs
     status = 0
     problems: dict[int, str] = {}
 
@@ -64,7 +69,8 @@ def compute_plan(launch) -> _PlanResult:
         problems.setdefault(int(bit), message)
 
     # --- per-request counts and offsets ---------------------------------------------------------------
-    active = rpi != 0
+    # Without req_pool_indices there is no padding sentinel: rows with nothing to do contribute nothing.
+    active = np.ones(bs, np.bool_) if rpi is None else rpi != 0
     clamped_prefix = np.maximum(prefix, 0)
     counts = np.minimum(clamped_prefix, window) if window > 0 else clamped_prefix.copy()
     counts[~active] = 0
@@ -82,11 +88,44 @@ def compute_plan(launch) -> _PlanResult:
     np.cumsum(write_counts.view(np.uint64), out=write_offsets[1:])
     write_offsets = write_offsets.view(np.int64)
 
+    needs_seed = active & (extend > 0) & (prefix > 0)
+    if launch.paged is not None:
+        seeds = numpy_paged.seeds(launch, needs_seed, flag)
+        entries = None
+        if total <= capacity:
+            entries = numpy_paged.entries(launch, counts, window_start, verify_offsets, flag)
+    else:
+        seeds, entries = _token_seeds_and_entries(launch, needs_seed, counts, window_start, verify_offsets,
+                                                  flag)
+    problem = problems[min(problems)] if problems else ""
+    return _PlanResult(verify_offsets, total, entries, write_offsets, seeds, status, problem)
+
+
+def translate_seeds(seeds: np.ndarray, seed_reqs: np.ndarray, seed_raw: np.ndarray, lut: np.ndarray | None,
+                    flag, describe) -> None:
+    """seeds[seed_reqs] = T(seed_raw); a raw value outside the LUT flags and leaves -1 (``describe(k)``
+    names the k-th raw value for the message)."""
+    if lut is None:
+        seeds[seed_reqs] = seed_raw
+        return
+    seed_vals, outside = _translate(seed_raw, lut)
+    if outside.any():
+        k = int(np.argmax(outside))
+        flag(PlanStatus.SWA_SLOT_OUTSIDE_LUT,
+             f"{describe(k)}={int(seed_raw[k])} is outside full_to_swa_index_mapping (length {lut.shape[0]})")
+        seed_vals = np.where(outside, -1, seed_vals)
+    seeds[seed_reqs] = seed_vals
+
+
+def _token_seeds_and_entries(launch, needs_seed, counts, window_start, verify_offsets, flag):
+    rpi = launch.req_pool_indices
+    prefix = launch.prefix_lens
+    rtt = launch.req_to_token
+    rows, width = rtt.shape
     row_ok = (rpi >= 0) & (rpi < rows)
 
     # --- seeds ------------------------------------------------------------------------------------------
-    seeds = np.full(bs, -1, np.int64)
-    needs_seed = active & (extend > 0) & (prefix > 0)
+    seeds = np.full(rpi.shape[0], -1, np.int64)
     bad_row = needs_seed & ~row_ok
     if bad_row.any():
         r = int(np.argmax(bad_row))
@@ -99,32 +138,34 @@ def compute_plan(launch) -> _PlanResult:
              f"prefix_lens[{r}]={int(prefix[r])} reaches beyond req_to_token's row width {width}")
     seed_reqs = np.flatnonzero(needs_seed & row_ok & (prefix <= width))
     seed_raw = rtt[rpi[seed_reqs], prefix[seed_reqs] - 1].astype(np.int64)
-    if lut is not None:
-        seed_vals, outside = _translate(seed_raw, lut)
-        if outside.any():
-            k = int(np.argmax(outside))
-            r = int(seed_reqs[k])
-            flag(PlanStatus.SWA_SLOT_OUTSIDE_LUT,
-                 f"req_to_token[{int(rpi[r])}, {int(prefix[r]) - 1}]={int(seed_raw[k])} is outside "
-                 f"full_to_swa_index_mapping (length {lut.shape[0]})")
-            seed_vals = np.where(outside, -1, seed_vals)
-        seeds[seed_reqs] = seed_vals
-    else:
-        seeds[seed_reqs] = seed_raw
+    translate_seeds(seeds, seed_reqs, seed_raw, launch.full_to_swa_index_mapping, flag,
+                    lambda k: f"req_to_token[{int(rpi[seed_reqs[k]])}, {int(prefix[seed_reqs[k]]) - 1}]")
 
     # --- entries ----------------------------------------------------------------------------------------
     entries = None
-    if total <= capacity:
+    if int(verify_offsets[-1]) <= launch.verify_capacity:
         entries = _entries(launch, counts, window_start, verify_offsets, row_ok, flag)
-
-    problem = problems[min(problems)] if problems else ""
-    return _PlanResult(verify_offsets, total, entries, write_offsets, seeds, status, problem)
+    return seeds, entries
 
 
 def _owner(verify_offsets: np.ndarray, k: int) -> int:
     """Batch row owning flat entry ``k``: the largest r with verify_offsets[r] <= k."""
     bs = verify_offsets.shape[0] - 1
     return int(np.searchsorted(verify_offsets[:bs], k, side="right")) - 1
+
+
+def owners_and_positions(counts, window_start, verify_offsets) -> tuple[np.ndarray, np.ndarray]:
+    """Per entry (workspace arrays): the batch row owning it and its logical position."""
+    bs = verify_offsets.shape[0] - 1
+    total = int(verify_offsets[bs])
+    first = verify_offsets[:bs]
+    ws = workspace()
+    # owner[k]: the batch row of entry k. Per-entry values are then small-table gathers through it.
+    owner = ws.repeat("owner", np.arange(bs, dtype=np.int64), counts, first, total)
+    pos = ws.array("pos", total, np.int64)
+    np.take(first - window_start, owner, out=pos, mode="clip")
+    np.subtract(ws.arange(total), pos, out=pos)
+    return owner, pos
 
 
 def _entries(launch, counts, window_start, verify_offsets, row_ok, flag):
@@ -139,7 +180,6 @@ def _entries(launch, counts, window_start, verify_offsets, row_ok, flag):
     rpi = launch.req_pool_indices
     prefix = launch.prefix_lens
     rtt = launch.req_to_token
-    lut = launch.full_to_swa_index_mapping
     rows, width = rtt.shape
     bs = rpi.shape[0]
     total = int(verify_offsets[bs])
@@ -147,11 +187,7 @@ def _entries(launch, counts, window_start, verify_offsets, row_ok, flag):
     has = counts > 0
     ws = workspace()
     index = ws.arange(total)
-    # owner[k]: the batch row of entry k. Per-entry values are then small-table gathers through it.
-    owner = ws.repeat("owner", np.arange(bs, dtype=np.int64), counts, first, total)
-    pos = ws.array("pos", total, np.int64)
-    np.take(first - window_start, owner, out=pos, mode="clip")
-    np.subtract(index, pos, out=pos)
+    owner, pos = owners_and_positions(counts, window_start, verify_offsets)
 
     ok = None  # None: no entry neutralised so far
     bad_row = has & ~row_ok
@@ -182,13 +218,30 @@ def _entries(launch, counts, window_start, verify_offsets, row_ok, flag):
 
     # Predecessors: the previous entry, except at each request's first entry, whose predecessor is the
     # slot just before the window (or -1 at position 0): the window does not reset the chain.
-    heads = first[has]
     head_reqs = np.flatnonzero(has)
     head_ws = window_start[head_reqs]
     head_prev = np.full(head_reqs.shape[0], -1, np.int64)
     readable = (head_ws > 0) & row_ok[head_reqs] & (head_ws <= width)
     head_prev[readable] = rtt[rpi[head_reqs[readable]], head_ws[readable] - 1]
+    return finish_entries(launch, verify_offsets, counts, owner, window_start, pos, slot, head_prev, ok, flag,
+                          lambda r, at: f"req_to_token[{int(rpi[r])}, {at}]={int(rtt[rpi[r], at])}")
 
+
+def finish_entries(launch, verify_offsets, counts, owner, window_start, pos, slot, head_prev, ok, flag, describe):
+    """The layout-independent rest of the entries: SWA translation of every slot and predecessor, the
+    predecessors themselves, expected tokens and neutralisation of every entry whose ``ok`` is False.
+
+    ``slot``: raw int64 slot per entry (a workspace array, modified in place); ``head_prev``: raw slot before
+    each request's window (-1 at position 0); ``ok``: None or a per-entry mask of the layout's own checks;
+    ``describe(r, p)`` names the raw slot of batch row r at position p for messages.
+    """
+    lut = launch.full_to_swa_index_mapping
+    bs = verify_offsets.shape[0] - 1
+    total = int(verify_offsets[bs])
+    first = verify_offsets[:bs]
+    has = counts > 0
+    heads = first[has]
+    ws = workspace()
     if lut is not None:
         slot, slot_outside = _translate(slot, lut, ws.array("slot_lut", total, np.int64))
         head_prev, head_outside = _translate(head_prev, lut)
@@ -203,8 +256,7 @@ def _entries(launch, counts, window_start, verify_offsets, row_ok, flag):
             p = int(pos[k])
             at = p if slot_outside[k] else p - 1
             flag(PlanStatus.SWA_SLOT_OUTSIDE_LUT,
-                 f"req_to_token[{int(rpi[r])}, {at}]={int(rtt[rpi[r], at])} is outside full_to_swa_index_mapping "
-                 f"(length {lut.shape[0]})")
+                 f"{describe(r, at)} is outside full_to_swa_index_mapping (length {lut.shape[0]})")
             ok = ~outside if ok is None else ok & ~outside
     prev = ws.array("prev", total, np.int64)
     prev[1:] = slot[:-1]
@@ -226,7 +278,7 @@ def _entries(launch, counts, window_start, verify_offsets, row_ok, flag):
 def _expected_tokens(launch, verify_offsets, counts, owner, window_start, pos, ok, flag):
     """pool[rp, pos + offset] where 0 <= pos + offset < valid_lens[r], else -1; bounds-checked."""
     pool = launch.req_to_verify_expected_tokens
-    rpi = launch.req_pool_indices
+    rpi = pool_rows_of(launch)
     offset = launch.kv_token_id_vs_position_offset
     valid_lens = np.maximum(launch.req_to_verify_expected_tokens_valid_lens, 0)
     pool_rows, pool_width = pool.shape
@@ -247,7 +299,7 @@ def _expected_tokens(launch, verify_offsets, counts, owner, window_start, pos, o
         lo = np.maximum(window_start + offset, 0)
         hi = np.minimum(np.maximum(launch.prefix_lens, 0) + offset, valid_lens)
         reads = (counts > 0) & (hi > lo)
-        if not (reads & ((rpi >= pool_rows) | (hi > pool_width))).any():
+        if not (reads & ((rpi < 0) | (rpi >= pool_rows) | (hi > pool_width))).any():
             source = ws.array("source", total, np.int64)
             np.take(np.where(reads, rpi, 0) * pool_width + window_start + offset - first, owner, out=source,
                     mode="clip")
@@ -260,7 +312,7 @@ def _expected_tokens(launch, verify_offsets, counts, owner, window_start, pos, o
             return tokens, ok
     wanted = ~unwanted if ok is None else ~unwanted & ok
     req_rp = np.repeat(rpi, counts)
-    outside = wanted & ((req_rp >= pool_rows) | (sot >= pool_width))
+    outside = wanted & ((req_rp < 0) | (req_rp >= pool_rows) | (sot >= pool_width))
     if outside.any():
         k = int(np.argmax(outside))
         r = _owner(verify_offsets, k)

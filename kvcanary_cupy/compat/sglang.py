@@ -45,6 +45,7 @@ from ..constants import (
 )
 from ..context import RealKvSource
 from ..dlpack import as_array
+from ..layouts import BlockTable, PageList, SlotLayout, TokenTable
 from ..scatter import launch_scatter_req_token_ids as _core_scatter
 from ..verify import launch_canary_verify_kernel as _core_verify
 from ..write import launch_canary_write_kernel as _core_write
@@ -254,20 +255,22 @@ def launch_canary_plan_kernels(
     *,
     verify_plan_out: _plan.VerifyPlan,
     write_plan_out: _plan.WritePlan,
-    req_pool_indices: torch.Tensor,
+    req_pool_indices: torch.Tensor | None = None,
     prefix_lens: torch.Tensor,
     extend_seq_lens: torch.Tensor,
-    req_to_token: torch.Tensor,
+    req_to_token: torch.Tensor | None = None,
     swa_window_size: int,
     full_to_swa_index_mapping: torch.Tensor | None,
     verify_capacity: int,
     req_to_verify_expected_tokens: torch.Tensor | None,
     req_to_verify_expected_tokens_valid_lens: torch.Tensor | None,
     kv_token_id_vs_position_offset: int,
+    layout: SlotLayout | None = None,
 ) -> None:
     """SGLang's signature; fills both plans in place (SPEC §3). CPU plans go through the NumPy reference,
     CUDA plans through the CUDA kernels on torch's current stream (capturable; bind it with
-    :func:`kvcanary_cupy.bind.bind_plan` to keep DLPack conversion out of the captured region)."""
+    :func:`kvcanary_cupy.bind.bind_plan` to keep DLPack conversion out of the captured region). ``layout``
+    takes a block table or CSR page lists instead of ``req_to_token`` (:mod:`kvcanary_cupy.layouts`)."""
     if not _is_cuda(getattr(verify_plan_out, "verify_slot_indices", None)):
         _refuse_capture("launch_canary_plan_kernels")
     _plan.launch_canary_plan_kernels(
@@ -276,7 +279,7 @@ def launch_canary_plan_kernels(
         swa_window_size=swa_window_size, full_to_swa_index_mapping=full_to_swa_index_mapping,
         verify_capacity=verify_capacity, req_to_verify_expected_tokens=req_to_verify_expected_tokens,
         req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
-        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, layout=layout,
     )
 
 
@@ -284,16 +287,17 @@ def launch_canary_plan_kernels_torch_reference(
     *,
     verify_plan_out: _plan.VerifyPlan,
     write_plan_out: _plan.WritePlan,
-    req_pool_indices: torch.Tensor,
+    req_pool_indices: torch.Tensor | None = None,
     prefix_lens: torch.Tensor,
     extend_seq_lens: torch.Tensor,
-    req_to_token: torch.Tensor,
+    req_to_token: torch.Tensor | None = None,
     swa_window_size: int,
     full_to_swa_index_mapping: torch.Tensor | None,
     verify_capacity: int,
     req_to_verify_expected_tokens: torch.Tensor | None,
     req_to_verify_expected_tokens_valid_lens: torch.Tensor | None,
     kv_token_id_vs_position_offset: int,
+    layout: SlotLayout | None = None,
 ) -> None:
     """The host reference under SGLang's name and signature, converting inputs as SGLang's reference did.
 
@@ -303,6 +307,7 @@ def launch_canary_plan_kernels_torch_reference(
     ValueError, where SGLang would have used them). The project's NumPy reference then runs on those host
     copies and the results are copied back into the plan's own tensors (``copy_``, converting to each field's
     dtype and device). A call that raises writes nothing. Not capturable: it reads device memory on the host.
+    A ``layout`` is converted the same way: block tables and page indices as int32, page offsets as int64.
     """
     _refuse_capture(_TORCH_REFERENCE)
     # SGLang's own words; the core launcher would name itself instead.
@@ -350,6 +355,7 @@ def launch_canary_plan_kernels_torch_reference(
         prefix_lens=wide(prefix_lens, "prefix_lens"),
         extend_seq_lens=wide(extend_seq_lens, "extend_seq_lens"),
         req_to_token=narrow(req_to_token, "req_to_token"),
+        layout=_host_layout(layout, wide, narrow),
         swa_window_size=swa_window_size,
         full_to_swa_index_mapping=wide(full_to_swa_index_mapping, "full_to_swa_index_mapping"),
         verify_capacity=verify_capacity,
@@ -362,6 +368,19 @@ def launch_canary_plan_kernels_torch_reference(
     for target, host in targets:
         if host is not target:  # converted or moved: write the result back where the caller keeps it
             target.copy_(host)
+
+
+def _host_layout(layout: Any, wide: Any, narrow: Any) -> Any:
+    """``layout`` with its arrays read on the host like the other plan inputs (bad layouts pass through to
+    the core's validation, which names them)."""
+    if isinstance(layout, TokenTable):
+        return dataclasses.replace(layout, req_to_token=narrow(layout.req_to_token, "req_to_token"))
+    if isinstance(layout, BlockTable):
+        return dataclasses.replace(layout, block_table=narrow(layout.block_table, "layout.block_table"))
+    if isinstance(layout, PageList):
+        return dataclasses.replace(layout, kv_page_indptr=wide(layout.kv_page_indptr, "layout.kv_page_indptr"),
+                                   kv_page_indices=narrow(layout.kv_page_indices, "layout.kv_page_indices"))
+    return layout
 
 
 def _tensor(obj: Any, name: str, *, writable: bool = False) -> torch.Tensor:

@@ -1,0 +1,174 @@
+"""The paged layouts' part of the NumPy plan reference: block tables and CSR page lists.
+
+Per batch row a paged layout gives a *span*: a run of block ids inside one flat int32 array (a row of the
+block table, or the row's pages in ``kv_page_indices``). Position ``pos`` of the row lives in block
+``pos // block_size`` of its span, at slot ``id * block_stride + pos % block_size``. Checks, in the order of
+the kernels: the row (table row in range, or a valid indptr range), the position inside the span, the block
+id inside the slot space, then (shared with the token table, :func:`.numpy_plan.finish_entries`) the LUT and
+the expected-token pool.
+
+Entries are built per *block*, not per entry: the requests' windows are cut into block runs (about
+``total / block_size`` of them), every run gathers its block id once, and the entries' slots come from one
+cumulative sum of per-run jumps (within a run consecutive positions have consecutive slots). That keeps the
+block table as cheap as the token table, whose entries need one gather each.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..constants import PlanStatus
+from . import numpy_plan
+from .workspace import workspace
+
+
+def _spans(launch, reqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(base, block count, row-check bit) of the batch rows ``reqs``; bad rows get an empty span."""
+    paged = launch.paged
+    if paged.is_page_list:
+        a = paged.indptr[reqs].astype(np.int64)
+        b = paged.indptr[reqs + 1].astype(np.int64)
+        bad = (a < 0) | (b < a) | (b > paged.ids.shape[0])
+        bit = int(PlanStatus.PAGE_INDPTR_INVALID)
+        return np.where(bad, 0, a), np.where(bad, 0, b - a), np.where(bad, bit, 0)
+    rows, width = paged.ids.shape
+    table_rows = reqs if paged.batch_rows else launch.req_pool_indices[reqs]
+    bad = (table_rows < 0) | (table_rows >= rows)
+    bit = int(PlanStatus.REQ_POOL_INDEX_OUT_OF_RANGE)
+    return np.where(bad, 0, table_rows * width), np.where(bad, 0, width), np.where(bad, bit, 0)
+
+
+def _flat_ids(paged) -> np.ndarray:
+    # An empty id array gets a 1-element stand-in: flagged gathers read index 0.
+    return paged.ids.reshape(-1) if paged.ids.size else np.zeros(1, np.int32)
+
+
+def _block_bits(paged, beyond: np.ndarray, block_id: np.ndarray) -> np.ndarray:
+    outside = (block_id < 0) | (block_id >= paged.num_blocks)
+    return np.where(beyond, int(PlanStatus.POSITION_BEYOND_BLOCKS),
+                    np.where(outside, int(PlanStatus.BLOCK_ID_OUTSIDE_SLOTS), 0))
+
+
+def _gather(paged, base: np.ndarray, blocks: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Raw slot and check bit (0 = fine) of position ``pos >= 0`` in each span."""
+    j = pos // paged.block_size
+    beyond = j >= blocks
+    block_id = _flat_ids(paged).take(base + np.minimum(j, blocks), mode="clip").astype(np.int64)
+    raw = block_id * paged.block_stride + (pos - j * paged.block_size)
+    return raw, _block_bits(paged, beyond, block_id)
+
+
+def _slot_at(launch, r: int, pos: int) -> int:
+    base, blocks, _ = _spans(launch, np.array([r]))
+    return int(_gather(launch.paged, base, blocks, np.array([pos]))[0][0])
+
+
+def _explain(launch, bit: int, r: int, pos: int) -> str:
+    """The message of the first entry or seed (batch row r, position pos) that failed with ``bit``."""
+    paged = launch.paged
+    if bit == PlanStatus.PAGE_INDPTR_INVALID:
+        a, b = int(paged.indptr[r]), int(paged.indptr[r + 1])
+        return (f"layout.kv_page_indptr[{r}:{r + 2}]=({a}, {b}) is not a page range inside "
+                f"layout.kv_page_indices ({paged.ids.shape[0]} pages)")
+    if bit == PlanStatus.REQ_POOL_INDEX_OUT_OF_RANGE:
+        return (f"req_pool_indices[{r}]={int(launch.req_pool_indices[r])} is outside layout.block_table's "
+                f"{paged.ids.shape[0]} rows")
+    base, blocks, _ = _spans(launch, np.array([r]))
+    if bit == PlanStatus.POSITION_BEYOND_BLOCKS:
+        return (f"prefix_lens[{r}]={int(launch.prefix_lens[r])} makes position {pos} reach beyond the row's "
+                f"{int(blocks[0])} blocks of {paged.block_size} tokens")
+    j = pos // paged.block_size
+    block_id = int(_flat_ids(paged)[int(base[0]) + j])
+    limit = "" if paged.num_blocks >= 1 << 31 else f", {paged.num_blocks} blocks"
+    return (f"block id {block_id} (batch row {r}, position {pos}) is outside the slot space "
+            f"(ids must be >= 0{limit}; layout.num_slots)")
+
+
+def _flag_first(launch, bits: np.ndarray, rows: np.ndarray, pos: np.ndarray, flag) -> None:
+    for bit in np.unique(bits[bits != 0]):
+        k = int(np.argmax(bits == bit))
+        flag(PlanStatus(int(bit)), _explain(launch, int(bit), int(rows[k]), int(pos[k])))
+
+
+def seeds(launch, needs_seed: np.ndarray, flag) -> np.ndarray:
+    """Seed slot per batch row: T(slot at prefix - 1) where a seed is needed and every check passes, else -1."""
+    out = np.full(launch.bs, -1, np.int64)
+    reqs = np.flatnonzero(needs_seed)
+    pos = launch.prefix_lens[reqs] - 1
+    base, blocks, bits = _spans(launch, reqs)
+    raw, gather_bits = _gather(launch.paged, base, blocks, pos)
+    bits = np.where(bits != 0, bits, gather_bits)
+    if bits.any():
+        _flag_first(launch, bits, reqs, pos, flag)
+    ok = bits == 0
+    seed_reqs, seed_pos = reqs[ok], pos[ok]
+    numpy_plan.translate_seeds(out, seed_reqs, raw[ok], launch.full_to_swa_index_mapping, flag,
+                               lambda k: f"the seed slot of batch row {int(seed_reqs[k])} (position "
+                                         f"{int(seed_pos[k])})")
+    return out
+
+
+def entries(launch, counts, window_start, verify_offsets, flag):
+    """(slot, expected token, position, prev slot) of every entry; ``counts`` are exact (no overflow)."""
+    paged = launch.paged
+    size = paged.block_size
+    total = int(verify_offsets[-1])
+    owner, pos = numpy_plan.owners_and_positions(counts, window_start, verify_offsets)
+
+    # Block runs: for each request with entries, the blocks its window [lo, hi) touches.
+    reqs = np.flatnonzero(counts > 0)
+    base, blocks, req_bits = _spans(launch, reqs)
+    lo = window_start[reqs]
+    hi = lo + counts[reqs]
+    first_block = lo // size
+    runs_per_req = (hi - 1) // size - first_block + 1
+    run_offsets = np.zeros(reqs.shape[0] + 1, np.int64)
+    np.cumsum(runs_per_req, out=run_offsets[1:])
+    req_of_run = np.repeat(np.arange(reqs.shape[0]), runs_per_req)
+    block = first_block[req_of_run] + (np.arange(run_offsets[-1]) - run_offsets[:-1][req_of_run])
+    start = block * size
+    run_lo = np.maximum(lo[req_of_run], start)
+    run_len = np.minimum(hi[req_of_run] - start, size) - (run_lo - start)
+    run_blocks = blocks[req_of_run]
+    beyond = block >= run_blocks
+    block_id = _flat_ids(paged).take(base[req_of_run] + np.minimum(block, run_blocks), mode="clip")
+    block_id = block_id.astype(np.int64)
+    first_slot = block_id * paged.block_stride + (run_lo - start)
+
+    slot = workspace().array("slot", total, np.int64)
+    run_starts = np.zeros(run_len.shape[0], np.int64)
+    np.cumsum(run_len[:-1], out=run_starts[1:])
+    if total:
+        # Consecutive slots inside a run: ones, plus the jump from each run's last slot to the next run's first.
+        slot.fill(1)
+        jumps = first_slot.copy()
+        jumps[1:] -= first_slot[:-1] + run_len[:-1] - 1
+        slot[run_starts] = jumps
+        np.cumsum(slot, out=slot)  # exact: the true values fit int64, and int64 sums wrap consistently
+
+    # Predecessor of each request's first entry: the slot just before its window (-1 at position 0).
+    head_prev = np.full(reqs.shape[0], -1, np.int64)
+    head_bits = np.zeros(reqs.shape[0], np.int64)
+    readable = (lo > 0) & (req_bits == 0)
+    if readable.any():
+        raw, bits = _gather(paged, base[readable], blocks[readable], lo[readable] - 1)
+        head_prev[readable] = raw
+        head_bits[readable] = bits
+
+    run_bits = np.where(req_bits[req_of_run] != 0, req_bits[req_of_run], _block_bits(paged, beyond, block_id))
+    # A run's first entry also reads its predecessor's block: the previous run's, or the head's.
+    prev_bits = np.zeros_like(run_bits)
+    if prev_bits.shape[0]:
+        prev_outside = (block_id[:-1] < 0) | (block_id[:-1] >= paged.num_blocks)
+        prev_bits[1:] = np.where(prev_outside, int(PlanStatus.BLOCK_ID_OUTSIDE_SLOTS), 0)
+        prev_bits[run_offsets[:-1][runs_per_req > 0]] = head_bits[runs_per_req > 0]
+    first_bits = np.where(run_bits != 0, run_bits, prev_bits)
+    ok = None
+    if run_bits.any() or first_bits.any():
+        bits = np.repeat(run_bits, run_len)
+        bits[run_starts] = first_bits
+        _flag_first(launch, bits, owner, pos, flag)
+        ok = bits == 0
+    return numpy_plan.finish_entries(
+        launch, verify_offsets, counts, owner, window_start, pos, slot, head_prev, ok, flag,
+        lambda r, at: f"slot {_slot_at(launch, r, at)} (batch row {r}, position {at})")

@@ -1,0 +1,137 @@
+"""What the host learns each step, and what it does with it: :class:`StepReport`, the two exceptions of
+``raise`` mode, and :func:`publish` (the ``log`` / ``raise`` policy, one :mod:`logging` record per fact)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from ..constants import CanaryStatus, PlanStatus
+from ..violations import Violation, ViolationReport
+
+
+def _flag_names(flag: type, bits: int) -> str:
+    names = [m.name for m in flag if bits & m.value]
+    rest = bits & ~sum(m.value for m in flag)
+    return ", ".join(names + ([f"0x{rest:x}"] if rest else []))
+
+
+@dataclass
+class StepReport:
+    """One ``finish_step()``: what the launches of ``launch_step`` (the step before) left behind.
+
+    Attributes:
+        step: the step this report was produced in (0-based count of ``finish_step`` calls).
+        launch_step: the step whose launches it reports (``step - 1``; -1 when there was none).
+        reports: per group with news, the decoded ring rows read this time (``rows``), the count of rows the
+            kernels appended (``total``), the ring's ``status`` bits and the run counters.
+        new_violations: ``(group, Violation)`` for every row read, in ring order.
+        plan_status: per group, nonzero :class:`~kvcanary_cupy.PlanStatus` bits of its last plan.
+        scatter_status: :class:`~kvcanary_cupy.CanaryStatus` bits of the expected-token scatter.
+        overflowed: groups whose plan overflowed its verify capacity (prefix verify skipped).
+        dropped: rows the kernels counted but a full ring could not hold.
+        health_problems: counter checks that failed.
+        swept_slots: slots the sweep of this step verified (0 when no sweep ran).
+    """
+
+    step: int
+    launch_step: int
+    reports: dict[str, ViolationReport] = field(default_factory=dict)
+    new_violations: list[tuple[str, Violation]] = field(default_factory=list)
+    plan_status: dict[str, int] = field(default_factory=dict)
+    scatter_status: int = 0
+    overflowed: list[str] = field(default_factory=list)
+    dropped: int = 0
+    health_problems: list[str] = field(default_factory=list)
+    swept_slots: int = 0
+
+    @property
+    def status_bits(self) -> int:
+        bits = self.scatter_status
+        for report in self.reports.values():
+            bits |= report.status
+        return bits
+
+    @property
+    def alarming(self) -> bool:
+        """Violations or status bits: what ``raise`` mode raises for."""
+        return bool(self.new_violations or self.status_bits or self.plan_status or self.dropped)
+
+    @property
+    def clean(self) -> bool:
+        return not (self.alarming or self.health_problems or self.overflowed)
+
+    def summary(self) -> str:
+        per_group = ", ".join(f"{g}: {len(r.rows)}" for g, r in self.reports.items() if r.rows)
+        text = f"kv-canary: step {self.launch_step}: {len(self.new_violations)} new violation(s)"
+        if per_group:
+            text += f" ({per_group})"
+        if self.dropped:
+            text += f", {self.dropped} dropped by a full ring"
+        for group, report in self.reports.items():
+            if report.status:
+                text += f"; {group} status: {_flag_names(CanaryStatus, report.status)}"
+        for group, bits in self.plan_status.items():
+            text += f"; {group} plan status: {_flag_names(PlanStatus, bits)}"
+        if self.scatter_status:
+            text += f"; scatter status: {_flag_names(CanaryStatus, self.scatter_status)}"
+        return text
+
+
+class CanaryViolationError(RuntimeError):
+    """Raised in ``raise`` mode by ``finish_step()`` of the step after a launch that found violations or
+    reported status bits.
+
+    Attributes:
+        step_report: the whole :class:`StepReport`.
+        report: the :class:`~kvcanary_cupy.ViolationReport` of the first group with news (decoded rows in
+            ``report.rows``); None when only plan or scatter status bits were reported.
+        violations: ``(group, Violation)`` for every row read.
+    """
+
+    def __init__(self, step_report: StepReport) -> None:
+        self.step_report = step_report
+        self.violations = list(step_report.new_violations)
+        self.report: ViolationReport | None = next(
+            (r for r in step_report.reports.values() if r.rows or r.status), None)
+        lines = [step_report.summary()]
+        lines += [f"{v.log_line()} group={g}" for g, v in self.violations[:20]]
+        if len(self.violations) > 20:
+            lines.append(f"... {len(self.violations) - 20} more")
+        super().__init__("\n".join(lines))
+
+
+class CanaryHealthError(RuntimeError):
+    """Raised in ``raise`` mode when the run counters show that canary launches did not run as expected (a
+    skipped phase, a CUDA graph replayed without its canary nodes)."""
+
+    def __init__(self, problems: list[str], step_report: StepReport | None = None) -> None:
+        self.problems = list(problems)
+        self.step_report = step_report
+        super().__init__("kv-canary health check failed: " + "; ".join(self.problems))
+
+
+def publish(report: StepReport, mode: str, logger: logging.Logger, *, overflow_counts: dict[str, int]) -> None:
+    """Log every fact of ``report`` (``log``) or raise for it (``raise``); overflows only ever warn."""
+    for group in report.overflowed:
+        logger.warning("kv-canary: group %s: the plan overflowed its verify capacity at step %d; that step's "
+                       "prefix verify was skipped (%d overflow(s) so far)", group, report.launch_step,
+                       overflow_counts.get(group, 0))
+    if mode == "raise":
+        if report.alarming:
+            raise CanaryViolationError(report)
+        if report.health_problems:
+            raise CanaryHealthError(report.health_problems, report)
+        return
+    for group, violation in report.new_violations:
+        logger.warning("%s group=%s step=%d", violation.log_line(), group, report.launch_step,
+                       extra={"kv_canary": {"group": group, "step": report.launch_step, "tag": violation.launch_tag,
+                                            "slot": violation.slot, "position": violation.position,
+                                            "stored_token": violation.stored_token,
+                                            "expected_token": violation.expected_token,
+                                            "reasons": list(violation.labels)}})
+    if report.alarming:
+        logger.warning("%s", report.summary(), extra={"kv_canary": {"step": report.launch_step, "summary": True}})
+    for problem in report.health_problems:
+        logger.error("kv-canary health: %s", problem, extra={"kv_canary": {"step": report.launch_step,
+                                                                            "health": problem}})

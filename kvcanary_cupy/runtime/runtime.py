@@ -1,0 +1,530 @@
+"""The canary an engine installs: :class:`CanaryRuntime`, created once from the config, the KV pools and the
+capacities, then driven by four calls per step (SPEC §7.2).
+
+1. :meth:`CanaryRuntime.prepare` — before the forward, outside any graph: check the batch against the
+   capacities, copy it into the runtime's fixed-size buffers, gather SWA slots through their LUTs, scatter the
+   token histories into the expected-token pool.
+2. :meth:`CanaryRuntime.pre_forward` — may be captured: per group plan, HEAD verify, HEAD write.
+3. :meth:`CanaryRuntime.post_forward` — may be captured: per group TAIL verify (real KV re-hashed), TAIL write.
+4. :meth:`CanaryRuntime.finish_step` — once per step, outside any graph: consume the previous step's snapshot
+   of the device words (one step late: an event recorded then, never a wait on the current step), read and
+   drain the rings, log or raise, check health, log stats, sweep when due, snapshot this step.
+
+Everything is allocated and every launch bound (:mod:`kvcanary_cupy.bind`) at creation; a step allocates no
+device memory and never synchronises with the work it enqueued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from .._errors import fail
+from ..bind import BoundLaunch, bind_scatter
+from ..violations import ViolationReport, decode_row
+from .batch import Buffer, StagedBatch, StagedHistory, StepBatch
+from .config import CanaryConfig, Capacities
+from .groups import Endpoint, GroupState, bind_group, build_group, counter_name, gather_lut, reserve_scalars
+from .pools import KvPools
+from .reporting import StepReport, publish
+from .scalars import Scalars
+from .space import ArraySpace
+
+
+class SweepSource(Protocol):
+    """What the sweep asks the engine: every slot its prefix cache holds, as ``(slots, positions, prev_slots)``
+    int64 host arrays in the full pool's slot space (``prev`` -1 at a chain head; SGLang walks its radix tree)."""
+
+    def __call__(self) -> tuple[Any, Any, Any]: ...
+
+
+@dataclass(frozen=True)
+class LaunchEvent:
+    """Passed to the ``observer`` hook around every launch (debugging and recording tools only)."""
+
+    when: str  # "before" or "after"
+    kind: str  # "scatter", "plan", "verify", "write"
+    model: str
+    group: GroupState | None = None
+    endpoint: Endpoint | None = None
+    stage: StagedBatch | None = None
+
+
+@dataclass
+class _Snapshot:
+    """The device words as they were at the end of one step, on their way to (pinned) host memory."""
+
+    host: tuple[np.ndarray, np.ndarray]
+    event: Any
+    step: int
+    forwards: dict[str, int]
+    sweep_launches: dict[str, int]
+
+
+@dataclass
+class _Totals:
+    violations: int = 0
+    by_group: dict[str, int] = field(default_factory=dict)
+    dropped: int = 0
+    status_bits: int = 0
+    overflows: dict[str, int] = field(default_factory=dict)
+    health_failures: int = 0
+    sweeps: int = 0
+    swept_slots: int = 0
+    counters: dict[str, int] = field(default_factory=dict)  # last snapshot's run counters
+
+
+def _row_less(layout: Any) -> bool:
+    """Layouts whose table rows are batch rows (no req_pool_indices needed)."""
+    return type(layout).__name__ == "PageList" or getattr(layout, "batch_rows", False) is True
+
+
+class CanaryRuntime:
+    """The whole canary of one engine: buffers, plans, rings, counters, bound launches and the step protocol.
+
+    Create it with :meth:`create`; read the public attributes, never replace them: ``config``, ``pools``,
+    ``capacities``, ``space`` (device and framework), ``groups`` (name -> :class:`GroupState`), ``models``,
+    ``stages`` (model -> :class:`StagedBatch`), ``expected_token_pool`` (owner or None) and ``step``.
+    """
+
+    def __init__(self, config: CanaryConfig, pools: KvPools, capacities: Capacities, *, device: Any = "cpu",
+                 framework: str = "numpy", sweep_source: SweepSource | Callable[[], Any] | None = None,
+                 observer: Callable[[LaunchEvent], None] | None = None,
+                 timer: Callable[[str], contextlib.AbstractContextManager] | None = None) -> None:
+        if not isinstance(config, CanaryConfig):
+            fail(f"config must be a CanaryConfig, got {type(config).__name__}")
+        if not isinstance(pools, KvPools):
+            fail(f"pools must be a KvPools, got {type(pools).__name__}")
+        if not isinstance(capacities, Capacities):
+            fail(f"capacities must be a Capacities, got {type(capacities).__name__}")
+        if sweep_source is not None and not callable(sweep_source):
+            fail(f"sweep_source must be callable, got {type(sweep_source).__name__}")
+        self.config, self.pools, self.capacities = config, pools, capacities
+        self.space = ArraySpace(device, framework)
+        self.sweep_source = sweep_source
+        self._observer = observer
+        self._timer = timer
+        self.log = logging.getLogger(config.logger)
+        self.models = pools.models
+        self.step = 0
+        self.forwards = {m: 0 for m in self.models}
+        self.groups: dict[str, GroupState] = {}
+        self.stages: dict[str, StagedBatch] = {}
+        self.expected_token_pool: Any = None
+        self._by_model: dict[str, list[GroupState]] = {m: [] for m in self.models}
+        self._sweep_launches = {g.name: 0 for g in pools.groups}
+        self._totals = _Totals()
+        self._pending: _Snapshot | None = None
+        self._health_offsets: dict[str, int] = {}
+        self._init_finished = False
+        if config.enabled:
+            self._build()
+
+    @classmethod
+    def create(cls, config: CanaryConfig, pools: KvPools, capacities: Capacities, *, device: Any = "cpu",
+               framework: str = "numpy", sweep_source: SweepSource | Callable[[], Any] | None = None,
+               observer: Callable[[LaunchEvent], None] | None = None,
+               timer: Callable[[str], contextlib.AbstractContextManager] | None = None) -> CanaryRuntime:
+        """Validate everything host-visible, allocate every buffer and bind every launch.
+
+        ``device``: "cpu" or "cuda[:N]". ``framework``: "numpy" (NumPy/CuPy buffers) or "torch" (torch
+        tensors: on CUDA every runtime copy and launch then runs on ``torch.cuda.current_stream()``).
+        ``sweep_source``: see :class:`SweepSource`. ``observer`` and ``timer`` are debugging hooks (a
+        :class:`LaunchEvent` before and after every launch; a context manager per phase name); they run host
+        code, so leave them None in an engine that captures CUDA graphs.
+        """
+        return cls(config, pools, capacities, device=device, framework=framework, sweep_source=sweep_source,
+                   observer=observer, timer=timer)
+
+    # -- creation ------------------------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        cfg, caps, space, pools = self.config, self.capacities, self.space, self.pools
+        table = pools.req_to_token
+        pool_shape = None
+        if cfg.verify_token_assert:
+            rows = caps.pool_rows if caps.pool_rows is not None else (None if table is None else int(table.shape[0]))
+            width = (caps.max_context_len if caps.max_context_len is not None
+                     else (None if table is None else int(table.shape[1])))
+            if rows is None or width is None:
+                fail("Capacities.pool_rows and Capacities.max_context_len are required with verify_token_assert "
+                     "when the pools have no req_to_token")
+            pool_shape = (rows, width)
+        self.scalars = Scalars()
+        for group in pools.groups:
+            reserve_scalars(self.scalars, group)
+        self.scalars.reserve("scatter.status", np.int32, 0)
+        self.scalars.allocate(space)
+        sweep_cap = caps.max_sweep_slots or max(g.num_slots for g in pools.groups)
+        for model in self.models:
+            needs_rows = any(not _row_less(pools.layout_of(g)[1]) for g in pools.groups if g.model == model)
+            self.stages[model] = StagedBatch(space, model=model, max_batch_size=caps.max_batch_size,
+                                             max_tokens=caps.max_tokens, with_oracle=cfg.write_input_assert,
+                                             with_valid_lens=cfg.verify_token_assert, needs_rows=needs_rows)
+        self._history: StagedHistory | None = None
+        self._scatter: BoundLaunch | None = None
+        if pool_shape is not None:
+            self.expected_token_pool, _ = space.alloc(pool_shape, np.int32, 0)
+            self._history = StagedHistory(space, max_rows=caps.max_batch_size,
+                                          max_tokens=caps.max_history_tokens or pool_shape[0] * pool_shape[1])
+            self._scatter = bind_scatter(flat_in=self._history.flat.owner, offsets=self._history.offsets.owner,
+                                         req_pool_indices=self._history.rows.owner, pool_out=self.expected_token_pool,
+                                         status=self.scalars.owner("scatter.status"), backend=cfg.backend,
+                                         on_invalid="flag")
+        for group in pools.groups:
+            state = build_group(group, space, self.scalars, ring_capacity=cfg.ring_capacity,
+                                verify_capacity=caps.verify_capacity or 3 * group.num_slots,
+                                max_batch_size=caps.max_batch_size, sweep_capacity=sweep_cap,
+                                max_tokens=caps.max_tokens, mode=cfg.real_kv_hash_mode)
+            bind_group(state, self.stages[group.model], layout=pools.layout_of(group),
+                       expected_pool=self.expected_token_pool, check_tokens=cfg.verify_token_assert,
+                       backend=cfg.backend)
+            self.groups[group.name] = state
+            self._by_model[group.model].append(state)
+        self._sweep_capacity = sweep_cap
+        self._sweep_host = {k: space.host(sweep_cap, np.int64) for k in ("slots", "positions", "prevs")}
+        self._sweep_in = {k: Buffer(*space.alloc(sweep_cap, np.int64)) for k in ("slots", "positions", "prevs")}
+        self._ring_host = {name: space.host((cfg.ring_capacity, 8), np.int64) for name in self.groups}
+        self._snap_host = [self.scalars.host_buffers(space) for _ in range(2)]
+        self._side = space.side_stream()
+
+    # -- helpers -------------------------------------------------------------------------------------------
+
+    def _timed(self, phase: str) -> contextlib.AbstractContextManager:
+        return self._timer(phase) if self._timer is not None else contextlib.nullcontext()
+
+    def _launch(self, launch: BoundLaunch, kind: str, model: str, group: GroupState | None = None,
+                endpoint: Endpoint | None = None, timer_phase: str | None = None) -> None:
+        observer = self._observer
+        if observer is not None:
+            observer(LaunchEvent("before", kind, model, group, endpoint, self.stages.get(model)))
+        with self._timed(timer_phase or kind):
+            launch()
+        if observer is not None:
+            observer(LaunchEvent("after", kind, model, group, endpoint, self.stages.get(model)))
+
+    def _groups_of(self, model: str) -> list[GroupState]:
+        groups = self._by_model.get(model)
+        if groups is None:
+            fail(f"model must be one of {', '.join(self.models)}, got {model!r}")
+        return groups
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.enabled
+
+    def mark_init_finished(self) -> None:
+        """Warm-up and graph capture are over: switch the write's chain-position assert on (a device flag,
+        read by every later launch and replay). Synthetic warm-up positions would trip it before."""
+        self._init_finished = True
+        if not self.enabled:
+            return
+        with self.space.scope():
+            for state in self.groups.values():
+                self.scalars.view(f"{state.name}.chain_assert").fill(1)
+
+    # -- phase 1 -------------------------------------------------------------------------------------------
+
+    def prepare(self, batch: StepBatch, *, model: str = "target") -> None:
+        """Phase 1 (outside any graph, before the forward): validate ``batch`` and stage it for ``model``.
+
+        Raises the ``kv-canary: `` ValueError before anything is written when the batch does not fit the
+        capacities or breaks a host-visible rule; the runtime's buffers are then untouched."""
+        if not self.enabled:
+            return
+        groups = self._groups_of(model)
+        stage = self.stages[model]
+        views = stage.validate(batch)
+        history = None
+        if self._history is not None:
+            history = self._history.validate(batch)
+        elif any(getattr(batch, n) is not None for n in ("history_ids", "history_offsets",
+                                                          "history_req_pool_indices")):
+            fail("batch.history_* is given but CanaryConfig.verify_token_assert is off")
+        with self.space.scope():
+            with self._timed("stage"):
+                stage.stage(views)
+                for state in groups:
+                    if state.swa_out_cache_loc is not None:
+                        gather_lut(state, self.space.xp, stage.view("out_cache_loc"), state.swa_out_cache_loc.view)
+            if self._history is not None and self._history.stage(history):
+                assert self._scatter is not None
+                self._launch(self._scatter, "scatter", model)
+        self.forwards[model] += 1
+
+    # -- phases 2 and 3 ------------------------------------------------------------------------------------
+
+    def pre_forward(self, *, model: str = "target") -> None:
+        """Phase 2 (before the forward; capture-safe): per group of ``model``, plan, HEAD verify, HEAD write."""
+        if not self.enabled:
+            return
+        for state in self._groups_of(model):
+            assert state.plan is not None
+            self._launch(state.plan, "plan", model, state)
+            self._run_endpoints(state, "HEAD", model)
+
+    def post_forward(self, *, model: str = "target") -> None:
+        """Phase 3 (after the forward; capture-safe): per group of ``model``, TAIL verify (re-hashing the real
+        KV of the prefix) and TAIL write (fingerprinting the KV the forward just wrote)."""
+        if not self.enabled:
+            return
+        for state in self._groups_of(model):
+            self._run_endpoints(state, "TAIL", model)
+
+    def _run_endpoints(self, state: GroupState, role: str, model: str) -> None:
+        for ep in state.endpoints[role]:
+            assert ep.verify is not None and ep.write is not None
+            self._launch(ep.verify, "verify", model, state, ep)
+            self._launch(ep.write, "write", model, state, ep)
+
+    # -- phase 4 -------------------------------------------------------------------------------------------
+
+    def finish_step(self) -> StepReport:
+        """Phase 4 (once per step, after every forward, outside any graph).
+
+        Reports what the previous step's launches found (logged, or raised as
+        :class:`~kvcanary_cupy.runtime.CanaryViolationError` / ``CanaryHealthError`` in ``raise`` mode, after
+        this step's own bookkeeping is done), sweeps when due, and snapshots this step's device words."""
+        step = self.step
+        if not self.enabled:
+            self.step += 1
+            return StepReport(step, step - 1)
+        with self._timed("read"):
+            report = self._consume(step)
+        if self.config.sweep_interval and step % self.config.sweep_interval == 0 and self.sweep_source is not None:
+            report.swept_slots = self.sweep()
+        self._take_snapshot(step)
+        self.step += 1
+        interval = self.config.stats_interval
+        if interval and self.step % interval == 0:
+            self.log.info("%s", self.stats_line(), extra={"kv_canary": {"stats": self.stats()}})
+        publish(report, self.config.mode, self.log, overflow_counts=self._totals.overflows)
+        return report
+
+    def flush(self) -> StepReport:
+        """Wait for the device and report everything not reported yet (the last step's launches, and any
+        launch after the last :meth:`finish_step`), through the same log/raise path. For shutdown and tests."""
+        if not self.enabled:
+            return StepReport(self.step, self.step - 1)
+        with self._timed("read"):
+            report = self._consume(self.step)
+            self._take_snapshot(self.step)
+            self.space.synchronize()
+            later = self._consume(self.step)
+        report.reports.update(later.reports)
+        report.new_violations += later.new_violations
+        report.plan_status.update(later.plan_status)
+        report.scatter_status |= later.scatter_status
+        report.overflowed += later.overflowed
+        report.dropped += later.dropped
+        report.health_problems += later.health_problems
+        publish(report, self.config.mode, self.log, overflow_counts=self._totals.overflows)
+        return report
+
+    def _take_snapshot(self, step: int, *, clear: bool = True) -> None:
+        space = self.space
+        host = self._snap_host[step % 2]
+        if self._pending is not None and self._pending.host is host:
+            host = self._snap_host[(step + 1) % 2]
+        with space.scope():
+            self.scalars.copy_to(space, host)
+            event = space.record()
+            if clear:  # status words accumulate: clear them behind the copy (stream order), each bit is seen once
+                for state in self.groups.values():
+                    self.scalars.view(f"{state.name}.status").fill(0)
+                self.scalars.view("scatter.status").fill(0)
+        self._pending = _Snapshot(host, event, step, dict(self.forwards), dict(self._sweep_launches))
+
+    def _consume(self, step: int) -> StepReport:
+        """Read the pending snapshot (taken one step ago), the ring rows it announces, and drain them."""
+        snap, self._pending = self._pending, None
+        report = StepReport(step, -1 if snap is None else snap.step)
+        if snap is None:
+            return report
+        space, sc, totals = self.space, self.scalars, self._totals
+        space.wait(snap.event)
+        host = snap.host
+        for name, state in self.groups.items():
+            n = sc.value(host, f"{name}.write_index")
+            status = sc.value(host, f"{name}.status")
+            lost = sc.value(host, f"{name}.lost")
+            cap = int(state.ring_view.shape[0])
+            dropped = max(0, n - cap) + lost - totals.counters.get(f"{name}.lost", 0)
+            totals.counters[f"{name}.lost"] = lost
+            rows = []
+            if n > 0:
+                m = min(n, cap)
+                out = self._ring_host[name]
+                space.read_after(snap.event, state.ring_view[:m], out[:m], self._side)
+                rows = [decode_row(i, out[i]) for i in range(m)]
+                self._drain(state, n)
+            if rows or status or dropped:
+                head_k = state.endpoints["HEAD"][0]
+                report.reports[name] = ViolationReport(
+                    total=n, capacity=cap, rows=rows, status=status,
+                    slot_run_counter=sc.value(host, counter_name(state, head_k, "verify", "slots")),
+                    kernel_run_counter=sc.value(host, counter_name(state, head_k, "verify", "kernels")))
+                report.new_violations += [(name, v) for v in rows]
+                totals.by_group[name] = totals.by_group.get(name, 0) + len(rows)
+            report.dropped += dropped
+            totals.status_bits |= status
+            plan_status = sc.value(host, f"{name}.plan.status")
+            if plan_status:
+                report.plan_status[name] = plan_status
+            if snap.forwards.get(state.model, 0) and sc.value(host, f"{name}.plan.enable") == 0:
+                report.overflowed.append(name)
+                totals.overflows[name] = totals.overflows.get(name, 0) + 1
+        report.scatter_status = sc.value(host, "scatter.status")
+        totals.status_bits |= report.scatter_status
+        totals.violations += len(report.new_violations)
+        totals.dropped += report.dropped
+        for state in self.groups.values():
+            for ep in state.all_endpoints():
+                for op in ("verify", "write") if ep.write_ctx is not None else ("verify",):
+                    for what in ("slots", "kernels"):
+                        key = counter_name(state, ep, op, what)
+                        totals.counters[key] = sc.value(host, key)
+        if self.config.health_check:
+            report.health_problems = self._health(snap)
+            totals.health_failures += len(report.health_problems)
+        return report
+
+    def _drain(self, state: GroupState, n: int) -> None:
+        """Drop the ``n`` rows just read (stream-ordered after every launch enqueued since): rows appended
+        later move to the front, the write index and the count of rows a full ring lost follow."""
+        xp, sc, name = self.space.xp, self.scalars, state.name
+        ring, scratch = state.ring_view, state.ring_scratch
+        cap = int(ring.shape[0])
+        shift = min(n, cap)
+        wi, lost, temp = sc.view(f"{name}.write_index"), sc.view(f"{name}.lost"), sc.view(f"{name}.drain_temp")
+        with self.space.scope():
+            if shift < cap:
+                scratch[: cap - shift] = ring[shift:]
+                ring[: cap - shift] = scratch[: cap - shift]
+            # rows still held after the shift: r = max(0, min(w, cap) - shift); the rest of (w - n) was lost
+            xp.minimum(wi, cap, out=temp)
+            temp -= shift
+            xp.maximum(temp, 0, out=temp)
+            lost += wi
+            lost -= n
+            lost -= temp
+            xp.copyto(wi, temp, casting="unsafe")
+
+    # -- health --------------------------------------------------------------------------------------------
+
+    def _health(self, snap: _Snapshot) -> list[str]:
+        problems: list[str] = []
+        sc, host = self.scalars, snap.host
+
+        def check(key: str, got: int, want: int, what: str) -> None:
+            # a deficit is reported once; later steps compare against the counter's new baseline
+            offset = self._health_offsets.get(key, 0)
+            if got != want - offset:
+                problems.append(f"{what}: {got}, expected {want - offset}")
+                self._health_offsets[key] = want - got
+
+        for name, state in self.groups.items():
+            forwards = snap.forwards.get(state.model, 0)
+            ref: dict[str, int] = {}
+            for ep in state.all_endpoints():
+                for op in ("verify", "write") if ep.write_ctx is not None else ("verify",):
+                    kernels = sc.value(host, counter_name(state, ep, op, "kernels"))
+                    want = snap.sweep_launches[name] if ep.role == "SWEEP" else forwards
+                    whom = f"prepare() call of model {state.model!r}" if ep.role != "SWEEP" else "sweep launch"
+                    check(counter_name(state, ep, op, "kernels"), kernels, want,
+                          f"group {name}: {ep.tag.name} {op} kernel ran (count) vs one per {whom}")
+                    if ep.role == "SWEEP":
+                        continue
+                    slots = sc.value(host, counter_name(state, ep, op, "slots"))
+                    if op in ref:
+                        check(counter_name(state, ep, op, "slots"), slots, ref[op],
+                              f"group {name}: {ep.tag.name} {op} slot count vs HEAD_K (same plan, same batch)")
+                    else:
+                        ref[op] = slots
+        return problems
+
+    def check_health(self) -> list[str]:
+        """Synchronise, take a snapshot now and check the run counters; the problems found (also counted and
+        reported like those of :meth:`finish_step`). Outside any graph only."""
+        if not self.enabled:
+            return []
+        pending = self._pending
+        self.space.synchronize()
+        self._take_snapshot(self.step, clear=False)
+        snap = self._pending
+        self._pending = pending
+        assert snap is not None
+        problems = self._health(snap)
+        self._totals.health_failures += len(problems)
+        return problems
+
+    # -- sweep ---------------------------------------------------------------------------------------------
+
+    def sweep(self) -> int:
+        """Verify every slot the engine's prefix cache holds (``sweep_source``) on every group's SWEEP
+        endpoints, in chunks of the sweep capacity; returns the number of slots. Outside any graph."""
+        if not self.enabled or self.sweep_source is None:
+            return 0
+        slots, positions, prevs = (np.asarray(a, np.int64).reshape(-1) for a in self.sweep_source())
+        n = int(slots.shape[0])
+        if positions.shape[0] != n or prevs.shape[0] != n:
+            fail(f"sweep_source returned {n} slots but {positions.shape[0]} positions and {prevs.shape[0]} "
+                 "prev slots")
+        if n == 0:
+            return 0
+        space, xp, cap = self.space, self.space.xp, self._sweep_capacity
+        with self._timed("sweep"), space.scope():
+            for start in range(0, n, cap):
+                m = min(cap, n - start)
+                for key, arr in (("slots", slots), ("positions", positions), ("prevs", prevs)):
+                    host = self._sweep_host[key]
+                    host[:m] = arr[start : start + m]
+                    space.upload(self._sweep_in[key].view[:m], host[:m])
+                for state in self.groups.values():
+                    views = state.sweep_views
+                    src_slots, src_prevs = self._sweep_in["slots"].view[:m], self._sweep_in["prevs"].view[:m]
+                    if state.lut_view is not None:
+                        gather_lut(state, xp, src_slots, views["verify_slot_indices"][:m])
+                        gather_lut(state, xp, src_prevs, views["verify_prev_slot_indices"][:m])
+                    else:
+                        views["verify_slot_indices"][:m] = src_slots
+                        views["verify_prev_slot_indices"][:m] = src_prevs
+                    views["verify_expected_positions"][:m] = self._sweep_in["positions"].view[:m]
+                    views["verify_num_valid"].fill(m)
+                    views["enable"].fill(1)
+                    for ep in state.endpoints["SWEEP"]:
+                        assert ep.verify is not None
+                        self._launch(ep.verify, "verify", state.model, state, ep, timer_phase="sweep")
+                    self._sweep_launches[state.name] += 1
+        self._totals.sweeps += 1
+        self._totals.swept_slots += n
+        return n
+
+    # -- stats ---------------------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for metrics exporters (device counters as of the last snapshot read, one step late)."""
+        t = self._totals
+        protected = verified = 0
+        for state in self.groups.values():
+            head_k = state.endpoints["HEAD"][0]
+            protected += t.counters.get(counter_name(state, head_k, "write", "slots"), 0)
+            for ep in state.all_endpoints():
+                verified += t.counters.get(counter_name(state, ep, "verify", "slots"), 0)
+        return {
+            "mode": self.config.mode, "steps": self.step, "forwards": dict(self.forwards),
+            "protected_tokens": protected, "verified_entries": verified, "sweeps": t.sweeps,
+            "swept_slots": t.swept_slots, "violations": t.violations, "violations_by_group": dict(t.by_group),
+            "dropped": t.dropped, "status_bits": t.status_bits, "overflows": dict(t.overflows),
+            "health_failures": t.health_failures, "init_finished": self._init_finished,
+        }
+
+    def stats_line(self) -> str:
+        s = self.stats()
+        return (f"kv-canary: protected {s['protected_tokens']} tokens, {s['sweeps']} sweep passes, "
+                f"{s['violations']} violations")

@@ -1,0 +1,429 @@
+"""The engine runtime (kvcanary_cupy.runtime) on CPU backends: every ring row of the four-phase protocol
+against the scalar protocol oracle, one-step-late log and raise, status bits, off mode, capacity errors that
+leave every buffer untouched, the health check, the sweep, warm-up and stats."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import numpy as np
+import pytest
+import runtime_scenario as sc
+from conftest import host_backend_reason
+from runtime_oracle import OracleGroup, ProtocolOracle
+
+import kvcanary_cupy.bind as bind_module
+from kvcanary_cupy import CanaryArgumentError, CanaryLaunchTag, CanaryStatus, FailReason
+from kvcanary_cupy.runtime import (
+    CanaryConfig,
+    CanaryHealthError,
+    CanaryRuntime,
+    CanaryViolationError,
+    Capacities,
+    StepBatch,
+)
+
+BACKENDS = ["numpy", pytest.param("host", marks=pytest.mark.skipif(host_backend_reason() is not None,
+                                                                   reason=str(host_backend_reason())))]
+LOGGER = "kvcanary_cupy.runtime.test"
+
+
+def make(engine: sc.ToyEngine, backend: str = "numpy", **config) -> CanaryRuntime:
+    config.setdefault("logger", LOGGER)
+    return CanaryRuntime.create(CanaryConfig(backend=backend, **config), engine.pools(),
+                                Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS),
+                                sweep_source=engine.held)
+
+
+def oracle_for(engine: sc.ToyEngine, rt: CanaryRuntime) -> ProtocolOracle:
+    groups = []
+    for g in engine.groups():
+        kvs = ("K", "V") if g.v_sources is not None else ("K",)
+        sources = {kv: [(engine.kv[g.name][kv].reshape(sc.NUM_SLOTS // sc.PAGE, -1), sc.PAGE, sc.TOKEN_BYTES,
+                         sc.TOKEN_BYTES)] for kv in kvs}
+        groups.append(OracleGroup(g.name, g.num_slots, kvs, sources, window=g.swa_window,
+                                  lut=engine.lut if g.is_swa else None, offset=g.kv_token_id_vs_position_offset,
+                                  model=g.model))
+    cfg = rt.config
+    return ProtocolOracle(groups, mode=int(cfg.real_kv_hash_mode), check_tokens=cfg.verify_token_assert,
+                          write_assert=cfg.write_input_assert, req_to_token=engine.req_to_token,
+                          pool_shape=engine.req_to_token.shape)
+
+
+def as_dict(batch: StepBatch) -> dict[str, np.ndarray]:
+    return {k: v for k, v in vars(batch).items() if v is not None}
+
+
+def drive(engine, rt, oracle=None, *, steps=None, hooks=None, skip=(), init_after=0):
+    """Run the protocol for ``steps`` steps (plus a flush); ``hooks[(step, phase)](batch)`` injects faults,
+    ``skip`` names (step, phase) pairs the engine forgets. Returns the StepReports."""
+    hooks = hooks or {}
+    steps = len(sc.SCHEDULE) if steps is None else steps
+    cfg = rt.config
+    reports = []
+    for t in range(steps):
+        if t == init_after:
+            rt.mark_init_finished()
+            if oracle is not None:
+                oracle.chain_assert = 1
+        batch = engine.schedule(t)
+        sb = engine.step_batch(batch, oracle=cfg.write_input_assert, tokens=cfg.verify_token_assert)
+        if (t, "batch") in hooks:
+            hooks[(t, "batch")](sb)
+        rt.prepare(sb)
+        if (t, "pre") not in skip:
+            rt.pre_forward()
+        engine.forward(batch, "FULL", ids=sb.input_ids)
+        if engine.swa:
+            engine.forward(batch, "SWA", ids=sb.input_ids)
+        if (t, "after_forward") in hooks:
+            hooks[(t, "after_forward")](batch)
+        if (t, "post") not in skip:
+            rt.post_forward()
+        if oracle is not None:
+            oracle.prepare(as_dict(sb))
+            oracle.pre_forward(t)
+            oracle.post_forward(t)
+        if engine.draft:
+            db = engine.step_batch(batch, oracle=cfg.write_input_assert, tokens=cfg.verify_token_assert, draft=True)
+            rt.prepare(db, model="draft")
+            rt.pre_forward(model="draft")
+            engine.forward(batch, "DRAFT", ids=db.input_ids)
+            rt.post_forward(model="draft")
+            if oracle is not None:
+                oracle.prepare(as_dict(db), "draft")
+                oracle.pre_forward(t, "draft")
+                oracle.post_forward(t, "draft")
+        engine.finish_step(t)
+        if (t, "after_step") in hooks:
+            hooks[(t, "after_step")](batch)
+        if oracle is not None and cfg.sweep_interval and t % cfg.sweep_interval == 0:
+            oracle.sweep(t, engine.held())
+        reports.append(rt.finish_step())
+    reports.append(rt.flush())
+    return reports
+
+
+def rows_by_launch(reports) -> dict[tuple[str, int], list[tuple[int, ...]]]:
+    out: dict[tuple[str, int], list[tuple[int, ...]]] = {}
+    for rep in reports:
+        for group, v in rep.new_violations:
+            out.setdefault((group, rep.launch_step), []).append(tuple(v.raw))
+    return out
+
+
+def wrong_token(step: int, index: int = 0):
+    def hook(sb: StepBatch) -> None:
+        sb.input_ids = sb.input_ids.copy()
+        sb.input_ids[index] += 5
+    return {(step, "batch"): hook}
+
+
+def faults(engine: sc.ToyEngine) -> dict:
+    """A wrong input token, a KV bit flip on a live slot, a bit flip on a slot only the prefix cache holds, a
+    req_to_token entry pointing at another request's slot."""
+    hooks = dict(wrong_token(3, index=1))
+    hooks[(2, "after_forward")] = lambda batch: engine.flip_kv_bit("FULL", engine.slots[1][2])
+    hooks[(1, "after_step")] = lambda batch: engine.flip_kv_bit("FULL", engine.cached[0][1])
+
+    def misroute(batch):
+        engine.req_to_token[3, 1] = engine.slots[1][0]
+    hooks[(4, "after_step")] = misroute
+    return hooks
+
+
+CONFIGS = {
+    "full": dict(engine=dict(), config=dict()),
+    "swa-draft-v-tokens": dict(engine=dict(swa=True, draft=True, with_v=True),
+                               config=dict(write_input_assert=True, verify_token_assert=True, sweep_interval=2)),
+    "swa-partial": dict(engine=dict(swa=True), config=dict(real_kv_hash_mode="partial", sweep_interval=1)),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("inject", [False, True], ids=["clean", "faults"])
+def test_every_ring_row_matches_the_scalar_protocol_oracle(backend, name, inject):
+    engine = sc.ToyEngine(**CONFIGS[name]["engine"])
+    rt = make(engine, backend, **CONFIGS[name]["config"])
+    oracle = oracle_for(engine, rt)
+    reports = drive(engine, rt, oracle, hooks=faults(engine) if inject else None)
+    got = rows_by_launch(reports)
+    want = {k: sorted(tuple(r) for r in v) for k, v in oracle.rows.items() if v}
+    assert {k: sorted(v) for k, v in got.items()} == want
+    if inject:
+        assert sum(map(len, want.values())) >= 4
+    else:
+        assert not want
+    for rep in reports:
+        assert rep.launch_step == rep.step - 1
+        assert rep.health_problems == [] and rep.status_bits == 0 and not rep.plan_status and not rep.overflowed
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_raise_mode_raises_one_step_after_the_launch_with_the_decoded_rows(backend):
+    engine = sc.ToyEngine(swa=True)
+    rt = make(engine, backend, mode="raise", write_input_assert=True)
+    oracle = oracle_for(engine, rt)
+    with pytest.raises(CanaryViolationError) as info:
+        drive(engine, rt, oracle, hooks=wrong_token(3))
+    err = info.value
+    assert isinstance(err, RuntimeError)
+    assert (err.step_report.step, err.step_report.launch_step) == (4, 3)
+    assert rt.step == 5  # finish_step(4) did its bookkeeping before raising
+    want = sorted(tuple(r) for g in ("FULL", "SWA") for r in oracle.step_rows(g, 3))
+    assert sorted(tuple(v.raw) for _, v in err.violations) == want
+    assert err.report is not None and err.report.rows
+    bits = {v.reason_bits for v in err.report.rows}
+    assert bits == {int(FailReason.WRITE_TOKEN_MISMATCH)}
+    assert "kv-canary violation" in str(err)
+
+
+def test_log_mode_logs_one_record_per_violation_and_a_summary_per_step(caplog):
+    engine = sc.ToyEngine()
+    rt = make(engine, write_input_assert=True)
+    oracle = oracle_for(engine, rt)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        reports = drive(engine, rt, oracle, hooks=faults(engine))
+    records = [r for r in caplog.records if r.name == LOGGER]
+    per_row = [r for r in records if r.getMessage().startswith("kv-canary violation ")]
+    summaries = [r for r in records if "new violation(s)" in r.getMessage()]
+    rows = [v for rep in reports for _, v in rep.new_violations]
+    assert len(per_row) == len(rows) == sum(len(v) for v in oracle.rows.values()) > 0
+    assert [r.getMessage().split(" group=")[0] for r in per_row] == [v.log_line() for v in rows]
+    assert all(r.levelno == logging.WARNING and r.kv_canary["slot"] == v.slot for r, v in zip(per_row, rows,
+                                                                                              strict=True))
+    steps_with_rows = sorted({rep.launch_step for rep in reports if rep.new_violations})
+    assert [int(r.getMessage().split("step ")[1].split(":")[0]) for r in summaries] == steps_with_rows
+
+
+@pytest.mark.parametrize("mode", ["log", "raise"])
+def test_status_bits_are_reported_like_violations(mode, caplog):
+    engine = sc.ToyEngine()
+    rt = make(engine, mode=mode)
+
+    def outside(sb):
+        sb.out_cache_loc = sb.out_cache_loc.copy()
+        sb.out_cache_loc[0] = sc.NUM_SLOTS + 7  # beyond the canary: the write kernel skips and flags it
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        if mode == "raise":
+            with pytest.raises(CanaryViolationError) as info:
+                drive(engine, rt, hooks={(2, "batch"): outside})
+            rep = info.value.step_report
+            assert rep.launch_step == 2 and info.value.report.status == int(CanaryStatus.SLOT_OUT_OF_RANGE)
+        else:
+            reports = drive(engine, rt, hooks={(2, "batch"): outside})
+            flagged = [r for r in reports if r.status_bits]
+            assert [r.launch_step for r in flagged] == [2]
+            assert any("SLOT_OUT_OF_RANGE" in r.getMessage() for r in caplog.records)
+
+
+def test_off_mode_allocates_and_launches_nothing(monkeypatch):
+    calls = []
+    monkeypatch.setattr(bind_module.BoundLaunch, "__call__", lambda self: calls.append(self.step))
+    engine = sc.ToyEngine(swa=True)
+    rt = make(engine, mode="off", sweep_interval=1)
+    reports = drive(engine, rt)
+    assert calls == [] and rt.groups == {} and rt.stages == {}
+    assert all(r.clean for r in reports) and rt.stats()["forwards"] == {"target": 0}
+    live = make(sc.ToyEngine(swa=True), sweep_interval=1)
+    drive(sc.ToyEngine(swa=True), live, steps=1)
+    assert calls  # the same loop in log mode does launch
+
+
+def runtime_arrays(rt: CanaryRuntime) -> dict[str, np.ndarray]:
+    """A copy of every array the runtime owns."""
+    out = {f"scalars{i}": np.array(v, copy=True) for i, v in enumerate(rt.scalars._views)}
+    for name, g in rt.groups.items():
+        out[f"{name}.ring"] = g.ring_view.copy()
+        for ep in g.all_endpoints():
+            out[f"{name}.{ep.tag.name}.canary"] = np.array(ep.verify_ctx.canary_buf, copy=True)
+        for plan_name, plan in (("plan", g.verify_plan), ("write", g.write_plan), ("sweep", g.sweep_plan)):
+            for field, value in vars(plan).items():
+                out[f"{name}.{plan_name}.{field}"] = np.array(value, copy=True)
+        if g.swa_out_cache_loc is not None:
+            out[f"{name}.swa_loc"] = g.swa_out_cache_loc.view.copy()
+    for model, stage in rt.stages.items():
+        for field, buf in stage.buffers.items():
+            out[f"{model}.{field}"] = buf.view.copy()
+    if rt.expected_token_pool is not None:
+        out["pool"] = np.array(rt.expected_token_pool, copy=True)
+    return out
+
+
+def _too_many_rows(engine, sb):
+    n = sc.MAX_BS + 1
+    return StepBatch(np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64), sb.input_ids,
+                     sb.positions, sb.out_cache_loc, sb.expected_input_ids, sb.expected_positions,
+                     np.zeros(n, np.int64), sb.history_ids, sb.history_offsets, sb.history_req_pool_indices)
+
+
+BAD_BATCHES = {
+    "rows": (_too_many_rows, "Capacities.max_batch_size"),
+    "tokens": (lambda e, sb: StepBatch(sb.req_pool_indices, sb.prefix_lens, sb.extend_seq_lens,
+                                       *(np.zeros(sc.MAX_TOKENS + 1, np.int64) for _ in range(5)), sb.valid_lens,
+                                       sb.history_ids, sb.history_offsets, sb.history_req_pool_indices),
+               "Capacities.max_tokens"),
+    "dtype": (lambda e, sb: StepBatch(**{**vars(sb), "positions": sb.positions.astype(np.int32)}),
+              "batch.positions must have dtype int64"),
+    "oracle": (lambda e, sb: StepBatch(**{**vars(sb), "expected_positions": None}), "write_input_assert"),
+    "history": (lambda e, sb: StepBatch(**{**vars(sb), "history_offsets": sb.history_offsets[:-1]}),
+                "batch.history_offsets"),
+    "lengths": (lambda e, sb: StepBatch(**{**vars(sb), "out_cache_loc": sb.out_cache_loc[:-1]}),
+                "batch.out_cache_loc has"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_BATCHES))
+def test_a_batch_that_breaks_a_capacity_raises_before_anything_is_written(case):
+    engine = sc.ToyEngine(swa=True)
+    rt = make(engine, write_input_assert=True, verify_token_assert=True)
+    drive(engine, rt, steps=2)
+    before = runtime_arrays(rt)
+    forwards = dict(rt.forwards)
+    build, message = BAD_BATCHES[case]
+    sb = engine.step_batch(engine.schedule(2), oracle=True, tokens=True)
+    with pytest.raises(CanaryArgumentError, match=re.escape(message)) as info:
+        rt.prepare(build(engine, sb))
+    assert str(info.value).startswith("kv-canary: ")
+    after = runtime_arrays(rt)
+    assert before.keys() == after.keys()
+    assert all(np.array_equal(before[k], after[k]) for k in before), [k for k in before
+                                                                       if not np.array_equal(before[k], after[k])]
+    assert rt.forwards == forwards
+
+
+@pytest.mark.parametrize("mode", ["log", "raise"])
+def test_a_skipped_launch_fails_the_health_check_once(mode, caplog):
+    engine = sc.ToyEngine(swa=True)
+    rt = make(engine, mode=mode)
+    if mode == "raise":
+        with pytest.raises(CanaryHealthError) as info:
+            drive(engine, rt, skip={(2, "post")})
+        assert info.value.step_report.launch_step == 2
+        assert any("TAIL_K_FULL verify" in p for p in info.value.problems)
+        return
+    with caplog.at_level(logging.ERROR, logger=LOGGER):
+        reports = drive(engine, rt, skip={(2, "post")})
+    failing = [r for r in reports if r.health_problems]
+    assert [r.launch_step for r in failing] == [2]
+    problems = failing[0].health_problems
+    # both groups' TAIL verify and write kernels fell one launch behind
+    for tag in ("TAIL_K_FULL", "TAIL_K_SWA"):
+        assert any(tag in p and "verify kernel" in p for p in problems)
+        assert any(tag in p and "write kernel" in p for p in problems)
+    assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == len(problems)
+    assert rt.stats()["health_failures"] == len(problems)
+
+
+def test_check_health_passes_on_a_complete_step_and_fails_on_a_half_one():
+    engine = sc.ToyEngine()
+    rt = make(engine)
+    drive(engine, rt, steps=2)
+    assert rt.check_health() == []
+    rt.prepare(engine.step_batch(engine.schedule(2)))
+    rt.pre_forward()
+    problems = rt.check_health()
+    assert problems and all("TAIL" in p for p in problems)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_sweep_finds_a_corruption_only_the_prefix_cache_holds(backend):
+    def flip(engine):
+        # request 2 finished at step 1: its slots are held by the prefix cache alone
+        return {(2, "after_step"): lambda batch: engine.flip_kv_bit("FULL", engine.cached[0][1])}
+
+    quiet = sc.ToyEngine()
+    assert not rows_by_launch(drive(quiet, make(quiet, backend), hooks=flip(quiet)))
+    engine = sc.ToyEngine()
+    rt = make(engine, backend, sweep_interval=2)
+    reports = drive(engine, rt, hooks=flip(engine))
+    got = rows_by_launch(reports)
+    slot = engine.cached[0][1]
+    assert set(got) == {("FULL", 2), ("FULL", 4)}  # the sweeps of steps 2 and 4
+    for rows in got.values():
+        assert [(r[0], r[1], r[7]) for r in rows] == [(int(CanaryLaunchTag.SWEEP_K_FULL), slot,
+                                                        int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH))]
+    # step 0 found an empty cache; step 2 swept request 2's 4 slots, step 4 those and request 3's 5
+    assert rt.stats()["sweeps"] == 2 and rt.stats()["swept_slots"] == 4 + (4 + 5)
+
+
+def test_the_chain_position_assert_waits_for_mark_init_finished():
+    def shift(step):
+        def hook(sb):
+            sb.positions = sb.positions.copy()
+            sb.positions[0] += 1  # row 1's decode token claims the position after its true one
+        return {(step, "batch"): hook}
+
+    def write_position_rows(init_after):
+        engine = sc.ToyEngine()
+        rt = make(engine)
+        oracle = oracle_for(engine, rt)
+        reports = drive(engine, rt, oracle, hooks=shift(2), init_after=init_after)
+        assert {k: sorted(v) for k, v in rows_by_launch(reports).items()} == {
+            k: sorted(map(tuple, v)) for k, v in oracle.rows.items() if v}
+        return [v for r in reports if r.launch_step == 2 for _, v in r.new_violations
+                if v.reason_bits & int(FailReason.WRITE_POSITION_MISMATCH)]
+
+    assert write_position_rows(init_after=99) == []
+    assert {v.launch_tag for v in write_position_rows(init_after=0)} == {"HEAD_K_FULL", "TAIL_K_FULL"}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_full_ring_counts_what_it_dropped_and_later_rows_read_correctly(backend):
+    engine = sc.ToyEngine()
+    rt = CanaryRuntime.create(CanaryConfig(backend=backend, ring_capacity=2, write_input_assert=True,
+                                           logger=LOGGER), engine.pools(),
+                              Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS))
+    oracle = oracle_for(engine, rt)
+
+    def wrong(*indices):
+        def hook(sb):
+            sb.input_ids = sb.input_ids.copy()
+            sb.input_ids[list(indices)] += 5
+        return hook
+    # step 1: two wrong tokens -> four write-assert rows (HEAD and TAIL) for a ring of two; step 3: one
+    reports = drive(engine, rt, oracle, hooks={(1, "batch"): wrong(0, 1), (3, "batch"): wrong(1)})
+    by_step = {r.launch_step: r for r in reports}
+    want1 = [tuple(r) for r in oracle.step_rows("FULL", 1)]
+    got1 = [tuple(v.raw) for _, v in by_step[1].new_violations]
+    assert len(want1) == 4 and len(got1) == 2 and set(got1) <= set(want1)
+    assert by_step[1].dropped == 2 and by_step[1].reports["FULL"].total == 4
+    want3 = sorted(tuple(r) for r in oracle.step_rows("FULL", 3))
+    assert len(want3) == 2 and sorted(tuple(v.raw) for _, v in by_step[3].new_violations) == want3
+    assert by_step[3].dropped == 0
+    assert rt.stats()["dropped"] == 2 and rt.stats()["violations"] == 4
+
+
+def test_stats_count_protected_tokens_and_are_logged_every_n_steps(caplog):
+    engine = sc.ToyEngine(swa=True)
+    rt = make(engine, stats_interval=2, sweep_interval=3)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        drive(engine, rt)
+    stats = rt.stats()
+    tokens = sum(n for step in sc.SCHEDULE for _, n in step)
+    assert stats["protected_tokens"] == 2 * tokens  # FULL and SWA HEAD K writes
+    assert stats["forwards"] == {"target": len(sc.SCHEDULE)} and stats["steps"] == len(sc.SCHEDULE)
+    assert stats["violations"] == 0 and stats["sweeps"] == 1 and stats["health_failures"] == 0
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name == LOGGER]
+    assert len(lines) == len(sc.SCHEDULE) // 2
+    assert all(line.startswith("kv-canary: protected ") and line.endswith(" sweep passes, 0 violations")
+               for line in lines)
+
+
+def test_creation_validates_the_description():
+    engine = sc.ToyEngine()
+    with pytest.raises(CanaryArgumentError, match=re.escape("CanaryConfig.mode")):
+        CanaryConfig(mode="loud")
+    with pytest.raises(CanaryArgumentError, match=re.escape("Capacities.max_tokens")):
+        Capacities(max_batch_size=1, max_tokens=0)
+    with pytest.raises(CanaryArgumentError, match="req_to_token or layout"):
+        type(engine.pools())(engine.groups())
+    pools = engine.pools()
+    with pytest.raises(CanaryArgumentError, match="model must be one of target"):
+        make(engine).prepare(engine.step_batch(engine.schedule(0)), model="draft")
+    with pytest.raises(CanaryArgumentError, match="covers"):
+        CanaryRuntime.create(CanaryConfig(), type(pools)(
+            (type(pools.groups[0])("FULL", sc.NUM_SLOTS * 2, pools.groups[0].k_sources),),
+            req_to_token=engine.req_to_token), Capacities(max_batch_size=2, max_tokens=2))
