@@ -75,14 +75,15 @@ def test_generation_is_token_exact_and_clean_with_the_canary(models, name):
     assert with_canary == reference
     assert after_removal == reference
     assert canary.violations == []
-    # The canary really ran: every token the engine processed was stamped into the HEAD buffer of the first
-    # group (sliding groups skip the tokens a long chunk sends to the write trash).
+    # The canary really ran: every token the engine processed was stamped into the HEAD buffer of the full
+    # group, and every endpoint of every group verified something; the runtime's health check agrees.
     (state,) = canary.states.values()
-    full = next(g for g in state.groups if not g.geo.window)
-    assert int(full.head[0].write.slot_run_counter[0]) == counted["tokens"]
-    assert int(full.head[0].verify.slot_run_counter[0]) > 0
-    for g in state.groups:  # the sliding group verifies its window too
-        assert all(int(ep.verify.slot_run_counter[0]) > 0 for ep in g.head + g.tail)
+    groups = state.rt.groups
+    assert int(groups["FULL"].endpoints["HEAD"][0].write_ctx.slot_run_counter[0]) == counted["tokens"]
+    for g in groups.values():
+        assert all(int(ep.verify_ctx.slot_run_counter[0]) > 0 for ep in g.endpoints["HEAD"] + g.endpoints["TAIL"])
+    assert ("SWA" in groups) == (w.arch == "gemma3")
+    assert state.health_problems == [] and state.status_bits == 0
 
 
 def test_real_kv_fingerprints_are_the_engine_memory(models):
@@ -101,18 +102,19 @@ def test_real_kv_fingerprints_are_the_engine_memory(models):
 
         def after_forward(self, canary, step, batch, cache):
             state = canary.states[id(cache)]
-            for g in state.groups:
-                alloc = g.geo.allocator
-                for slot in {int(s) for s in batch.head_locs[g.geo.index] if s >= 0}:
-                    for ep in g.tail:
+            for geo in state.geos:
+                alloc = geo.allocator
+                groups = [g for g in state.rt.groups.values() if g.model == alloc.layer_type]
+                for slot in {int(s) for s in batch.head_locs[geo.index] if s >= 0}:
+                    for ep in (ep for g in groups for ep in g.endpoints["TAIL"]):
                         total = 0
-                        for src in ep.write.real_kv_sources:
+                        for src in ep.write_ctx.real_kv_sources:
                             layer, kind = _engine_view_of(src, alloc)
                             row = alloc._kv_token_views[layer][kind][slot].contiguous().view(torch.uint8)
                             data = row.numpy().tobytes()
                             total = splitmix64(total ^ fold_source_bytes(data, len(data)))
-                        stored = int(np.frombuffer(ep.write.canary_buf[slot].tobytes(), np.uint64)[3])
-                        assert stored == total, (step, g.geo.name, slot)
+                        stored = int(np.frombuffer(ep.write_ctx.canary_buf[slot].tobytes(), np.uint64)[3])
+                        assert stored == total, (step, geo.name, slot)
                         checked.append(slot)
 
     canary.observers.append(Check())
@@ -180,7 +182,7 @@ def test_raise_mode_stops_the_engine_loop_with_the_violation(models):
     out = _generate_raw(model, w)
     canary.remove()
     errors = [str(r.error) for r in out.values() if r.error is not None]
-    assert errors and all("KV-cache violation" in e for e in errors)
+    assert errors and all("new violation(s)" in e for e in errors)
     assert "reasons=verify_real_kv_hash" in errors[0]
 
 
@@ -193,7 +195,7 @@ def test_remove_restores_the_engine_methods(models):
         install(model)
     generate(model, w)
     (state,) = canary.states.values()
-    allocators = [g.geo.allocator for g in state.groups]
+    allocators = [geo.allocator for geo in state.geos]
     assert all("update" in vars(a) for a in allocators)
     canary.remove()
     assert "init_continuous_batching" not in vars(model) and "_kvcanary" not in vars(model)

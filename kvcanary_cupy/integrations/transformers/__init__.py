@@ -7,12 +7,14 @@ importing this package checks the version and refuses any other with a ``kv-cana
 
 from __future__ import annotations
 
+from ...runtime import CanaryHealthError, CanaryViolationError
 from ._version import SUPPORTED_RANGE, check_version
-from .canary import CanaryOptions, CanaryViolationError, StepViolation
+from .canary import CanaryOptions, StepViolation
 from .hooks import TransformersCanary, install, remove
 
 __all__ = [
     "SUPPORTED_RANGE",
+    "CanaryHealthError",
     "CanaryOptions",
     "CanaryViolationError",
     "StepViolation",

@@ -1,10 +1,12 @@
 """One transformers continuous-batching step as the canary's plan inputs: per request past and query lengths,
-the slot of every position read from the engine's block tables, the tokens the forward receives and the tokens
-the engine's request state says it should receive.
+the engine's block tables, the tokens the forward receives and the tokens the engine's request state says it
+should receive.
 
 Everything is copied out of the engine's static buffers (they are reused every step) before the forward runs.
 Requests are keyed by ``request_id``; the batch rows here are ``1..B`` in the engine's row order of this step
 (row 0 is the canary's padding sentinel), so nothing persists across steps and block tables are re-read each time.
+Full-attention groups hand the plan the block ids themselves (a ``BlockTable`` layout, one row per request);
+sliding-window groups a per-position ring table (their slot depends on ``position % window`` and on eviction).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class StepBatch:
     expected_positions: np.ndarray  # int64 [T]
     expected_pool: np.ndarray  # int32 [B+1, width]: each request's full history
     valid_lens: np.ndarray  # int64 [B]
-    tables: dict[int, np.ndarray]  # group index -> int32 [B+1, max_len] slot of every position
+    tables: dict[int, np.ndarray]  # group index -> the layout buffer filled for this step (rows 1..B)
     head_locs: dict[int, np.ndarray]  # group index -> int64 [T]: the write_index of the batch (-1 = trash)
     block_tables: dict[int, dict[str, list[int]]]  # group index -> request id -> block ids (copies)
 
@@ -39,9 +41,12 @@ class StepBatch:
     def size(self) -> int:
         return len(self.request_ids)
 
-    def verify_entries(self, geo: Any) -> int:
-        prefix = self.prefix_lens if not geo.window else np.minimum(self.prefix_lens, geo.window)
-        return int(prefix.sum())
+    def slot(self, geo: Any, i: int, position: int) -> int:
+        """The slot of ``position`` of batch row ``i`` in group ``geo`` (from this step's block tables)."""
+        blocks = self.block_tables[geo.index][self.request_ids[i]]
+        total = int(self.prefix_lens[i] + self.extend_lens[i])
+        slots = geo.ring_slots(blocks, total, 0) if geo.window else geo.slots_of(blocks, total)
+        return int(slots[position])
 
     def request_index(self, request_id: str) -> int:
         return self.request_ids.index(request_id)
@@ -51,8 +56,11 @@ def _host(t: Any) -> np.ndarray:
     return t.detach().to("cpu").numpy()
 
 
-def build_step_batch(step: int, kwargs: dict[str, Any], requests: list[Any], geos: list[Any]) -> StepBatch:
-    """Read one step from the forward's keyword arguments and the engine's ``requests_in_batch``."""
+def build_step_batch(step: int, kwargs: dict[str, Any], requests: list[Any], geos: list[Any],
+                     tables: dict[int, np.ndarray]) -> StepBatch:
+    """Read one step from the forward's keyword arguments and the engine's ``requests_in_batch``; fill rows
+    ``1..B`` of each group's layout buffer in ``tables`` (block ids for full attention, ring slots per position
+    for sliding windows) in place."""
     b = len(requests)
     cu = _host(kwargs["cu_seq_lens_q"])[: b + 1].astype(np.int64)
     t = int(cu[b])
@@ -80,11 +88,10 @@ def build_step_batch(step: int, kwargs: dict[str, Any], requests: list[Any], geo
     for i, h in enumerate(histories):
         pool[i + 1, : len(h)] = h
     valid = np.array([len(h) for h in histories], np.int64)
-    max_len = int((prefix + extend).max()) if b else 1
-    tables, head_locs, block_tables = {}, {}, {}
+    block_tables, head_locs = {}, {}
     write_index = kwargs["write_index"]
     for geo in geos:
-        table = np.zeros((b + 1, max(1, max_len)), np.int32)
+        table = tables[geo.index]
         snapshot = {}
         for i, rid in enumerate(ids):
             blocks = list(geo.allocator.block_table.get(rid, []))
@@ -92,10 +99,10 @@ def build_step_batch(step: int, kwargs: dict[str, Any], requests: list[Any], geo
             total = int(prefix[i] + extend[i])
             if not blocks:
                 continue
-            slots = (geo.ring_slots(blocks, total, total - geo.window) if geo.window
-                     else geo.slots_of(blocks, total))
-            table[i + 1, :total] = slots
-        tables[geo.index] = table
+            if geo.window:
+                table[i + 1, :total] = geo.ring_slots(blocks, total, total - geo.window)
+            else:
+                table[i + 1, : len(blocks)] = blocks
         block_tables[geo.index] = snapshot
         loc = _host(write_index[geo.index]).reshape(-1)[:t].astype(np.int64)
         loc[loc == geo.write_trash_index] = -1

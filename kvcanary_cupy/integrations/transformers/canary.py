@@ -1,46 +1,44 @@
-"""The canary's side of one transformers step: per attention group, plan -> HEAD verify/write before the forward,
-TAIL verify/write with real-KV fingerprints after it, and the violation ring read one step late.
+"""The canary's side of transformers' continuous batching: the engine's KV cache described to
+:class:`kvcanary_cupy.runtime.CanaryRuntime` (groups, real-KV sources, layouts, capacities), and one engine step
+driven through the runtime's four phases.
 
 Slot numbering is the engine's own: ``slot = block_id * block_physical_stride + offset`` per attention group, so
 ``write_index`` (the engine's ``out_cache_loc``) and the canary agree with no translation. The real-KV sources are
 byte views over ``PagedAttentionCache.cache_tensor`` (no copy): for the ``i``-th layer of a group, K of slot ``s``
 lives at byte ``(s + 2 i page_size) row_bytes`` and V at ``(s + (2 i + 1) page_size) row_bytes`` of the flat
-cache, which is a :class:`RealKvSource` with ``page_size=1`` over the view starting at the layer's offset.
+cache, which is a :class:`RealKvSource` with ``page_size=1`` over the view starting at the layer's offset. A
+runtime group takes at most 4 sources per K/V, so an attention group of more layers becomes one runtime group
+per 4 layers (same slots and plan inputs, separate buffers).
 
-Sliding-window groups follow the engine's ring: position ``p`` lives at ring slot ``p % window``; after a step
-only positions ``[past + query - window, past + query)`` still own their slot, every other position of the
-request maps to slot 0 (verify skips it, and a predecessor in slot 0 disables that entry's chain check, as an
-evicted SWA slot does in SGLang).
+Each transformers attention group is a runtime *model* of its own (its forward writes through its own
+``write_index``). Sliding-window groups follow the engine's ring: position ``p`` lives at ring slot
+``p % window``; after a step only positions ``[past + query - window, past + query)`` still own their slot, every
+other position maps to slot 0 in the group's token table (verify skips it, and a predecessor in slot 0 disables
+that entry's chain check, as an evicted SWA slot does in SGLang); the group's LUT is the identity.
+
+The TAIL write stamps where the forward really wrote each token (``written``, from the per-layer write hook), not
+where the batch said it would: before the TAIL launches the staged ``out_cache_loc`` of a token whose layers did
+not all write the batch's slot is set to -1, so that slot keeps its stale record and the next verify flags it.
 """
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ...constants import MAX_REAL_KV_SOURCES, CanaryLaunchTag, RealKvHashMode
-from ...context import RealKvSource, VerifyOrWriteContext
-from ...plan import VerifyPlan, WritePlan, launch_canary_plan_kernels
-from ...verify import launch_canary_verify_kernel
-from ...violations import Violation, read_violations
-from ...write import launch_canary_write_kernel
-from .batch import StepBatch
-
-logger = logging.getLogger("kvcanary_cupy.transformers")
-
-
-class CanaryViolationError(RuntimeError):
-    """Raised (mode ``raise``) in the step after the one whose launches found violations."""
-
-    def __init__(self, violations: list[StepViolation]) -> None:
-        self.violations = violations
-        lines = [f"step {v.step} {v.group}: {v.violation.log_line()}" for v in violations[:20]]
-        super().__init__(f"kv-canary: {len(violations)} KV-cache violation(s)\n" + "\n".join(lines))
+from ..._errors import fail
+from ...constants import MAX_REAL_KV_SOURCES
+from ...context import RealKvSource
+from ...layouts import BlockTable, TokenTable
+from ...runtime import CanaryConfig, CanaryRuntime, Capacities, KvGroup, KvPools, StepBatch, StepReport
+from ...violations import Violation
+from .batch import StepBatch as EngineStep
 
 
 @dataclass(frozen=True)
@@ -50,13 +48,6 @@ class StepViolation:
     step: int
     group: str
     violation: Violation
-
-
-@dataclass
-class _Endpoint:
-    tag: CanaryLaunchTag
-    verify: VerifyOrWriteContext
-    write: VerifyOrWriteContext
 
 
 @dataclass
@@ -117,12 +108,13 @@ class GroupGeometry:
 
 @dataclass
 class CanaryOptions:
-    """What the canary does in the engine.
+    """What the canary does in the engine (turned into a runtime :class:`CanaryConfig`).
 
-    ``mode``: ``log`` (one warning per violation) or ``raise`` (:class:`CanaryViolationError` from the next
-    step's hook, which stops the engine's loop); every violation is also kept in ``violations`` either way.
+    ``mode``: ``log`` (one warning per violation) or ``raise`` (the runtime's ``CanaryViolationError`` one step
+    later, which stops the engine's loop); every violation is also kept in ``violations`` either way.
     ``real_kv_hash``: ``partial`` (first 16 bytes of every layer's K/V row) or ``all``; ``with_v`` adds V
-    endpoints next to K; ``backend`` as for the launchers (``auto``, ``numpy``, ``host``, ``cuda``).
+    endpoints next to K; ``backend`` as for the launchers (``auto``, ``numpy``, ``host``); the write-input and
+    verify-token asserts compare with the engine's request state (prompt + generated ids).
     """
 
     mode: str = "log"
@@ -130,163 +122,138 @@ class CanaryOptions:
     with_v: bool = True
     backend: str = "auto"
     ring_capacity: int = 4096
-    warmup_steps: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    logger: str = "kvcanary_cupy.transformers"
 
-    def validate(self) -> None:
-        from ..._errors import fail
-
+    def config(self) -> CanaryConfig:
         if self.mode not in ("log", "raise"):
             fail(f"mode must be 'log' or 'raise', got {self.mode!r}")
         if self.real_kv_hash not in ("partial", "all"):
             fail(f"real_kv_hash must be 'partial' or 'all', got {self.real_kv_hash!r}")
-        if self.ring_capacity < 1:
-            fail(f"ring_capacity must be >= 1, got {self.ring_capacity}")
-
-
-class _GroupCanary:
-    """HEAD and TAIL buffers, endpoints and plans of one attention group."""
-
-    def __init__(self, geo: GroupGeometry, cache: Any, state: VerifyOrWriteContext, opts: CanaryOptions,
-                 max_requests: int) -> None:
-        self.geo = geo
-        regime = geo.name
-        n = geo.num_slots
-        mode = RealKvHashMode.PARTIAL if opts.real_kv_hash == "partial" else RealKvHashMode.ALL
-        # Sliding groups seed from slot 0 when a chunk longer than the window evicted its predecessor: the
-        # chain-position assert would misfire there, and the write-input assert already checks positions.
-        self.chain_flag = np.zeros(1, np.int32)
-
-        def ctx(buf: np.ndarray, tag: CanaryLaunchTag, sources: tuple[RealKvSource, ...]) -> VerifyOrWriteContext:
-            return state.for_endpoint(canary_buf=buf, kernel_kind=int(tag), real_kv_sources=sources,
-                                      real_kv_hash_mode=mode if sources else RealKvHashMode.NONE,
-                                      slot_run_counter=np.zeros(1, np.int64),
-                                      kernel_run_counter=np.zeros(1, np.int64),
-                                      enable_chain_position_assert=self.chain_flag)
-
-        head = np.zeros((n, 32), np.uint8)
-        self.head = [_Endpoint(CanaryLaunchTag[f"HEAD_K_{regime}"], ctx(head, CanaryLaunchTag[f"HEAD_K_{regime}"], ()),
-                               ctx(head, CanaryLaunchTag[f"HEAD_K_{regime}"], ()))]
-        self.tail: list[_Endpoint] = []
-        read_bytes = geo.row_bytes
-        for kv, name in ((0, "K"), (1, "V")) if opts.with_v else ((0, "K"),):
-            sources = geo.kv_sources(cache, kv, read_bytes)
-            tag = CanaryLaunchTag[f"TAIL_{name}_{regime}"]
-            for lo in range(0, len(sources), MAX_REAL_KV_SOURCES):
-                chunk = tuple(sources[lo: lo + MAX_REAL_KV_SOURCES])
-                buf = np.zeros((n, 32), np.uint8)
-                self.tail.append(_Endpoint(tag, ctx(buf, tag, chunk), ctx(buf, tag, chunk)))
-        self.lut = np.arange(n, dtype=np.int64) if geo.window else None
-        self.verify_capacity = 0
-        self.verify_plan: VerifyPlan | None = None
-        self.write_plan = WritePlan.allocate(write_req_capacity=max(1, max_requests))
-
-    def ensure_capacity(self, entries: int, requests: int) -> None:
-        if entries > self.verify_capacity or self.verify_plan is None:
-            self.verify_capacity = max(1024, 2 * entries)
-            self.verify_plan = VerifyPlan.allocate(verify_capacity=self.verify_capacity)
-        if requests > self.write_plan.write_offsets.shape[0] - 1:
-            self.write_plan = WritePlan.allocate(write_req_capacity=2 * requests)
+        return CanaryConfig(mode=self.mode, ring_capacity=self.ring_capacity, real_kv_hash_mode=self.real_kv_hash,
+                            write_input_assert=True, verify_token_assert=True, backend=self.backend,
+                            logger=self.logger)
 
 
 class TransformersCanaryState:
-    """Every canary buffer of one PagedAttentionCache, and the per-step launches over it."""
+    """The runtime over one PagedAttentionCache, and the engine step driven through its phases."""
 
     def __init__(self, cache: Any, opts: CanaryOptions, max_requests: int) -> None:
         self.opts = opts
         self.cache = cache
-        self.state = VerifyOrWriteContext.allocate(num_slots=1, ring_capacity=opts.ring_capacity)
-        self.groups = [_GroupCanary(GroupGeometry.of(a, cache), cache, self.state, opts, max_requests)
-                       for a in cache.cache_allocators.values()]
+        self.geos = [GroupGeometry.of(a, cache) for a in cache.cache_allocators.values()]
+        self.max_requests = max(1, min(max_requests, int(cache.max_batch_tokens)))
+        # The longest sequence any table row must describe: every position a request can reach.
+        self.max_len = int(max(cache.max_tokens_read, cache.max_batch_tokens)) + 1
+        rows = self.max_requests + 1
+        self.tables = {geo.index: np.zeros((rows, self.max_len if geo.window else -(-self.max_len // geo.page_size)),
+                                           np.int32) for geo in self.geos}
+        self.luts = {geo.index: np.arange(geo.num_slots, dtype=np.int64) for geo in self.geos if geo.window}
+        self.model_of = {geo.index: geo.allocator.layer_type for geo in self.geos}
+        groups = []
+        self.group_names: dict[int, list[str]] = {}
+        for geo in self.geos:
+            k = geo.kv_sources(cache, 0, geo.row_bytes)
+            v = geo.kv_sources(cache, 1, geo.row_bytes) if opts.with_v else None
+            names = []
+            for lo in range(0, len(k), MAX_REAL_KV_SOURCES):
+                hi = min(len(k), lo + MAX_REAL_KV_SOURCES)
+                layers = geo.layer_indices[lo:hi]
+                name = geo.name if len(k) <= MAX_REAL_KV_SOURCES else f"{geo.name}:L{layers[0]}-{layers[-1]}"
+                names.append(name)
+                common = dict(name=name, num_slots=geo.num_slots, k_sources=tuple(k[lo:hi]),
+                              v_sources=None if v is None else tuple(v[lo:hi]), model=self.model_of[geo.index],
+                              layout=self._layout(geo))
+                if geo.window:
+                    groups.append(KvGroup(swa_window=geo.window, full_to_swa_index_mapping=self.luts[geo.index],
+                                          **common))
+                else:
+                    groups.append(KvGroup(**common))
+            self.group_names[geo.index] = names
+        self.seconds: dict[str, float] = defaultdict(float)  # wall time per canary phase
+        caps = Capacities(max_batch_size=self.max_requests, max_tokens=int(cache.max_batch_tokens),
+                          max_context_len=self.max_len, pool_rows=self.max_requests + 1,
+                          max_history_tokens=self.max_requests * self.max_len)
+        self.rt = CanaryRuntime.create(opts.config(), KvPools(tuple(groups), layout=None), caps, timer=self._timer)
         self.violations: list[StepViolation] = []
+        self.health_problems: list[tuple[int, str]] = []
         self.status_bits = 0
         self.dropped = 0
         self.steps = 0
-        self.seconds: dict[str, float] = defaultdict(float)  # wall time per canary phase
 
-    def _timed(self, phase: str, start: float) -> float:
-        now = time.perf_counter()
-        self.seconds[phase] += now - start
-        return now
+    def _layout(self, geo: GroupGeometry) -> Any:
+        """Full attention: the block table itself. Sliding window: a per-position ring table (a slot depends on
+        ``position % window`` and on what the window evicted, which no block table expresses)."""
+        table = self.tables[geo.index]
+        if geo.window:
+            return TokenTable(table)
+        return BlockTable(table, geo.page_size, block_stride=geo.stride, num_slots=geo.num_slots)
 
-    # -- launches --------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _timer(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - start
 
-    def before_forward(self, batch: StepBatch) -> None:
-        """Plan, HEAD verify and HEAD write of every group (content chain only, no real KV)."""
-        if self.steps == self.opts.warmup_steps:
-            for g in self.groups:
-                g.chain_flag.fill(0 if g.geo.window else 1)
-        backend = self.opts.backend
-        t = time.perf_counter()
-        for g in self.groups:
-            table = batch.tables[g.geo.index]
-            g.ensure_capacity(batch.verify_entries(g.geo), batch.size)
-            assert g.verify_plan is not None
-            launch_canary_plan_kernels(
-                verify_plan_out=g.verify_plan, write_plan_out=g.write_plan, req_pool_indices=batch.rows,
-                prefix_lens=batch.prefix_lens, extend_seq_lens=batch.extend_lens, req_to_token=table,
-                swa_window_size=g.geo.window, full_to_swa_index_mapping=g.lut,
-                verify_capacity=g.verify_capacity, req_to_verify_expected_tokens=batch.expected_pool,
-                req_to_verify_expected_tokens_valid_lens=batch.valid_lens, backend=backend)
-            t = self._timed("plan", t)
-            for ep in g.head:
-                launch_canary_verify_kernel(context=ep.verify, plan=g.verify_plan, check_verify_expected_token=True,
-                                            backend=backend)
-                t = self._timed("verify", t)
-                launch_canary_write_kernel(
-                    context=ep.write, plan=g.write_plan, input_ids=batch.input_ids, positions=batch.positions,
-                    out_cache_loc=batch.head_locs[g.geo.index], enable_write_input_assert=True,
-                    expected_input_tokens=batch.expected_input_ids, expected_input_positions=batch.expected_positions,
-                    backend=backend)
-                t = self._timed("write", t)
+    # -- the step --------------------------------------------------------------------------------------------
 
-    def after_forward(self, batch: StepBatch, written: dict[int, np.ndarray]) -> None:
-        """TAIL verify (re-hashing every prefix slot's real K/V) and TAIL write (fingerprints of the new K/V) of
-        every group; ``written[g]`` is where the forward actually wrote each token (-1: not stamped)."""
-        backend = self.opts.backend
-        t = time.perf_counter()
-        for g in self.groups:
-            assert g.verify_plan is not None
-            loc = written[g.geo.index]
-            for ep in g.tail:
-                launch_canary_verify_kernel(context=ep.verify, plan=g.verify_plan, check_verify_expected_token=True,
-                                            backend=backend)
-                t = self._timed("verify", t)
-                launch_canary_write_kernel(context=ep.write, plan=g.write_plan, input_ids=batch.input_ids,
-                                           positions=batch.positions, out_cache_loc=loc,
-                                           enable_write_input_assert=False, backend=backend)
-                t = self._timed("write", t)
+    def before_forward(self, batch: EngineStep) -> None:
+        """Phases 1 and 2 of every group: stage the batch, then plan, HEAD verify and HEAD write."""
+        b = batch.size
+        if b > self.max_requests:
+            fail(f"the engine scheduled {b} requests in one step, more than the {self.max_requests} the canary "
+                 "was sized for (ContinuousBatchingConfig.max_requests_per_batch)")
+        history = np.concatenate([batch.expected_pool[i + 1, : int(n)] for i, n in enumerate(batch.valid_lens)]
+                                 ).astype(np.int64) if b else np.zeros(0, np.int64)
+        offsets = np.zeros(b + 1, np.int64)
+        np.cumsum(batch.valid_lens, out=offsets[1:])
+        for n, geo in enumerate(self.geos):
+            step = StepBatch(
+                req_pool_indices=batch.rows, prefix_lens=batch.prefix_lens, extend_seq_lens=batch.extend_lens,
+                input_ids=batch.input_ids, positions=batch.positions, out_cache_loc=batch.head_locs[geo.index],
+                expected_input_ids=batch.expected_input_ids, expected_positions=batch.expected_positions,
+                valid_lens=batch.valid_lens, history_ids=history if n == 0 else None,
+                history_offsets=offsets if n == 0 else None, history_req_pool_indices=batch.rows if n == 0 else None)
+            self.rt.prepare(step, model=self.model_of[geo.index])
+            self.rt.pre_forward(model=self.model_of[geo.index])
+
+    def after_forward(self, batch: EngineStep, written: dict[int, np.ndarray]) -> None:
+        """Phases 3 and 4: TAIL verify (re-hashing every prefix slot's real K/V) and TAIL write (fingerprints
+        of the new K/V, stamped where the forward really wrote), then the one-step-late read of the rings."""
+        for geo in self.geos:
+            model = self.model_of[geo.index]
+            loc = written[geo.index]
+            if not np.array_equal(loc, batch.head_locs[geo.index]):
+                self._restage_out_cache_loc(model, loc)
+            self.rt.post_forward(model=model)
+        self._collect(self.rt.finish_step())
         self.steps += 1
 
-    # -- violations ------------------------------------------------------------------------------------------
+    def _restage_out_cache_loc(self, model: str, loc: np.ndarray) -> None:
+        n = int(loc.shape[0])
+        self.rt.stages[model].view("out_cache_loc")[:n] = loc
+        for state in self.rt.groups.values():
+            if state.model == model and state.swa_out_cache_loc is not None:
+                state.swa_out_cache_loc.view[:n] = loc  # the identity LUT's gather of the same slots
 
-    def read(self, launch_step: int) -> list[StepViolation]:
-        """Decode what the launches of ``launch_step`` appended and drain the ring (the engine reads one step
-        late); log or queue them for raising per the mode."""
-        state = self.state
-        if int(state.violation_write_index[0]) == 0 and int(state.status[0]) == 0:
-            return []
-        start = time.perf_counter()
-        report = read_violations(state)
-        state.violation_write_index.fill(0)
-        if report.status:
-            self.status_bits |= report.status
-            logger.warning("kv-canary: kernel status %s at step %d", ",".join(report.status_names), launch_step)
-            state.status.fill(0)
+    def flush(self) -> None:
+        """Read everything still pending (the last step's launches)."""
+        self._collect(self.rt.flush())
+
+    def _collect(self, report: StepReport) -> None:
+        for group, violation in report.new_violations:
+            self.violations.append(StepViolation(report.launch_step, group, violation))
+        self.health_problems += [(report.launch_step, p) for p in report.health_problems]
+        self.status_bits |= report.status_bits
         self.dropped += report.dropped
-        new = [StepViolation(launch_step, "SWA" if v.launch_tag.endswith("_SWA") else "FULL", v) for v in report.rows]
-        self.violations.extend(new)
-        if self.opts.mode == "log":
-            for v in new:
-                logger.warning("step=%d group=%s %s", v.step, v.group, v.violation.log_line())
-        self._timed("read", start)
-        return new
 
     def counters(self) -> dict[str, int]:
         out = {"verify_entries": 0, "write_entries": 0, "launches": 0}
-        for g in self.groups:
-            for ep in g.head + g.tail:
-                out["verify_entries"] += int(ep.verify.slot_run_counter[0])
-                out["write_entries"] += int(ep.write.slot_run_counter[0])
-                out["launches"] += int(ep.verify.kernel_run_counter[0]) + int(ep.write.kernel_run_counter[0])
+        for state in self.rt.groups.values():
+            for ep in state.endpoints["HEAD"] + state.endpoints["TAIL"]:
+                assert ep.write_ctx is not None
+                out["verify_entries"] += int(ep.verify_ctx.slot_run_counter[0])
+                out["write_entries"] += int(ep.write_ctx.slot_run_counter[0])
+                out["launches"] += int(ep.verify_ctx.kernel_run_counter[0]) + int(ep.write_ctx.kernel_run_counter[0])
         return out

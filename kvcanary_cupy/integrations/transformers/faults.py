@@ -85,11 +85,11 @@ class Injector:
         """Undo whatever is still patched into the engine (the run is over)."""
 
     def _target_group(self, canary: Any, cache: Any, sliding: bool = False) -> Any:
-        groups = canary.states[id(cache)].groups
-        for g in groups:
-            if bool(g.geo.window) == sliding:
-                return g.geo
-        return groups[0].geo
+        geos = canary.states[id(cache)].geos
+        for geo in geos:
+            if bool(geo.window) == sliding:
+                return geo
+        return geos[0]
 
 
 class KvBitflip(Injector):
@@ -105,7 +105,7 @@ class KvBitflip(Injector):
                 continue
             first_live = max(0, total - geo.window) if geo.window else 0
             pos = int(self.rng.integers(first_live, total - 1))
-            slot = int(batch.tables[geo.index][i + 1, pos])
+            slot = batch.slot(geo, i, pos)
             layer = int(self.rng.integers(len(geo.layer_indices)))
             kv = int(self.rng.integers(2))
             byte = (slot + (2 * layer + kv) * geo.page_size) * geo.row_bytes + int(self.rng.integers(16))

@@ -28,7 +28,7 @@ import numpy as np
 from ..._errors import fail
 from ._version import check_version
 from .batch import StepBatch, build_step_batch
-from .canary import CanaryOptions, CanaryViolationError, StepViolation, TransformersCanaryState
+from .canary import CanaryOptions, StepViolation, TransformersCanaryState
 
 
 class StepObserver(Protocol):
@@ -53,7 +53,7 @@ class TransformersCanary:
 
         self._paged_cache_type = PagedAttentionCache
         self.options = options or CanaryOptions()
-        self.options.validate()
+        self.options.config()  # validates
         self._managers: list[Any] = []
         if isinstance(target, ContinuousBatchingManager):
             self.model = target.model
@@ -127,11 +127,10 @@ class TransformersCanary:
 
     def finish(self) -> list[StepViolation]:
         """Read what the last step appended (call once the engine is idle, e.g. after ``generate_batch``)."""
-        new = []
+        before = len(self.violations)
         for st in self.states.values():
-            if st.steps:
-                new.extend(st.read(st.steps - 1))
-        return new
+            st.flush()
+        return self.violations[before:]
 
     # -- the hooks -------------------------------------------------------------------------------------------
 
@@ -176,15 +175,11 @@ class TransformersCanary:
         if not isinstance(cache, self._paged_cache_type):
             return None
         st = self._state_for(cache)
-        if st.steps:
-            new = st.read(st.steps - 1)
-            if new and self.options.mode == "raise":
-                raise CanaryViolationError(new)
         requests = self._requests_for(cache)
         for obs in self.observers:
             obs.before_batch(self, st.steps, kwargs, requests, cache)
         start = time.perf_counter()
-        batch = build_step_batch(st.steps, kwargs, requests, [g.geo for g in st.groups])
+        batch = build_step_batch(st.steps, kwargs, requests, st.geos, st.tables)
         st.seconds["batch"] += time.perf_counter() - start
         self._layer_writes.clear()
         st.before_forward(batch)
@@ -198,8 +193,7 @@ class TransformersCanary:
         self._current = None
         t = int(batch.input_ids.shape[0])
         written = {}
-        for g in st.groups:
-            geo = g.geo
+        for geo in st.geos:
             writes = [self._layer_writes.get((geo.index, layer)) for layer in geo.layer_indices]
             if any(w is None or w.shape[0] < t for w in writes):
                 written[geo.index] = np.full(t, -1, np.int64)  # a layer did not write: stamp nothing
