@@ -113,7 +113,7 @@ def test_real_kv_fingerprints_are_the_engine_memory(models):
                             row = alloc._kv_token_views[layer][kind][slot].contiguous().view(torch.uint8)
                             data = row.numpy().tobytes()
                             total = splitmix64(total ^ fold_source_bytes(data, len(data)))
-                        stored = int(np.frombuffer(ep.write_ctx.canary_buf[slot].tobytes(), np.uint64)[3])
+                        stored = int(np.asarray(ep.write_ctx.canary_buf[slot]).view(np.uint64)[3])
                         assert stored == total, (step, geo.name, slot)
                         checked.append(slot)
 

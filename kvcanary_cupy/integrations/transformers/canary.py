@@ -137,17 +137,25 @@ class CanaryOptions:
 class TransformersCanaryState:
     """The runtime over one PagedAttentionCache, and the engine step driven through its phases."""
 
-    def __init__(self, cache: Any, opts: CanaryOptions, max_requests: int) -> None:
+    def __init__(self, cache: Any, opts: CanaryOptions, max_requests: int | None) -> None:
+        import torch
+
         self.opts = opts
         self.cache = cache
+        self.device = cache.cache_tensor.device
         self.geos = [GroupGeometry.of(a, cache) for a in cache.cache_allocators.values()]
-        self.max_requests = max(1, min(max_requests, int(cache.max_batch_tokens)))
+        self.max_requests = max(1, min(max_requests or int(cache.max_batch_tokens), int(cache.max_batch_tokens)))
         # The longest sequence any table row must describe: every position a request can reach.
         self.max_len = int(max(cache.max_tokens_read, cache.max_batch_tokens)) + 1
         rows = self.max_requests + 1
+        # Layout buffers: filled on the host each step (rows 1..B); the runtime reads the device copy, which on
+        # a CPU cache is the same memory.
         self.tables = {geo.index: np.zeros((rows, self.max_len if geo.window else -(-self.max_len // geo.page_size)),
                                            np.int32) for geo in self.geos}
-        self.luts = {geo.index: np.arange(geo.num_slots, dtype=np.int64) for geo in self.geos if geo.window}
+        self.device_tables = {i: self._dev(t) if self.device.type == "cpu" else torch.zeros(
+            t.shape, dtype=torch.int32, device=self.device) for i, t in self.tables.items()}
+        self.luts = {geo.index: torch.arange(geo.num_slots, dtype=torch.int64, device=self.device)
+                     for geo in self.geos if geo.window}
         self.model_of = {geo.index: geo.allocator.layer_type for geo in self.geos}
         groups = []
         self.group_names: dict[int, list[str]] = {}
@@ -173,7 +181,9 @@ class TransformersCanaryState:
         caps = Capacities(max_batch_size=self.max_requests, max_tokens=int(cache.max_batch_tokens),
                           max_context_len=self.max_len, pool_rows=self.max_requests + 1,
                           max_history_tokens=self.max_requests * self.max_len)
-        self.rt = CanaryRuntime.create(opts.config(), KvPools(tuple(groups), layout=None), caps, timer=self._timer)
+        device = str(self.device) if self.device.type != "cuda" or self.device.index is not None else "cuda:0"
+        self.rt = CanaryRuntime.create(opts.config(), KvPools(tuple(groups), layout=None), caps, device=device,
+                                       framework="torch", timer=self._timer)
         self.violations: list[StepViolation] = []
         self.health_problems: list[tuple[int, str]] = []
         self.status_bits = 0
@@ -183,10 +193,16 @@ class TransformersCanaryState:
     def _layout(self, geo: GroupGeometry) -> Any:
         """Full attention: the block table itself. Sliding window: a per-position ring table (a slot depends on
         ``position % window`` and on what the window evicted, which no block table expresses)."""
-        table = self.tables[geo.index]
+        table = self.device_tables[geo.index]
         if geo.window:
             return TokenTable(table)
         return BlockTable(table, geo.page_size, block_stride=geo.stride, num_slots=geo.num_slots)
+
+    def _dev(self, arr: np.ndarray) -> Any:
+        """A host array as a torch tensor on the cache's device (no copy on a CPU cache)."""
+        import torch
+
+        return torch.from_numpy(arr).to(self.device)
 
     @contextlib.contextmanager
     def _timer(self, phase: str) -> Iterator[None]:
@@ -208,13 +224,19 @@ class TransformersCanaryState:
                                  ).astype(np.int64) if b else np.zeros(0, np.int64)
         offsets = np.zeros(b + 1, np.int64)
         np.cumsum(batch.valid_lens, out=offsets[1:])
+        dev = self._dev
+        rows, prefix, extend = dev(batch.rows), dev(batch.prefix_lens), dev(batch.extend_lens)
+        ids, pos, valid = dev(batch.input_ids), dev(batch.positions), dev(batch.valid_lens)
+        want_ids, want_pos = dev(batch.expected_input_ids), dev(batch.expected_positions)
         for n, geo in enumerate(self.geos):
+            if self.device.type != "cpu":
+                self.device_tables[geo.index][: b + 1].copy_(dev(self.tables[geo.index][: b + 1]))
+            first = n == 0  # the expected-token pool is shared: one scatter per step
             step = StepBatch(
-                req_pool_indices=batch.rows, prefix_lens=batch.prefix_lens, extend_seq_lens=batch.extend_lens,
-                input_ids=batch.input_ids, positions=batch.positions, out_cache_loc=batch.head_locs[geo.index],
-                expected_input_ids=batch.expected_input_ids, expected_positions=batch.expected_positions,
-                valid_lens=batch.valid_lens, history_ids=history if n == 0 else None,
-                history_offsets=offsets if n == 0 else None, history_req_pool_indices=batch.rows if n == 0 else None)
+                req_pool_indices=rows, prefix_lens=prefix, extend_seq_lens=extend, input_ids=ids, positions=pos,
+                out_cache_loc=dev(batch.head_locs[geo.index]), expected_input_ids=want_ids,
+                expected_positions=want_pos, valid_lens=valid, history_ids=dev(history) if first else None,
+                history_offsets=dev(offsets) if first else None, history_req_pool_indices=rows if first else None)
             self.rt.prepare(step, model=self.model_of[geo.index])
             self.rt.pre_forward(model=self.model_of[geo.index])
 
@@ -232,10 +254,11 @@ class TransformersCanaryState:
 
     def _restage_out_cache_loc(self, model: str, loc: np.ndarray) -> None:
         n = int(loc.shape[0])
-        self.rt.stages[model].view("out_cache_loc")[:n] = loc
+        written = self._dev(loc)
+        self.rt.stages[model].view("out_cache_loc")[:n] = written
         for state in self.rt.groups.values():
             if state.model == model and state.swa_out_cache_loc is not None:
-                state.swa_out_cache_loc.view[:n] = loc  # the identity LUT's gather of the same slots
+                state.swa_out_cache_loc.view[:n] = written  # the identity LUT's gather of the same slots
 
     def flush(self) -> None:
         """Read everything still pending (the last step's launches)."""

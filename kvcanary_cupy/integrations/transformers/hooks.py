@@ -137,10 +137,12 @@ class TransformersCanary:
     def _state_for(self, cache: Any) -> TransformersCanaryState:
         st = self.states.get(id(cache))
         if st is None or st.cache is not cache:
-            max_requests = 64
+            max_requests = None
             for manager in self._managers:
-                cfg = getattr(manager, "continuous_batching_config", None)
-                max_requests = max(max_requests, int(getattr(cfg, "max_requests_per_batch", 0) or 0))
+                processor = getattr(manager, "batch_processor", None)
+                if processor is not None and processor.cache is cache:
+                    cfg = getattr(manager, "continuous_batching_config", None)
+                    max_requests = getattr(cfg, "max_requests_per_batch", None) or None
             st = TransformersCanaryState(cache, self.options, max_requests)
             self.states[id(cache)] = st
             for allocator in cache.cache_allocators.values():
