@@ -27,6 +27,7 @@ from kvcanary_cupy import CanaryArgumentError
 from kvcanary_cupy.cli import main
 from kvcanary_cupy.integrations.transformers import CanaryOptions, check_version, install
 from kvcanary_cupy.integrations.transformers.faults import FAULT_KINDS, make_injector
+from kvcanary_cupy.integrations.transformers.simulate import WorkloadStats
 from kvcanary_cupy.integrations.transformers.workloads import (
     build_model,
     cb_config,
@@ -55,35 +56,30 @@ def test_generation_is_token_exact_and_clean_with_the_canary(models, name):
     model = models[w.arch]
     reference = generate(model, w)
     canary = install(model)
-    counted = {"tokens": 0}
-
-    class CountTokens:
-        def before_batch(self, canary, step, kwargs, requests, cache):
-            counted["tokens"] += sum(int(f.query_length) for f in requests)
-
-        def on_layer_write(self, canary, step, allocator, layer_idx, write_index):
-            return write_index
-
-        def after_forward(self, canary, step, batch, cache):
-            pass
-
-    canary.observers.append(CountTokens())
+    stats = WorkloadStats()
+    canary.observers.append(stats)
     with_canary = generate(model, w)
     canary.finish()
     canary.remove()
-    after_removal = generate(model, w)
     assert with_canary == reference
-    assert after_removal == reference
     assert canary.violations == []
     # The canary really ran: every token the engine processed was stamped into the HEAD buffer of the full
     # group, and every endpoint of every group verified something; the runtime's health check agrees.
     (state,) = canary.states.values()
     groups = state.rt.groups
-    assert int(groups["FULL"].endpoints["HEAD"][0].write_ctx.slot_run_counter[0]) == counted["tokens"]
+    tokens = stats.prefill_tokens + stats.decode_tokens
+    assert int(groups["FULL"].endpoints["HEAD"][0].write_ctx.slot_run_counter[0]) == tokens
     for g in groups.values():
         assert all(int(ep.verify_ctx.slot_run_counter[0]) > 0 for ep in g.endpoints["HEAD"] + g.endpoints["TAIL"])
     assert ("SWA" in groups) == (w.arch == "gemma3")
     assert state.health_problems == [] and state.status_bits == 0
+    # The workload exercised what it is named after.
+    if name == "shared-prefix":
+        assert stats.prefix_tokens_reused >= 2 * 24 - 8
+    if name == "queueing":
+        assert stats.soft_resets > 0 and stats.peak_batch < len(w.prompts)
+    if name == "mixed-lengths":
+        assert stats.peak_batch > 1
 
 
 def test_real_kv_fingerprints_are_the_engine_memory(models):
@@ -189,6 +185,7 @@ def test_raise_mode_stops_the_engine_loop_with_the_violation(models):
 def test_remove_restores_the_engine_methods(models):
     model = models["llama"]
     w = WORKLOADS["mixed-lengths"]
+    reference = generate(model, w)
     canary = install(model)
     assert "init_continuous_batching" in vars(model)
     with pytest.raises(CanaryArgumentError, match="already installed"):
@@ -198,6 +195,7 @@ def test_remove_restores_the_engine_methods(models):
     allocators = [geo.allocator for geo in state.geos]
     assert all("update" in vars(a) for a in allocators)
     canary.remove()
+    assert generate(model, w) == reference  # the engine runs as before
     assert "init_continuous_batching" not in vars(model) and "_kvcanary" not in vars(model)
     assert model.init_continuous_batching.__func__ is type(model).init_continuous_batching
     assert not model._forward_pre_hooks and not model._forward_hooks

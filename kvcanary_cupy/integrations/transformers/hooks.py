@@ -153,6 +153,7 @@ class TransformersCanary:
         for manager in self._managers:
             processor = getattr(manager, "batch_processor", None)
             if processor is not None and processor.cache is cache:
+                _check_supported(processor)
                 return list(processor.inputs_and_outputs.requests_in_batch)
         fail("the model ran a paged-cache forward outside every continuous-batching manager the canary "
              "knows; install the canary before init_continuous_batching / generate_batch, or on the manager")
@@ -196,6 +197,9 @@ class TransformersCanary:
         t = int(batch.input_ids.shape[0])
         written = {}
         for geo in st.geos:
+            if kwargs.get("block_table") is not None:  # the decode fast path: the attention kernel writes
+                written[geo.index] = batch.head_locs[geo.index]  # through the block table, no update() to watch
+                continue
             writes = [self._layer_writes.get((geo.index, layer)) for layer in geo.layer_indices]
             if any(w is None or w.shape[0] < t for w in writes):
                 written[geo.index] = np.full(t, -1, np.int64)  # a layer did not write: stamp nothing
@@ -209,6 +213,17 @@ class TransformersCanary:
         for obs in self.observers:
             obs.after_forward(self, batch.step, batch, st.cache)
         return None
+
+
+def _check_supported(processor: Any) -> None:
+    """Refuse the engine modes whose steps the hooks cannot follow (all are off on a CPU)."""
+    if getattr(processor, "use_async_batching", False):
+        fail("async batching is not supported (the request state lags the batch by one step there); "
+             "use ContinuousBatchingConfig(use_async_batching=False)")
+    runner = getattr(processor, "model_runner", None)
+    if getattr(runner, "use_cuda_graph_varlen", False) or getattr(runner, "use_cuda_graph_decode", False):
+        fail("CUDA graphs are not supported (the hooks run host code inside the captured forward); "
+             "use ContinuousBatchingConfig(use_cuda_graph=False)")
 
 
 def install(target: Any, options: CanaryOptions | None = None, **option_fields: Any) -> TransformersCanary:

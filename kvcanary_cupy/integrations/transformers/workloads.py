@@ -54,8 +54,8 @@ def workloads(vocab: int = 512, seed: int = 0) -> dict[str, Workload]:
             dict(page_size=4, num_blocks=64, max_batch_tokens=48, max_requests_per_batch=3)),
         "queueing": Workload(
             "queueing", "more requests than the cache holds: waiting, frees and soft resets", "llama",
-            _prompts(rng, [10] * 8, vocab), 20,
-            dict(page_size=4, num_blocks=12, max_batch_tokens=64)),
+            _prompts(rng, [10] * 6, vocab), 16,
+            dict(page_size=4, num_blocks=10, max_batch_tokens=64)),
         "sliding-window": Workload(
             "sliding-window", "Gemma3-style model: 3 sliding-window layers (window 8) next to 1 full layer",
             "gemma3", _prompts(rng, [5, 19, 12, 30], vocab), 14,
