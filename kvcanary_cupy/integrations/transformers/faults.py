@@ -150,8 +150,7 @@ class BlockTableRedirect(Injector):
             table = allocator.block_table.get(rid, [])
             if not _continuing(future) or geo.window or total < 2 * geo.page_size or not table:
                 continue
-            history = future.state.initial_tokens + future.state.generated_tokens
-            foreign = self._foreign_block(allocator, batch, rid, history[: geo.page_size], geo)
+            foreign = self._foreign_block(allocator, batch, rid, geo)
             if foreign is None:
                 continue
             self._undo = (allocator, rid, 0, table[0])
@@ -161,16 +160,15 @@ class BlockTableRedirect(Injector):
             return
 
     @staticmethod
-    def _foreign_block(allocator: Any, batch: Any, rid: str, first_page: list[int], geo: Any) -> int | None:
-        """A block holding other tokens: another live request's first block with a different first page."""
+    def _foreign_block(allocator: Any, batch: Any, rid: str, geo: Any) -> int | None:
+        """A block another live request has written and ``rid`` does not hold (its last complete one)."""
+        mine = set(allocator.block_table.get(rid, []))
         for j, other in enumerate(batch.request_ids):
             blocks = allocator.block_table.get(other, [])
-            if other == rid or not blocks or blocks[0] in allocator.block_table.get(rid, []):
-                continue
-            if int(batch.prefix_lens[j] + batch.extend_lens[j]) < geo.page_size:
-                continue
-            if list(batch.expected_pool[j + 1, : geo.page_size]) != list(first_page):
-                return int(blocks[0])
+            complete = int(batch.prefix_lens[j]) // geo.page_size  # blocks fully written before this step
+            for block in reversed(blocks[:complete]):
+                if other != rid and block not in mine:
+                    return int(block)
         return None
 
 
@@ -215,13 +213,15 @@ class KvMisdirect(_WriteFault):
 
     def _destination(self, canary: Any, allocator: Any, future: Any, i: int) -> int | None:
         mine = set(allocator.block_table.get(future.state.request_id, []))
+        stride, ps = int(allocator.block_physical_stride), int(allocator.tokens_per_page)
         for j, other in enumerate(self._requests):
             if j == i or not _continuing(other):
                 continue
             past = int(other.state.position_offset) - int(other.query_length)
             blocks = allocator.block_table.get(other.state.request_id, [])
-            if past >= 1 and blocks and blocks[0] not in mine:
-                return int(blocks[0]) * int(allocator.block_physical_stride)  # the other request's position 0
+            for k, block in enumerate(blocks):
+                if k * ps < past and block not in mine:  # a position the other request wrote and reads
+                    return int(block) * stride
         return None
 
 
