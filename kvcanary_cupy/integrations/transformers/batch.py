@@ -48,9 +48,6 @@ class StepBatch:
         slots = geo.ring_slots(blocks, total, 0) if geo.window else geo.slots_of(blocks, total)
         return int(slots[position])
 
-    def request_index(self, request_id: str) -> int:
-        return self.request_ids.index(request_id)
-
 
 def _host(t: Any) -> np.ndarray:
     return t.detach().to("cpu").numpy()

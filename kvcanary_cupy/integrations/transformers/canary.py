@@ -158,16 +158,13 @@ class TransformersCanaryState:
                      for geo in self.geos if geo.window}
         self.model_of = {geo.index: geo.allocator.layer_type for geo in self.geos}
         groups = []
-        self.group_names: dict[int, list[str]] = {}
         for geo in self.geos:
             k = geo.kv_sources(cache, 0, geo.row_bytes)
             v = geo.kv_sources(cache, 1, geo.row_bytes) if opts.with_v else None
-            names = []
             for lo in range(0, len(k), MAX_REAL_KV_SOURCES):
                 hi = min(len(k), lo + MAX_REAL_KV_SOURCES)
                 layers = geo.layer_indices[lo:hi]
                 name = geo.name if len(k) <= MAX_REAL_KV_SOURCES else f"{geo.name}:L{layers[0]}-{layers[-1]}"
-                names.append(name)
                 common = dict(name=name, num_slots=geo.num_slots, k_sources=tuple(k[lo:hi]),
                               v_sources=None if v is None else tuple(v[lo:hi]), model=self.model_of[geo.index],
                               layout=self._layout(geo))
@@ -176,7 +173,6 @@ class TransformersCanaryState:
                                           **common))
                 else:
                     groups.append(KvGroup(**common))
-            self.group_names[geo.index] = names
         self.seconds: dict[str, float] = defaultdict(float)  # wall time per canary phase
         caps = Capacities(max_batch_size=self.max_requests, max_tokens=int(cache.max_batch_tokens),
                           max_context_len=self.max_len, pool_rows=self.max_requests + 1,
