@@ -9,7 +9,7 @@ TORCH_CPU := torch==2.13.0
 # The transformers integration is tested against this minor release (see the transformers extra).
 TRANSFORMERS := transformers==5.24.*
 
-.PHONY: demo test bench lint gpu-check clean
+.PHONY: demo test bench lint typecheck gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,8 @@ demo: $(VENV)/.base
 		--json report/demo.json --html report/demo.html --dump-failures report/dumps
 
 test: $(VENV)/.test
-	$(BIN)/ruff check kvcanary_cupy tests bench
+	$(BIN)/ruff check kvcanary_cupy tests bench examples setup.py
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -p no:cacheprovider --benchmark-disable
 
 bench: $(VENV)/.test
@@ -35,10 +36,13 @@ bench: $(VENV)/.test
 	$(BIN)/python bench/render.py bench/results/cpu.json --out bench/RESULTS.md
 
 lint: $(VENV)/.test
-	$(BIN)/ruff check kvcanary_cupy tests bench
+	$(BIN)/ruff check kvcanary_cupy tests bench examples setup.py
+
+typecheck: $(VENV)/.test
+	$(BIN)/mypy
 
 gpu-check:
 	bash bench/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info report .pytest_cache
+	rm -rf $(VENV) build dist *.egg-info report .pytest_cache .mypy_cache

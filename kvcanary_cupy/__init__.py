@@ -12,6 +12,8 @@ used when present and asked for.
 
 from __future__ import annotations
 
+import logging
+
 from ._errors import CanaryArgumentError
 from .backends import available_backends
 from .bind import BoundLaunch, bind_plan, bind_scatter, bind_verify, bind_write
@@ -33,7 +35,10 @@ from .verify import launch_canary_verify_kernel
 from .violations import Violation, ViolationReport, format_violations, read_violations
 from .write import launch_canary_write_kernel
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it from here)
+
+# The library logs (compiles, backend choice, fallbacks) and prints nothing; applications attach handlers.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
     "CANARY_CHAIN_ANCHOR",

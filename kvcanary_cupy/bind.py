@@ -35,7 +35,7 @@ from typing import Any
 
 from .backends import Backend, resolve_backend
 from .context import VerifyOrWriteContext
-from .dlpack import Device, cupy_stream_for, first_torch_cuda_tensor, stream_scope
+from .dlpack import Device, DLPackArray, cupy_stream_for, first_torch_cuda_tensor, stream_scope
 from .layouts import SlotLayout, layout_arrays
 from .plan import OnInvalid, VerifyPlan, WritePlan, prepare_plan_launch
 from .scatter import prepare_scatter_launch
@@ -111,15 +111,15 @@ def bind_plan(
     *,
     verify_plan_out: VerifyPlan,
     write_plan_out: WritePlan,
-    req_pool_indices: Any | None = None,
-    prefix_lens: Any,
-    extend_seq_lens: Any,
-    req_to_token: Any | None = None,
+    req_pool_indices: DLPackArray | None = None,
+    prefix_lens: DLPackArray,
+    extend_seq_lens: DLPackArray,
+    req_to_token: DLPackArray | None = None,
     swa_window_size: int,
-    full_to_swa_index_mapping: Any | None,
+    full_to_swa_index_mapping: DLPackArray | None,
     verify_capacity: int,
-    req_to_verify_expected_tokens: Any | None = None,
-    req_to_verify_expected_tokens_valid_lens: Any | None = None,
+    req_to_verify_expected_tokens: DLPackArray | None = None,
+    req_to_verify_expected_tokens_valid_lens: DLPackArray | None = None,
     kv_token_id_vs_position_offset: int = 0,
     layout: SlotLayout | None = None,
     backend: str = "auto",
@@ -159,12 +159,12 @@ def bind_write(
     *,
     context: VerifyOrWriteContext,
     plan: WritePlan,
-    input_ids: Any,
-    positions: Any,
-    out_cache_loc: Any,
+    input_ids: DLPackArray,
+    positions: DLPackArray,
+    out_cache_loc: DLPackArray,
     enable_write_input_assert: bool,
-    expected_input_tokens: Any | None = None,
-    expected_input_positions: Any | None = None,
+    expected_input_tokens: DLPackArray | None = None,
+    expected_input_positions: DLPackArray | None = None,
     backend: str = "auto",
     on_invalid: str | None = None,
 ) -> BoundLaunch:
@@ -181,11 +181,11 @@ def bind_write(
 
 def bind_scatter(
     *,
-    flat_in: Any,
-    offsets: Any,
-    req_pool_indices: Any,
-    pool_out: Any,
-    status: Any | None = None,
+    flat_in: DLPackArray,
+    offsets: DLPackArray,
+    req_pool_indices: DLPackArray,
+    pool_out: DLPackArray,
+    status: DLPackArray | None = None,
     backend: str = "auto",
     on_invalid: str | None = None,
 ) -> BoundLaunch:

@@ -1,16 +1,20 @@
 """The ``kvcanary`` command (also ``python -m kvcanary_cupy``).
 
 ``kvcanary simulate`` drives the canary through a synthetic serving workload, injects KV-cache faults and
-reports what was caught; ``kvcanary replay`` reruns a launch dumped by ``simulate --dump-failures`` on the CPU.
+reports what was caught; ``kvcanary replay`` reruns a launch dumped by ``simulate --dump-failures`` on the CPU;
+``kvcanary info`` shows the backends, versions and caches; ``kvcanary cache clear`` empties the host module cache.
 :func:`main` returns the exit status instead of exiting: 0 success, 1 a failed run (a fault kind missed, a false
-positive, a replay that does not reproduce), 2 bad arguments, 3 an internal error, 130 interrupted.
+positive, a replay that does not reproduce), 2 bad arguments, 3 an internal error, 4 an inconclusive simulation
+(a requested fault kind found no target in the workload, and nothing failed), 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 PROG = "kvcanary"
@@ -74,22 +78,24 @@ examples:
   {PROG} simulate --preset swa --inject swa-early-evict:0.1 --inject kv-bitflip
   {PROG} simulate --inject all --json report/run.json --html report/run.html --dump-failures report/dumps
   {PROG} simulate --engine transformers --inject all   (the canary inside transformers' continuous batching)
-  {PROG} replay report/dumps/kv-bitflip-step12-TAIL_K_FULL-verify.npz --backend host --sanitize
+  {PROG} replay report/dumps/kv-bitflip-seed7-step12-TAIL_K_FULL-verify.npz --backend host --sanitize
 
 fault kinds (--inject KIND[:RATE]; RATE = expected injections per step, default {DEFAULT_RATE};
-'all' = every kind the preset can host; each requested kind is injected at least once):
+'all' = every kind the preset can host; the run tries to inject each requested kind at least once, and a kind
+that finds no target in a small workload is reported as "could not inject"):
 {kinds}
 
 presets:
 {presets}
 
-exit status: 0 when every injected fault kind was detected and nothing else was flagged,
-1 otherwise, 2 for bad arguments."""
+exit status: 0 when every requested fault kind was injected and detected and nothing else was flagged;
+1 when a kind was missed or something else was flagged; 4 when nothing failed but a requested kind could not
+be injected (the workload is too small: raise --steps or --requests); 2 for bad arguments."""
 
 
 REPLAY_EPILOG = f"""\
 examples:
-  {PROG} replay report/dumps/double-alloc-step9-HEAD_K_FULL-verify.npz
+  {PROG} replay report/dumps/double-alloc-seed7-step9-HEAD_K_FULL-verify.npz
   {PROG} replay FILE --backend host --sanitize     (the kernels under AddressSanitizer + UBSan)
   {PROG} replay FILE --backend numpy               (the NumPy reference instead of the kernels)
 
@@ -103,12 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .backends import BACKEND_NAMES
     from .sim.runner import PRESETS
 
-    parser = _Parser(prog=PROG, description="KV-cache canary: simulate a serving engine with injected faults, "
-                     "or replay a dumped failing launch on the CPU.",
-                     epilog=f"run '{PROG} simulate --help' or '{PROG} replay --help' for the options and examples",
+    parser = _Parser(prog=PROG, description="KV-cache canary: simulate a serving engine with injected faults,\n"
+                     "replay a dumped failing launch on the CPU, or show what this machine offers.",
+                     epilog=f"run '{PROG} COMMAND --help' for the options and examples of a command",
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{simulate,replay}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     sim = sub.add_parser("simulate", help="run the synthetic engine with fault injection and report detections",
                          description="Drive the canary through a synthetic serving workload, inject KV-cache "
@@ -140,8 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--cooldown", type=_non_negative, default=None, metavar="N",
                      help="last steps without new faults (default: min(16, steps/5))")
     sim.add_argument("--ring-capacity", type=_positive, default=16384, metavar="ROWS",
-                     help="violation ring rows per model (default: 16384)")
-    sim.add_argument("--json", metavar="PATH", help="write the report as JSON (schema: kvcanary_cupy.sim.report)")
+                     help="violation ring rows per canary group (default: 16384)")
+    sim.add_argument("--json", metavar="PATH", help="write the report as JSON (schema: kvcanary_cupy.sim.report); "
+                     "'-' writes it to standard output and the table to standard error")
     sim.add_argument("--html", metavar="PATH", help="write an HTML report with a plot")
     sim.add_argument("--dump-failures", metavar="DIR",
                      help="save the first failing launch of each fault kind as .npz for 'kvcanary replay'")
@@ -159,7 +166,36 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--sanitize", action="store_true",
                      help="run the host backend under AddressSanitizer and UBSan (re-executes Python)")
     rep.set_defaults(func=_cmd_replay)
+    _add_machine_commands(sub)
     return parser
+
+
+def _add_machine_commands(sub: Any) -> None:
+    """``info`` and ``cache``: what this machine offers, and the cache this package writes."""
+    info = sub.add_parser("info", help="backends (and why one is unavailable), versions, cache folders",
+                          description="Show which backends run here and why the others do not, the versions of "
+                          "CuPy, NVRTC, the CUDA driver, g++, libasan and torch, and the cache folders.")
+    info.add_argument("--json", action="store_true", help="print the same as JSON")
+    info.set_defaults(func=_cmd_info)
+    cache = sub.add_parser("cache", help="manage the compiled host module cache",
+                           description="The host backend caches compiled kernels (see 'kvcanary info' for the "
+                           "folder; $KVCANARY_CACHE_DIR or $XDG_CACHE_HOME move it).")
+    actions = cache.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser, required=True)
+    clear = actions.add_parser("clear", help="delete every cached host module",
+                               description="Delete every cached host module (they are rebuilt on next use). "
+                               "CuPy's own kernel cache is shared with other programs and left alone.")
+    clear.set_defaults(func=_cmd_cache_clear)
+
+
+def _writable(path: str, option: str) -> None:
+    """Fail before the run, not after it, when a report file cannot be written."""
+    parent = Path(path).parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BadArguments(f"{option} {path}: cannot create {parent}: {exc.strerror}") from None
+    if not os.access(parent, os.W_OK) or Path(path).is_dir():
+        raise BadArguments(f"{option} {path}: not writable")
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -179,22 +215,30 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         sim = Simulation(cfg)
     except (ValueError, OSError) as exc:
         raise BadArguments(str(exc)) from None
+    json_to_stdout = args.json == "-"
+    for path, option in ((None if json_to_stdout else args.json, "--json"), (args.html, "--html")):
+        if path:
+            _writable(path, option)
     with ProgressDisplay(cfg.steps, enabled=not args.quiet) as progress:
         report = sim.run(progress)
-    print_report(report, plain=args.plain)
-    for path, writer in ((args.json, write_json), (args.html, write_html)):
+    # With --json -, standard output carries the JSON alone; everything for people goes to standard error.
+    human = sys.stderr if json_to_stdout else sys.stdout
+    print_report(report, human, plain=args.plain)
+    if json_to_stdout:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    for path, writer in ((None if json_to_stdout else args.json, write_json), (args.html, write_html)):
         if path:
             try:
-                print(f"wrote {writer(report, path)}")
-            except OSError as exc:
+                print(f"wrote {writer(report, path)}", file=human)
+            except OSError as exc:  # the run's verdict stands: report it, keep its exit status
                 print(f"{PROG} simulate: error: cannot write {path}: {exc}", file=sys.stderr)
-                return 2
     if sim.recorder is not None:
         for kind, path in sim.recorder.dumped.items():
-            print(f"dumped the first failing launch of {kind}: {path}")
+            print(f"dumped the first failing launch of {kind}: {path}", file=human)
         if sim.recorder.dumped:
             first = next(iter(sim.recorder.dumped.values()))
-            print(f"replay one on the CPU with: {PROG} replay {first} --backend host --sanitize")
+            print(f"replay one on the CPU with: {PROG} replay {first} --backend host --sanitize", file=human)
     return int(report["exit_code"])
 
 
@@ -218,6 +262,22 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if reason is not None:
         raise BadArguments(f"--backend {backend} is not available here: {reason}")
     return run_replay(args.file, backend, sanitize=args.sanitize)
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from .diagnostics import collect, render_text
+
+    info = collect()
+    print(json.dumps(info, indent=2) if args.json else render_text(info))
+    return 0
+
+
+def _cmd_cache_clear(args: argparse.Namespace) -> int:
+    from .cache import clear
+
+    held = clear()
+    print(f"removed {held.files} files ({held.bytes / (1024 * 1024):.1f} MiB) from {held.path}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -123,7 +123,7 @@ class CanaryStatus(enum.IntFlag):
 
 def reason_names(bits: int) -> list[str]:
     """Names of the FailReason bits set in ``bits`` (unknown bits as ``BIT_n``)."""
-    names = [member.name for member in FailReason if bits & member.value]
+    names = [str(member.name) for member in FailReason if bits & member.value]
     known = 0
     for member in FailReason:
         known |= member.value

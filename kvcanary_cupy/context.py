@@ -181,8 +181,8 @@ def prepare_context(context: Any, name: str = "context", *, need_chain_flag: boo
                      shape=(None, VIOLATION_FIELDS), writable=True)
     if ring.shape[0] < 1:
         fail(f"{name}.violation_ring must hold at least one row")
-    one32 = {"dtype": np.int32, "ndim": 1, "shape": (1,), "writable": True}
-    one64 = {"dtype": np.int64, "ndim": 1, "shape": (1,), "writable": True}
+    one32: dict[str, Any] = {"dtype": np.int32, "ndim": 1, "shape": (1,), "writable": True}
+    one64: dict[str, Any] = {"dtype": np.int64, "ndim": 1, "shape": (1,), "writable": True}
     write_index = array_arg(context.violation_write_index, f"{name}.violation_write_index", **one32)
     slot_counter = array_arg(context.slot_run_counter, f"{name}.slot_run_counter", **one64)
     kernel_counter = array_arg(context.kernel_run_counter, f"{name}.kernel_run_counter", **one64)

@@ -12,9 +12,9 @@ import contextlib
 import dataclasses
 import sys
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -25,6 +25,20 @@ _DL_CPU = 1
 _DL_CUDA = 2
 _DL_CUDA_HOST = 3
 _DL_CUDA_MANAGED = 13
+
+
+class DLPackArray(Protocol):
+    """What every launcher's array arguments are: anything that exports itself through DLPack and has a
+    shape — a NumPy or CuPy ndarray, a torch tensor, a JAX array. (Validation checks dtype, rank, shape,
+    contiguity and device at run time; this type says what may be passed at all.)"""
+
+    @property
+    def __dlpack__(self) -> Callable[..., Any]: ...  # a method of any signature (they differ by framework)
+
+    def __dlpack_device__(self) -> Any: ...
+
+    @property
+    def shape(self) -> Any: ...
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from ._errors import fail
 from ._validate import array_arg, int_arg, optional_array_arg, same_device
 from .backends import resolve_backend
 from .constants import MAX_PLAN_BATCH_SIZE
-from .dlpack import Device, device_scope, stream_scope
+from .dlpack import Device, DLPackArray, device_scope, stream_scope
 from .layouts import PagedSlots, SlotLayout, layout_arrays, prepare_layout
 
 OnInvalid = Literal["raise", "flag"]
@@ -27,6 +27,8 @@ _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 def _allocate(device: Any, shape: int, dtype: type, fill: int | None = None) -> Any:
     """One plan array on ``device`` ("cpu" -> NumPy, "cuda"/"cuda:N" -> CuPy)."""
     dev = str(device)
+    xp: Any
+    ctx: Any
     if dev == "cpu":
         xp, ctx = np, None
     elif dev == "cuda" or dev.startswith("cuda:"):
@@ -266,8 +268,8 @@ def prepare_plan_launch(
     if slots.shape[0] != capacity:
         fail(f"verify_capacity={capacity} must equal verify_plan_out.verify_slot_indices.shape[0]="
              f"{slots.shape[0]}")
-    entry = {"dtype": np.int64, "ndim": 1, "shape": (capacity,), "writable": True}
-    one = {"dtype": np.int32, "ndim": 1, "shape": (1,), "writable": True}
+    entry: dict[str, Any] = {"dtype": np.int64, "ndim": 1, "shape": (capacity,), "writable": True}
+    one: dict[str, Any] = {"dtype": np.int32, "ndim": 1, "shape": (1,), "writable": True}
     verify = VerifyPlan(
         verify_slot_indices=slots,
         verify_expected_tokens=array_arg(vp.verify_expected_tokens, "verify_plan_out.verify_expected_tokens",
@@ -322,15 +324,15 @@ def launch_canary_plan_kernels(
     *,
     verify_plan_out: VerifyPlan,
     write_plan_out: WritePlan,
-    req_pool_indices: Any | None = None,
-    prefix_lens: Any,
-    extend_seq_lens: Any,
-    req_to_token: Any | None = None,
+    req_pool_indices: DLPackArray | None = None,
+    prefix_lens: DLPackArray,
+    extend_seq_lens: DLPackArray,
+    req_to_token: DLPackArray | None = None,
     swa_window_size: int,
-    full_to_swa_index_mapping: Any | None,
+    full_to_swa_index_mapping: DLPackArray | None,
     verify_capacity: int,
-    req_to_verify_expected_tokens: Any | None = None,
-    req_to_verify_expected_tokens_valid_lens: Any | None = None,
+    req_to_verify_expected_tokens: DLPackArray | None = None,
+    req_to_verify_expected_tokens_valid_lens: DLPackArray | None = None,
     kv_token_id_vs_position_offset: int = 0,
     layout: SlotLayout | None = None,
     backend: str = "auto",

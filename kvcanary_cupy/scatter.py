@@ -13,7 +13,7 @@ import numpy as np
 
 from ._validate import array_arg, optional_array_arg, same_device
 from .backends import resolve_backend
-from .dlpack import Device, device_scope, stream_scope
+from .dlpack import Device, DLPackArray, device_scope, stream_scope
 
 
 @dataclass(frozen=True)
@@ -42,11 +42,11 @@ def prepare_scatter_launch(*, flat_in: Any, offsets: Any, req_pool_indices: Any,
 
 def launch_scatter_req_token_ids(
     *,
-    flat_in: Any,
-    offsets: Any,
-    req_pool_indices: Any,
-    pool_out: Any,
-    status: Any | None = None,
+    flat_in: DLPackArray,
+    offsets: DLPackArray,
+    req_pool_indices: DLPackArray,
+    pool_out: DLPackArray,
+    status: DLPackArray | None = None,
     backend: str = "auto",
     on_invalid: str | None = None,
 ) -> None:

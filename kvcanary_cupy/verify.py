@@ -45,11 +45,11 @@ def prepare_verify_launch(*, context: VerifyOrWriteContext, plan: VerifyPlan,
         fail(f"plan must be a VerifyPlan, got {type(plan).__name__}")
     check = bool_arg(check_verify_expected_token, "check_verify_expected_token")
     slots = array_arg(plan.verify_slot_indices, "plan.verify_slot_indices", dtype=np.int64, ndim=1)
-    entries = {"dtype": np.int64, "ndim": 1, "shape": (int(slots.shape[0]),)}
+    entries: dict[str, Any] = {"dtype": np.int64, "ndim": 1, "shape": (int(slots.shape[0]),)}
     tokens = array_arg(plan.verify_expected_tokens, "plan.verify_expected_tokens", **entries)
     positions = array_arg(plan.verify_expected_positions, "plan.verify_expected_positions", **entries)
     prevs = array_arg(plan.verify_prev_slot_indices, "plan.verify_prev_slot_indices", **entries)
-    one = {"dtype": np.int32, "ndim": 1, "shape": (1,)}
+    one: dict[str, Any] = {"dtype": np.int32, "ndim": 1, "shape": (1,)}
     num_valid = array_arg(plan.verify_num_valid, "plan.verify_num_valid", **one)
     enable = array_arg(plan.enable, "plan.enable", **one)
     device = same_device([

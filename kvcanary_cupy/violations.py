@@ -95,7 +95,7 @@ class ViolationReport:
     total: int  # violations counted by the kernels, including those the full ring dropped
     capacity: int
     rows: list[Violation]
-    status: int  # CanaryStatus bits
+    status: CanaryStatus  # a flag enum, so also an int: 0 when the kernels refused nothing
     slot_run_counter: int
     kernel_run_counter: int
 
@@ -109,7 +109,7 @@ class ViolationReport:
 
     @property
     def status_names(self) -> list[str]:
-        return [m.name for m in CanaryStatus if self.status & m.value]
+        return [str(m.name) for m in CanaryStatus if self.status & m.value]
 
     def table(self) -> str:
         return format_violations(self)
@@ -145,7 +145,7 @@ def read_violations(context: Any, start: int = 0) -> ViolationReport:
     # Only the rows asked for cross to the host: a ring is sized for bursts, a step usually fills a few rows.
     landed = to_host(context.violation_ring[begin:end]) if end > begin else np.zeros((0, 8), np.int64)
     rows = [decode_row(begin + k, row) for k, row in enumerate(landed)]
-    status = int(to_host(context.status)[0]) if context.status is not None else 0
+    status = CanaryStatus(int(to_host(context.status)[0]) if context.status is not None else 0)
     return ViolationReport(
         total=total, capacity=capacity, rows=rows, status=status,
         slot_run_counter=int(to_host(context.slot_run_counter)[0]),

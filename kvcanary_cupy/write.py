@@ -17,7 +17,7 @@ from ._errors import fail
 from ._validate import array_arg, bool_arg, optional_array_arg, same_device
 from .backends import resolve_backend
 from .context import ContextArrays, VerifyOrWriteContext, prepare_context
-from .dlpack import Device, device_scope, stream_scope
+from .dlpack import Device, DLPackArray, device_scope, stream_scope
 from .plan import WritePlan
 
 
@@ -90,12 +90,12 @@ def launch_canary_write_kernel(
     *,
     context: VerifyOrWriteContext,
     plan: WritePlan,
-    input_ids: Any,
-    positions: Any,
-    out_cache_loc: Any,
+    input_ids: DLPackArray,
+    positions: DLPackArray,
+    out_cache_loc: DLPackArray,
     enable_write_input_assert: bool,
-    expected_input_tokens: Any | None = None,
-    expected_input_positions: Any | None = None,
+    expected_input_tokens: DLPackArray | None = None,
+    expected_input_positions: DLPackArray | None = None,
     backend: str = "auto",
     on_invalid: str | None = None,
 ) -> None:

@@ -32,8 +32,12 @@ def token(rp: int, pos: int) -> int:
 class ToyEngine:
     """The engine's state the canary watches; ``groups`` picks FULL and optionally SWA, DRAFT."""
 
-    def __init__(self, *, swa: bool = False, draft: bool = False, with_v: bool = False) -> None:
-        self.swa, self.draft, self.with_v = swa, draft, with_v
+    def __init__(self, *, swa: bool = False, draft: bool = False, with_v: bool = False, paged: bool = False) -> None:
+        """``paged``: slots come in blocks of ``PAGE`` (a block table, blocks handed out in a scrambled order)
+        instead of one by one."""
+        self.swa, self.draft, self.with_v, self.paged = swa, draft, with_v, paged
+        self.block_table = np.zeros((ROWS, WIDTH // PAGE), np.int32)
+        self.free_blocks = [int(b) for b in np.random.default_rng(1).permutation(np.arange(1, NUM_SLOTS // PAGE))]
         self.req_to_token = np.zeros((ROWS, WIDTH), np.int32)
         self.lut = np.zeros(NUM_SLOTS + 1, np.int64)
         names = ["FULL"] + (["SWA"] if swa else []) + (["DRAFT"] if draft else [])
@@ -80,8 +84,7 @@ class ToyEngine:
         for rp, n in SCHEDULE[step]:
             held = self.slots.setdefault(rp, [])
             p = len(held)
-            new = list(range(self.next_slot, self.next_slot + n))
-            self.next_slot += n
+            new = self.new_slots(rp, p, n)
             held.extend(new)
             self.req_to_token[rp, p : p + n] = new
             if self.swa:
@@ -100,6 +103,17 @@ class ToyEngine:
         arrays = {"req_pool_indices": rows, "prefix_lens": prefix, "extend_seq_lens": extend, "input_ids": ids,
                   "positions": pos, "out_cache_loc": loc}
         return {k: np.array(v, np.int64) for k, v in arrays.items()}
+
+    def new_slots(self, rp: int, p: int, n: int) -> list[int]:
+        if not self.paged:
+            self.next_slot += n
+            return list(range(self.next_slot - n, self.next_slot))
+        out = []
+        for q in range(p, p + n):
+            if q % PAGE == 0:
+                self.block_table[rp, q // PAGE] = self.free_blocks.pop()
+            out.append(int(self.block_table[rp, q // PAGE]) * PAGE + q % PAGE)
+        return out
 
     def history(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Token histories (prompt + every token written so far) of the batch's live rows."""

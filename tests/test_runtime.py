@@ -15,12 +15,14 @@ from runtime_oracle import OracleGroup, ProtocolOracle
 
 import kvcanary_cupy.bind as bind_module
 from kvcanary_cupy import CanaryArgumentError, CanaryLaunchTag, CanaryStatus, FailReason
+from kvcanary_cupy.layouts import BlockTable
 from kvcanary_cupy.runtime import (
     CanaryConfig,
     CanaryHealthError,
     CanaryRuntime,
     CanaryViolationError,
     Capacities,
+    KvPools,
     StepBatch,
 )
 
@@ -162,6 +164,19 @@ def test_every_ring_row_matches_the_scalar_protocol_oracle(backend, name, inject
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_block_table_layout_gives_the_rows_of_the_token_table_it_describes(backend):
+    engine = sc.ToyEngine(swa=True, paged=True)
+    pools = KvPools(engine.groups(), layout=BlockTable(engine.block_table, sc.PAGE, num_slots=sc.NUM_SLOTS))
+    rt = CanaryRuntime.create(CanaryConfig(backend=backend, sweep_interval=2, logger=LOGGER), pools,
+                              Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS), sweep_source=engine.held)
+    oracle = oracle_for(engine, rt)  # the oracle plans from req_to_token, which the engine keeps in step
+    reports = drive(engine, rt, oracle, hooks=faults(engine))
+    want = {k: sorted(tuple(r) for r in v) for k, v in oracle.rows.items() if v}
+    assert {k: sorted(v) for k, v in rows_by_launch(reports).items()} == want and want
+    assert not any(r.health_problems or r.status_bits or r.plan_status for r in reports)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_raise_mode_raises_one_step_after_the_launch_with_the_decoded_rows(backend):
     engine = sc.ToyEngine(swa=True)
     rt = make(engine, backend, mode="raise", write_input_assert=True)
@@ -227,8 +242,8 @@ def test_off_mode_allocates_and_launches_nothing(monkeypatch):
     reports = drive(engine, rt)
     assert calls == [] and rt.groups == {} and rt.stages == {}
     assert all(r.clean for r in reports) and rt.stats()["forwards"] == {"target": 0}
-    live = make(sc.ToyEngine(swa=True), sweep_interval=1)
-    drive(sc.ToyEngine(swa=True), live, steps=1)
+    engine = sc.ToyEngine(swa=True)
+    drive(engine, make(engine, sweep_interval=1), steps=1)
     assert calls  # the same loop in log mode does launch
 
 
@@ -423,6 +438,8 @@ def test_creation_validates_the_description():
     pools = engine.pools()
     with pytest.raises(CanaryArgumentError, match="model must be one of target"):
         make(engine).prepare(engine.step_batch(engine.schedule(0)), model="draft")
+    with pytest.raises(CanaryArgumentError, match="needs a sweep_source"):
+        CanaryRuntime.create(CanaryConfig(sweep_interval=4), pools, Capacities(max_batch_size=2, max_tokens=2))
     with pytest.raises(CanaryArgumentError, match="covers"):
         CanaryRuntime.create(CanaryConfig(), type(pools)(
             (type(pools.groups[0])("FULL", sc.NUM_SLOTS * 2, pools.groups[0].k_sources),),

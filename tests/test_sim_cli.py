@@ -75,7 +75,7 @@ def test_a_small_simulation_writes_its_reports_and_exits_0(tmp_path, capsys):
     report = json.loads((tmp_path / "r.json").read_text())
     assert validate(report) == [] and report["passed"]
     assert (tmp_path / "r.html").read_text().startswith("<!doctype html>")
-    dumped = sorted(p.name.split("-step")[0] for p in (tmp_path / "dumps").glob("*.npz"))
+    dumped = sorted(p.name.split("-seed2-step")[0] for p in (tmp_path / "dumps").glob("*.npz"))
     assert dumped == sorted(FAULT_KINDS)
     assert "kvcanary replay" in captured.out
 
@@ -94,3 +94,61 @@ def test_python_dash_m_is_the_same_command():
     done = subprocess.run([sys.executable, "-m", "kvcanary_cupy", "simulate", "--steps", "-1"], capture_output=True,
                           text=True, env=env, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
+
+
+TOO_SMALL = ["simulate", "--preset", "decode", "--inject", "stale-expected", "--steps", "10", "--requests", "2",
+             "--seed", "1", "--backend", "numpy", "--quiet", "--plain"]
+
+
+def test_a_kind_the_workload_cannot_host_is_inconclusive_with_status_4_and_a_warning(capsys):
+    assert main(TOO_SMALL) == 4
+    out = capsys.readouterr().out
+    assert "warning: the workload is too small to inject stale-expected" in out
+    assert "INCONCLUSIVE: could not inject stale-expected" in out and "FAIL" not in out
+
+
+def test_help_promises_only_what_the_run_does():
+    from kvcanary_cupy.cli import build_parser
+
+    text = " ".join(build_parser()._subparsers._group_actions[0].choices["simulate"].format_help().split())
+    assert "is injected at least once" not in text
+    assert 'reported as "could not inject"' in text and "4 when nothing failed but a requested kind could not" in text
+
+
+def test_json_dash_writes_the_report_alone_to_stdout(capsys):
+    assert main(["simulate", "--preset", "decode", "--steps", "8", "--requests", "2", "--backend", "numpy",
+                 "--quiet", "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert validate(report) == [] and report["outcome"] == "passed"
+    assert "PASS" in captured.err and not (ROOT / "-").exists()
+
+
+def test_an_unwritable_report_path_is_refused_before_the_run(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["simulate", "--steps", "5", "--html", str(blocker / "r.html")]) == 2
+    err = capsys.readouterr().err
+    assert "--html" in err and "cannot create" in err
+
+
+def test_a_report_that_cannot_be_written_after_the_run_keeps_the_verdict(tmp_path, monkeypatch, capsys):
+    import kvcanary_cupy.sim.report as report_mod
+
+    def disk_full(report, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(report_mod, "write_html", disk_full)
+    assert main([*TOO_SMALL, "--html", str(tmp_path / "r.html")]) == 4
+    assert "cannot write" in capsys.readouterr().err
+    assert main(["simulate", "--preset", "decode", "--steps", "8", "--requests", "2", "--backend", "numpy",
+                 "--quiet", "--html", str(tmp_path / "r.html")]) == 0
+
+
+def test_dumps_of_two_seeds_do_not_overwrite_each_other(tmp_path):
+    for seed in ("2", "3"):
+        assert main(["simulate", "--preset", "decode", "--inject", "kv-bitflip", "--steps", "20", "--requests", "6",
+                     "--seed", seed, "--backend", "numpy", "--quiet", "--plain",
+                     "--dump-failures", str(tmp_path)]) == 0
+    names = sorted(p.name for p in tmp_path.glob("*.npz"))
+    assert [n.split("-step")[0] for n in names] == ["kv-bitflip-seed2", "kv-bitflip-seed3"], names

@@ -5,14 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcanary_cupy.sim.engine import (
-    Engine,
-    RadixTree,
-    SlotAllocator,
-    WorkloadShape,
-    make_workload,
-    size_engine,
-)
+from kvcanary_cupy.sim.allocator import SlotAllocator
+from kvcanary_cupy.sim.engine import Engine, size_engine
+from kvcanary_cupy.sim.radix import RadixTree
+from kvcanary_cupy.sim.workload import WorkloadShape, make_workload
 
 
 def i64(values) -> np.ndarray:

@@ -6,12 +6,16 @@ from __future__ import annotations
 import copy
 import io
 import json
+import re
 import sys
+import time
 
 import pytest
 
+import kvcanary_cupy
 from kvcanary_cupy.sim import SCHEMA, SimConfig, deterministic_view, parse_inject, run_simulation, validate
 from kvcanary_cupy.sim import report as report_mod
+from kvcanary_cupy.sim.runner import Simulation
 
 
 @pytest.fixture(scope="module")
@@ -64,30 +68,97 @@ def test_the_validator_rejects_wrong_reports(faulty_report):
 
 
 def test_the_terminal_table_uses_rich_and_falls_back_to_plain_text(faulty_report, monkeypatch):
+    pytest.importorskip("rich")
     out = io.StringIO()
     report_mod.print_report(faulty_report, out)
     fancy = out.getvalue()
-    assert "┃ fault kind" in fancy and "PASS" in fancy
+    assert "─" * 20 in fancy and "fault kind" in fancy and "PASS" in fancy  # rich's header rule
     monkeypatch.setitem(sys.modules, "rich", None)  # as if the report extra were not installed
     assert report_mod._rich() is None
     out = io.StringIO()
     report_mod.print_report(faulty_report, out)
     plain = out.getvalue()
-    assert plain.splitlines()[2].startswith("fault kind") and "---------------" in plain
+    assert plain.splitlines()[2].startswith("fault kind") and "--------" in plain
     for kind in faulty_report["kinds"]:
         assert kind["kind"] in plain
     assert plain == report_mod.render_text(faulty_report) + "\n"
 
 
-def test_the_html_report_embeds_a_plot_and_degrades_without_matplotlib(faulty_report, tmp_path, monkeypatch):
+@pytest.mark.parametrize("plain", [False, True])
+def test_the_terminal_report_fits_80_columns_and_keeps_every_word(faulty_report, plain):
+    if not plain:
+        pytest.importorskip("rich")
+    out = io.StringIO()
+    report_mod.print_report(faulty_report, out, plain=plain, width=80)
+    lines = out.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= 80, max(lines, key=len)
+    words = out.getvalue().split()
+    for kind in faulty_report["kinds"]:  # fault names are never broken
+        assert kind["kind"] in words
+        for reason in kind["reasons"]:
+            label = report_mod.short_reason(reason)
+            assert label in words or f"{label}," in words, label
+    wide = io.StringIO()
+    report_mod.print_report(faulty_report, wide, plain=plain, width=200)
+    assert len(wide.getvalue().splitlines()) < len(lines)  # a wider terminal gets fewer, longer lines
+
+
+def test_a_timestamped_host_stamped_report_keeps_those_out_of_the_deterministic_view(faulty_report):
+    gen = faulty_report["generated"]
+    assert gen["tool"] == "kvcanary-cupy" and gen["version"] == kvcanary_cupy.__version__ and gen["host"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", gen["timestamp"])
+    assert "generated" not in deterministic_view(faulty_report)
+
+
+def test_kernel_compilation_is_timed_apart_from_the_per_step_costs(monkeypatch):
+    import kvcanary_cupy.backends as backends
+    import kvcanary_cupy.sim.runner as runner
+
+    calls = []
+
+    def slow_prepare(name: str) -> float:  # what a cold compile looks like: one long call before the loop
+        calls.append(name)
+        time.sleep(0.3)
+        return 0.3
+
+    monkeypatch.setattr(runner, "prepare_backend", slow_prepare)
+    sim = Simulation(SimConfig(preset="decode", steps=6, requests=2, seed=1, backend="numpy"))
+    started = time.perf_counter()
+    report = sim.run()
+    outside = time.perf_counter() - started
+    assert calls == ["numpy"] and report["cost"]["compile_s"] == 0.3
+    assert outside - report["cost"]["wall_s"] >= 0.3  # the compile is not inside the timed run
+    assert backends.prepare_backend("numpy") == 0.0
+
+
+def test_prepare_backend_builds_every_host_module_before_any_launch(tmp_path, monkeypatch):
+    from kvcanary_cupy.backends import _kernel_backend, prepare_backend, unavailable_reason
+    from kvcanary_cupy.backends.kernel_backend import KERNEL_FILES
+
+    if unavailable_reason("host") is not None:
+        pytest.skip(f"host backend: {unavailable_reason('host')}")
+    monkeypatch.setenv("KVCANARY_CACHE_DIR", str(tmp_path))
+    _kernel_backend.cache_clear()
+    try:
+        seconds = prepare_backend("host")
+        built = sorted(p.name.split("-")[0] for p in (tmp_path / "hostcuda").glob("*.so"))
+    finally:
+        _kernel_backend.cache_clear()
+    assert seconds > 0 and built == sorted(f.removesuffix(".cu") for f in KERNEL_FILES)
+
+
+def test_the_html_report_inlines_an_svg_plot_and_degrades_without_matplotlib(faulty_report, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     html = report_mod.write_html(faulty_report, tmp_path / "r.html").read_text()
-    assert "data:image/png;base64," in html and "Detection by fault kind" in html
+    assert "<svg" in html and "<?xml" not in html and "data:image" not in html and "Detection by fault kind" in html
     for kind in faulty_report["kinds"]:
-        assert kind["kind"] in html
+        assert f'<td class="name">{kind["kind"]}</td>' in html
+    for label in ("chain", "write-position", "real-kv"):
+        assert f"<dt>{label}</dt>" in html  # the legend of reason labels
+    assert faulty_report["generated"]["timestamp"] in html and faulty_report["generated"]["host"] in html
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     bare = report_mod.render_html(faulty_report)
-    assert "data:image/png" not in bare and "install matplotlib" in bare
+    assert "<svg" not in bare and "install matplotlib" in bare
 
 
 def test_a_clean_report_says_so():

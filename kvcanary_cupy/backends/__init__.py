@@ -5,19 +5,25 @@
 * ``host`` — the same ``kernels/*.cu`` compiled by g++ and run on the CPU (:mod:`kvcanary_cupy.hostcuda`);
   CPU arrays. Set ``KVCANARY_HOST_SANITIZE=1`` to build it with AddressSanitizer and UBSan.
 
-Validation happens before dispatch (in the launcher modules), so backends only compute.
+Validation happens before dispatch (in the launcher modules), so backends only compute. Availability, the
+backend ``auto`` picks and kernel compiles are logged on the ``kvcanary_cupy`` logger (info / debug).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._errors import fail
 
 if TYPE_CHECKING:
     from ..dlpack import Device
+    from .kernel_backend import KernelBackend
+
+log = logging.getLogger(__name__)
 
 BACKEND_NAMES = ("numpy", "cuda", "host")
 
@@ -34,7 +40,17 @@ class Backend(Protocol):
 @functools.cache
 def unavailable_reason(name: str) -> str | None:
     """None if backend ``name`` can run on this machine, else why not (asked once per process: launches
-    resolve their backend every call, and probing a driver or PATH each time would cost host time)."""
+    resolve their backend every call, and probing a driver or PATH each time would cost host time). For
+    ``cuda`` this includes loading NVRTC, so ``auto`` never picks a backend that fails at its first compile."""
+    reason = _probe(name)
+    if reason is None:
+        log.debug("backend %s is available", name)
+    else:
+        log.info("backend %s is unavailable: %s", name, reason)
+    return reason
+
+
+def _probe(name: str) -> str | None:
     if name == "numpy":
         return None
     if name == "host":
@@ -64,7 +80,7 @@ def _numpy_backend(on_invalid: str) -> Backend:
 
 
 @functools.cache
-def _kernel_backend(name: str, sanitize: bool) -> Backend:
+def _kernel_backend(name: str, sanitize: bool) -> KernelBackend:
     if name == "cuda":
         from .cuda import make_cuda_backend
 
@@ -84,6 +100,7 @@ def resolve_backend(backend: str, device: Device, on_invalid: str | None = None)
     name = backend
     if name == "auto":
         name = "numpy" if device.kind == "cpu" else "cuda"
+        _log_auto_choice(device.kind, name)
     if name in ("numpy", "host") and device.kind != "cpu":
         fail(f"backend={name!r} runs on CPU arrays, but the arrays are on {device}")
     if name == "cuda" and device.kind != "cuda":
@@ -98,3 +115,24 @@ def resolve_backend(backend: str, device: Device, on_invalid: str | None = None)
         fail(f"on_invalid='raise' needs the numpy backend; backend={name!r} flags invalid device values in "
              "the status word instead (a kernel cannot raise without a host synchronisation)")
     return _kernel_backend(name, host_sanitize_requested() if name == "host" else False)
+
+
+@functools.cache
+def _log_auto_choice(device_kind: str, name: str) -> None:  # cached: once per process, not per launch
+    log.debug("backend auto: %s for %s arrays", name, device_kind)
+
+
+def prepare_backend(name: str) -> float:
+    """Compile (or load from the cache) every kernel module of backend ``name`` now, so that no later launch
+    pays for it; returns the seconds it took (0 for ``numpy``, which compiles nothing)."""
+    if name == "numpy":
+        return 0.0
+    reason = unavailable_reason(name)
+    if reason is not None:
+        fail(f"backend={name!r} is not available here: {reason}")
+    started = time.perf_counter()
+    backend = _kernel_backend(name, host_sanitize_requested() if name == "host" else False)
+    backend.load_all()
+    seconds = time.perf_counter() - started
+    log.info("backend %s: kernels compiled or loaded in %.2f s", name, seconds)
+    return seconds

@@ -9,6 +9,8 @@ the options so that CuPy's on-disk cache, which keys on the main text only, neve
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -16,13 +18,32 @@ import numpy as np
 from ..dlpack import cupy_module
 from .kernel_backend import KernelBackend, LaunchShape, kernel_source, kernels_dir, source_hash
 
+log = logging.getLogger(__name__)
+
 
 def nvrtc_options() -> tuple[str, ...]:
     """Options for every kernel module (also used by the NVRTC compile check)."""
     return ("-std=c++17", f"--include-path={kernels_dir()}", f"-DKVC_SOURCE_HASH=0x{source_hash()}ull")
 
 
+def _cupy() -> Any:
+    cupy = cupy_module()
+    if cupy is None:
+        raise RuntimeError("CuPy is not installed (install the cuda12 or cuda13 extra)")
+    return cupy
+
+
+def nvrtc_version() -> tuple[int, int]:
+    """(major, minor) of the NVRTC that CuPy loads; raises when it cannot load one. Loading the library is
+    all this costs (milliseconds): no compilation."""
+    cupy = _cupy()
+    major, minor = cupy.cuda.nvrtc.getVersion()
+    return int(major), int(minor)
+
+
 def cuda_unavailable_reason() -> str | None:
+    """None when the cuda backend can compile and launch here: CuPy imports, a device is visible and NVRTC
+    loads (a CuPy without a loadable NVRTC would fail at the first compile, mid-run)."""
     cupy = cupy_module()
     if cupy is None:
         return "CuPy is not installed (install the cuda12 or cuda13 extra)"
@@ -30,17 +51,28 @@ def cuda_unavailable_reason() -> str | None:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # no driver, or CUDA runtime libraries missing
         return f"CuPy cannot reach a CUDA device ({type(exc).__name__}: {exc})"
-    return None if count > 0 else "no CUDA device is visible"
+    if count <= 0:
+        return "no CUDA device is visible"
+    try:
+        nvrtc_version()
+    except Exception as exc:
+        return (f"CuPy {cupy.__version__} cannot load NVRTC ({type(exc).__name__}: {exc}); install the cuda12 or "
+                "cuda13 extra matching torch.version.cuda, which brings CuPy >= 14 and the NVRTC wheel")
+    return None
 
 
 @functools.cache
 def _raw_module(file: str) -> Any:
-    cupy = cupy_module()
-    return cupy.RawModule(code=kernel_source(file), options=nvrtc_options())
+    cupy = _cupy()
+    started = time.perf_counter()
+    module = cupy.RawModule(code=kernel_source(file), options=nvrtc_options())
+    module.compile()  # now, not inside the first launch (which may be under CUDA-graph capture)
+    log.info("compiled kernels/%s with NVRTC in %.2f s", file, time.perf_counter() - started)
+    return module
 
 
 def _gpu_shape() -> LaunchShape:
-    cupy = cupy_module()
+    cupy = _cupy()
     sms = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
     return LaunchShape(
         plan_offsets_block=1024,

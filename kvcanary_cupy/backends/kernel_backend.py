@@ -106,6 +106,11 @@ class KernelBackend:
         self._null = null
         self._functions: dict[str, Any] = {}
 
+    def load_all(self) -> None:
+        """Build (or load from the cache) every kernel module now rather than at its first launch."""
+        for file in KERNEL_FILES:
+            self._load_module(file)
+
     def function(self, file: str, name: str) -> Any:
         key = f"{file}:{name}"
         fn = self._functions.get(key)

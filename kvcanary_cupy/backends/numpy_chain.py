@@ -180,9 +180,9 @@ def write_reference(launch: Any, on_invalid: str) -> None:
     step_bounds = np.searchsorted(rank[order], np.arange(int(rank.max()) + 2 if n else 1))
     for step in range(step_bounds.shape[0] - 1):
         sel = order[step_bounds[step]:step_bounds[step + 1]]
-        r = req[sel]
-        prev_hash[sel] = running[r]
-        running[r] = mix3(running[r], token[sel].view(np.uint64), pos[sel].view(np.uint64))
+        rows = req[sel]
+        prev_hash[sel] = running[rows]
+        running[rows] = mix3(running[rows], token[sel].view(np.uint64), pos[sel].view(np.uint64))
     prev_hash_i64 = prev_hash.view(np.int64)
 
     rkv = fold_real_kv(s, ctx.sources, ctx.mode).view(np.int64)

@@ -321,10 +321,11 @@ def launch_canary_plan_kernels_torch_reference(
     if not isinstance(write_plan_out, _plan.WritePlan):
         fail(f"write_plan_out must be a WritePlan, got {type(write_plan_out).__name__}")
 
-    def wide(obj: Any, name: str) -> torch.Tensor | None:
+    # Any: a None passes through to the core launcher, whose validation names the missing argument.
+    def wide(obj: Any, name: str) -> Any:
         return None if obj is None else _host_input(obj, name, torch.int64)
 
-    def narrow(obj: Any, name: str) -> torch.Tensor | None:
+    def narrow(obj: Any, name: str) -> Any:
         return None if obj is None else _host_int32(obj, name)
 
     # Outputs: host tensors of the core dtypes, starting from the plans' current contents so that entries

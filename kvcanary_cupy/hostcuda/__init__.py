@@ -21,9 +21,10 @@ same word. Kernel value arguments must be NumPy scalars of the parameter's exact
 not ``5``): CuPy does not check widths, so a bare Python int that happens to work on the host could pass a
 wrong-sized value on the GPU.
 
-Builds are cached under ``$KVCANARY_CACHE_DIR/hostcuda`` (default ``~/.cache/kvcanary_cupy/hostcuda``),
-keyed by the runtime and shim sources, the kernel code, every header it includes from ``include_dirs``,
-the flags and the compiler version. ``sanitize=True`` builds with AddressSanitizer and UBSan; such a module
+Builds are cached under ``hostcuda/`` of the package cache (:mod:`kvcanary_cupy.cache`: ``$KVCANARY_CACHE_DIR``,
+else ``$XDG_CACHE_HOME/kvcanary_cupy``, else ``~/.cache/kvcanary_cupy``; pruned to a size cap), keyed by the
+runtime and shim sources, the kernel code, every header it includes from ``include_dirs``, the flags and the
+compiler version. ``sanitize=True`` builds with AddressSanitizer and UBSan; such a module
 loads only into a process started with libasan preloaded (see :func:`sanitizer_preload`).
 """
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import operator
 import os
 import posixpath
@@ -39,11 +41,16 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ..cache import host_module_dir, prune, touch
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "SHARED_MEMORY_POISON_WORD",
@@ -351,13 +358,6 @@ def _included_headers(code: str, include_dirs: Sequence[Path]) -> dict[str, tupl
 # ---- building ---------------------------------------------------------------------------------------------
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("KVCANARY_CACHE_DIR")
-    path = Path(root) / "hostcuda" if root else Path.home() / ".cache" / "kvcanary_cupy" / "hostcuda"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def _runtime_sources() -> dict[str, str]:
     return {name: (_HERE / name).read_text(encoding="utf-8") for name in _RUNTIME_FILES}
 
@@ -393,7 +393,7 @@ _loaded: dict[str, ctypes.CDLL] = {}
 
 def _runtime_object(cxx: str, version: str, flags: tuple[str, ...], sources: dict[str, str]) -> Path:
     key = _digest(_CACHE_FORMAT, "runtime", version, *flags, *(f"{k}\n{v}" for k, v in sorted(sources.items())))
-    target = _cache_dir() / f"kvc-host-runtime-{key[:32]}.o"
+    target = host_module_dir() / f"kvc-host-runtime-{key[:32]}.o"
     if not target.exists():
 
         def build(tmp: Path) -> Path:
@@ -405,6 +405,7 @@ def _runtime_object(cxx: str, version: str, flags: tuple[str, ...], sources: dic
             return out
 
         _build_atomically(target, build)
+    touch(target)
     return target
 
 
@@ -490,10 +491,15 @@ class HostModule:
             kernel_text,
             unit,
         )
-        target = _cache_dir() / f"{stem}-{key[:32]}{'-asan' if self.sanitize else ''}.so"
+        target = host_module_dir() / f"{stem}-{key[:32]}{'-asan' if self.sanitize else ''}.so"
         self.library_path = target
         self.from_cache = target.exists()
-        if not self.from_cache:
+        if self.from_cache:
+            touch(target)
+            log.debug("host module %r: cached build %s", name, target)
+        else:
+            log.info("compiling host module %r with %s%s", name, cxx, " (sanitized)" if self.sanitize else "")
+            started = time.perf_counter()
             runtime = _runtime_object(cxx, version, runtime_flags, sources)
 
             def build(tmp: Path) -> Path:
@@ -527,6 +533,8 @@ class HostModule:
                 return out
 
             _build_atomically(target, build)
+            log.info("compiled host module %r in %.2f s: %s", name, time.perf_counter() - started, target)
+            prune(target.parent, keep=(target, runtime))
 
         if self.sanitize and not _asan_runtime_loaded():
             raise HostBuildError(

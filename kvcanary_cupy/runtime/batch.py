@@ -78,6 +78,7 @@ class StagedBatch:
         self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
         self.with_oracle, self.with_valid_lens, self.needs_rows = with_oracle, with_valid_lens, needs_rows
         self.buffers: dict[str, Buffer] = {}
+        self._used: dict[str, int] = {}  # entries the last stage() wrote; everything after them is padding
         for name in self.ROW_FIELDS:
             if name != "valid_lens" or with_valid_lens:
                 self.buffers[name] = Buffer(*space.alloc(max_batch_size, np.int64, 0))
@@ -133,15 +134,17 @@ class StagedBatch:
         return out
 
     def stage(self, views: dict[str, Any]) -> None:
-        """Copy validated views into the staged buffers and pad the tails (device copies, no host sync)."""
+        """Copy validated views into the staged buffers and pad the tails (device copies, no host sync). Only
+        the entries the previous batch used are re-padded: the cost follows the batch, not the capacity."""
         for name, buf in self.buffers.items():
             src = views.get(name)
             n = 0 if src is None else int(src.shape[0])
             if n:
                 buf.view[:n] = src
-            pad = -1 if name == "out_cache_loc" else 0
-            if n < buf.view.shape[0]:
-                buf.view[n:] = pad
+            used = self._used.get(name, 0)
+            if used > n:
+                buf.view[n:used] = -1 if name == "out_cache_loc" else 0
+            self._used[name] = n
 
 
 class StagedHistory:
@@ -152,6 +155,7 @@ class StagedHistory:
         self.flat = Buffer(*space.alloc(max_tokens, np.int64, 0))
         self.offsets = Buffer(*space.alloc(max_rows + 1, np.int64, 0))
         self.rows = Buffer(*space.alloc(max_rows, np.int64, 0))
+        self._rows_used = 0
 
     def validate(self, batch: StepBatch) -> tuple[Any, Any, Any] | None:
         parts = (batch.history_ids, batch.history_offsets, batch.history_req_pool_indices)
@@ -183,7 +187,10 @@ class StagedHistory:
         if n:
             self.flat.view[:n] = flat
         self.offsets.view[: k + 1] = offsets
-        self.offsets.view[k + 1 :] = self.offsets.view[k : k + 1]  # padding rows: empty segments at the end
+        # padding rows (pool row 0) get empty segments at the end
+        self.offsets.view[k + 1 :] = self.offsets.view[k : k + 1]
         self.rows.view[:k] = rows
-        self.rows.view[k:] = 0
+        if self._rows_used > k:
+            self.rows.view[k : self._rows_used] = 0
+        self._rows_used = k
         return True

@@ -19,7 +19,7 @@ from ..context import VerifyOrWriteContext
 from ..dlpack import as_array
 from ..plan import VerifyPlan, WritePlan
 from .batch import Buffer, StagedBatch
-from .pools import KvGroup
+from .pools import KvGroup, row_less
 from .scalars import Scalars
 from .space import ArraySpace
 
@@ -176,7 +176,8 @@ def bind_group(state: GroupState, stage: StagedBatch, *, layout: tuple[str, Any]
     flag = "flag"
     state.plan = bind_plan(
         verify_plan_out=state.verify_plan, write_plan_out=state.write_plan,
-        req_pool_indices=stage.owner("req_pool_indices"), prefix_lens=stage.owner("prefix_lens"),
+        req_pool_indices=None if row_less(layout[1]) else stage.owner("req_pool_indices"),
+        prefix_lens=stage.owner("prefix_lens"),
         extend_seq_lens=stage.owner("extend_seq_lens"), **{layout[0]: layout[1]},
         swa_window_size=spec.swa_window, full_to_swa_index_mapping=spec.full_to_swa_index_mapping,
         verify_capacity=int(state.verify_plan.verify_slot_indices.shape[0]),

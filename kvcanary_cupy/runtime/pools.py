@@ -16,6 +16,7 @@ from .._errors import fail
 from .._validate import int_arg
 from ..constants import MAX_REAL_KV_SOURCES
 from ..context import RealKvSource
+from ..layouts import BlockTable, PageList
 
 _INT32_MAX = (1 << 31) - 1
 
@@ -118,8 +119,11 @@ class KvPools:
     """Every attention group of the engine and the slot layout the plan reads.
 
     Exactly one of ``req_to_token`` (SGLang's int32 ``[rows, max_seq_len]`` table, the same as
-    ``layout=TokenTable(req_to_token)``) and ``layout`` is given, unless every group has its own layout. The
-    layout's arrays are bound once: the engine refills them in place and never reallocates them.
+    ``layout=TokenTable(req_to_token)``) and ``layout`` (a :mod:`kvcanary_cupy.layouts` object: ``TokenTable``,
+    ``BlockTable``, ``PageList``) is given, unless every group has its own layout. The layout's arrays are bound
+    once, at the runtime's padded batch size: the engine refills them in place and never reallocates them
+    (``BlockTable(batch_rows=True)`` needs ``max_batch_size`` table rows, ``PageList`` a ``kv_page_indptr`` of
+    ``max_batch_size + 1`` entries whose unused tail repeats the last value).
     """
 
     groups: tuple[KvGroup, ...]
@@ -153,6 +157,14 @@ class KvPools:
         """The forwards, in the order their first group appears."""
         return tuple(dict.fromkeys(g.model for g in self.groups))
 
+    def engine_arrays(self) -> list[Any]:
+        """Every engine-owned array the canary reads in place (slot tables, LUTs, real-KV tensors)."""
+        out = [self.req_to_token, self.layout]
+        for g in self.groups:
+            out += [g.full_to_swa_index_mapping, g.layout, *(s.tensor for s in g.k_sources),
+                    *(s.tensor for s in g.v_sources or ())]
+        return [a for a in out if a is not None]
+
     def layout_of(self, group: KvGroup) -> tuple[str, Any]:
         """``("req_to_token", table)`` or ``("layout", layout)``: the plan keyword for ``group``."""
         if group.layout is not None:
@@ -160,3 +172,9 @@ class KvPools:
         if self.layout is not None:
             return "layout", self.layout
         return "req_to_token", self.req_to_token
+
+
+def row_less(layout: Any) -> bool:
+    """Whether a layout's table rows are batch rows, so that the plan takes no ``req_pool_indices``
+    (``BlockTable(batch_rows=True)`` and ``PageList``)."""
+    return isinstance(layout, PageList) or (isinstance(layout, BlockTable) and layout.batch_rows is True)

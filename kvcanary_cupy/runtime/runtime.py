@@ -26,11 +26,12 @@ import numpy as np
 
 from .._errors import fail
 from ..bind import BoundLaunch, bind_scatter
+from ..dlpack import first_torch_cuda_tensor
 from ..violations import ViolationReport, decode_row
 from .batch import Buffer, StagedBatch, StagedHistory, StepBatch
 from .config import CanaryConfig, Capacities
 from .groups import Endpoint, GroupState, bind_group, build_group, counter_name, gather_lut, reserve_scalars
-from .pools import KvPools
+from .pools import KvPools, row_less
 from .reporting import StepReport, publish
 from .scalars import Scalars
 from .space import ArraySpace
@@ -79,11 +80,6 @@ class _Totals:
     counters: dict[str, int] = field(default_factory=dict)  # last snapshot's run counters
 
 
-def _row_less(layout: Any) -> bool:
-    """Layouts whose table rows are batch rows (no req_pool_indices needed)."""
-    return type(layout).__name__ == "PageList" or getattr(layout, "batch_rows", False) is True
-
-
 class CanaryRuntime:
     """The whole canary of one engine: buffers, plans, rings, counters, bound launches and the step protocol.
 
@@ -104,6 +100,9 @@ class CanaryRuntime:
             fail(f"capacities must be a Capacities, got {type(capacities).__name__}")
         if sweep_source is not None and not callable(sweep_source):
             fail(f"sweep_source must be callable, got {type(sweep_source).__name__}")
+        if config.sweep_interval and sweep_source is None:
+            fail(f"CanaryConfig.sweep_interval={config.sweep_interval} needs a sweep_source (the slots the prefix "
+                 "cache holds)")
         self.config, self.pools, self.capacities = config, pools, capacities
         self.space = ArraySpace(device, framework)
         self.sweep_source = sweep_source
@@ -145,6 +144,9 @@ class CanaryRuntime:
 
     def _build(self) -> None:
         cfg, caps, space, pools = self.config, self.capacities, self.space, self.pools
+        if space.is_cuda and space.framework != "torch" and first_torch_cuda_tensor(pools.engine_arrays()) is not None:
+            # the runtime's copies would run on CuPy's stream and the launches on torch's: no ordering between them
+            fail("the KV pools hold torch CUDA tensors: create the runtime with framework='torch'")
         table = pools.req_to_token
         pool_shape = None
         if cfg.verify_token_assert:
@@ -162,7 +164,7 @@ class CanaryRuntime:
         self.scalars.allocate(space)
         sweep_cap = caps.max_sweep_slots or max(g.num_slots for g in pools.groups)
         for model in self.models:
-            needs_rows = any(not _row_less(pools.layout_of(g)[1]) for g in pools.groups if g.model == model)
+            needs_rows = any(not row_less(pools.layout_of(g)[1]) for g in pools.groups if g.model == model)
             self.stages[model] = StagedBatch(space, model=model, max_batch_size=caps.max_batch_size,
                                              max_tokens=caps.max_tokens, with_oracle=cfg.write_input_assert,
                                              with_valid_lens=cfg.verify_token_assert, needs_rows=needs_rows)
@@ -186,6 +188,12 @@ class CanaryRuntime:
                        backend=cfg.backend)
             self.groups[group.name] = state
             self._by_model[group.model].append(state)
+        self._group_index = {name: i for i, name in enumerate(self.groups)}
+        # (endpoint, op, slot-counter name, kernel-counter name) per group, in endpoint order
+        self._counters = {name: [(ep, op, counter_name(state, ep, op, "slots"), counter_name(state, ep, op, "kernels"))
+                                 for ep in state.all_endpoints()
+                                 for op in (("verify", "write") if ep.write_ctx is not None else ("verify",))]
+                          for name, state in self.groups.items()}
         self._sweep_capacity = sweep_cap
         self._sweep_host = {k: space.host(sweep_cap, np.int64) for k in ("slots", "positions", "prevs")}
         self._sweep_in = {k: Buffer(*space.alloc(sweep_cap, np.int64)) for k in ("slots", "positions", "prevs")}
@@ -379,20 +387,28 @@ class CanaryRuntime:
             if snap.forwards.get(state.model, 0) and sc.value(host, f"{name}.plan.enable") == 0:
                 report.overflowed.append(name)
                 totals.overflows[name] = totals.overflows.get(name, 0) + 1
+        report.new_violations.sort(key=self._launch_order)
         report.scatter_status = sc.value(host, "scatter.status")
         totals.status_bits |= report.scatter_status
         totals.violations += len(report.new_violations)
         totals.dropped += report.dropped
-        for state in self.groups.values():
-            for ep in state.all_endpoints():
-                for op in ("verify", "write") if ep.write_ctx is not None else ("verify",):
-                    for what in ("slots", "kernels"):
-                        key = counter_name(state, ep, op, what)
-                        totals.counters[key] = sc.value(host, key)
+        for keys in self._counters.values():
+            for _, _, slots_key, kernels_key in keys:
+                totals.counters[slots_key] = sc.value(host, slots_key)
+                totals.counters[kernels_key] = sc.value(host, kernels_key)
         if self.config.health_check:
             report.health_problems = self._health(snap)
             totals.health_failures += len(report.health_problems)
         return report
+
+    def _launch_order(self, item: tuple[str, Any]) -> tuple[int, ...]:
+        """Rows of one step in the order their launches ran: per model (in order of first appearance), HEAD of
+        every group then TAIL of every group; the sweep last; ring order within a launch."""
+        group, v = item
+        role = v.launch_tag.split("_", 1)[0]
+        state = self.groups[group]
+        model = self.models.index(state.model)
+        return (role == "SWEEP", model, role == "TAIL", self._group_index[group], v.index)
 
     def _drain(self, state: GroupState, n: int) -> None:
         """Drop the ``n`` rows just read (stream-ordered after every launch enqueued since): rows appended
@@ -403,9 +419,12 @@ class CanaryRuntime:
         shift = min(n, cap)
         wi, lost, temp = sc.view(f"{name}.write_index"), sc.view(f"{name}.lost"), sc.view(f"{name}.drain_temp")
         with self.space.scope():
-            if shift < cap:
-                scratch[: cap - shift] = ring[shift:]
-                ring[: cap - shift] = scratch[: cap - shift]
+            # a device write index cannot be read without a sync: move the whole tail; on the CPU move only the
+            # rows appended since the snapshot
+            end = cap if self.space.is_cuda else min(int(wi[0]), cap)
+            if shift < end:
+                scratch[: end - shift] = ring[shift:end]
+                ring[: end - shift] = scratch[: end - shift]
             # rows still held after the shift: r = max(0, min(w, cap) - shift); the rest of (w - n) was lost
             xp.minimum(wi, cap, out=temp)
             temp -= shift
@@ -431,21 +450,21 @@ class CanaryRuntime:
         for name, state in self.groups.items():
             forwards = snap.forwards.get(state.model, 0)
             ref: dict[str, int] = {}
-            for ep in state.all_endpoints():
-                for op in ("verify", "write") if ep.write_ctx is not None else ("verify",):
-                    kernels = sc.value(host, counter_name(state, ep, op, "kernels"))
-                    want = snap.sweep_launches[name] if ep.role == "SWEEP" else forwards
+            for ep, op, slots_key, kernels_key in self._counters[name]:
+                want = snap.sweep_launches[name] if ep.role == "SWEEP" else forwards
+                kernels = sc.value(host, kernels_key)
+                if kernels != want - self._health_offsets.get(kernels_key, 0):
                     whom = f"prepare() call of model {state.model!r}" if ep.role != "SWEEP" else "sweep launch"
-                    check(counter_name(state, ep, op, "kernels"), kernels, want,
-                          f"group {name}: {ep.tag.name} {op} kernel ran (count) vs one per {whom}")
-                    if ep.role == "SWEEP":
-                        continue
-                    slots = sc.value(host, counter_name(state, ep, op, "slots"))
-                    if op in ref:
-                        check(counter_name(state, ep, op, "slots"), slots, ref[op],
-                              f"group {name}: {ep.tag.name} {op} slot count vs HEAD_K (same plan, same batch)")
-                    else:
-                        ref[op] = slots
+                    check(kernels_key, kernels, want, f"group {name}: {ep.tag.name} {op} kernel ran (count) vs one "
+                                                      f"per {whom}")
+                if ep.role == "SWEEP":
+                    continue
+                slots = sc.value(host, slots_key)
+                if op not in ref:
+                    ref[op] = slots
+                elif slots != ref[op] - self._health_offsets.get(slots_key, 0):
+                    check(slots_key, slots, ref[op],
+                          f"group {name}: {ep.tag.name} {op} slot count vs HEAD_K (same plan, same batch)")
         return problems
 
     def check_health(self) -> list[str]:
@@ -505,17 +524,32 @@ class CanaryRuntime:
         self._totals.swept_slots += n
         return n
 
+    def run_counters(self) -> dict[tuple[str, str, str], tuple[int, int]]:
+        """Synchronise and read every run counter now: ``{(group, tag, "verify"|"write"): (slots, kernels)}``.
+        Outside any graph only (tests, reports at shutdown)."""
+        if not self.enabled:
+            return {}
+        host = self.scalars.host_buffers(self.space)
+        self.space.synchronize()
+        with self.space.scope():
+            self.scalars.copy_to(self.space, host)
+        self.space.synchronize()
+        return {(name, ep.tag.name, op): (self.scalars.value(host, slots_key), self.scalars.value(host, kernels_key))
+                for name, keys in self._counters.items() for ep, op, slots_key, kernels_key in keys}
+
     # -- stats ---------------------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         """Counters for metrics exporters (device counters as of the last snapshot read, one step late)."""
         t = self._totals
         protected = verified = 0
-        for state in self.groups.values():
-            head_k = state.endpoints["HEAD"][0]
-            protected += t.counters.get(counter_name(state, head_k, "write", "slots"), 0)
-            for ep in state.all_endpoints():
-                verified += t.counters.get(counter_name(state, ep, "verify", "slots"), 0)
+        for name, keys in self._counters.items() if self.enabled else ():
+            head_k = self.groups[name].endpoints["HEAD"][0]
+            for ep, op, slots_key, _ in keys:
+                if op == "verify":
+                    verified += t.counters.get(slots_key, 0)
+                elif ep is head_k:
+                    protected += t.counters.get(slots_key, 0)
         return {
             "mode": self.config.mode, "steps": self.step, "forwards": dict(self.forwards),
             "protected_tokens": protected, "verified_entries": verified, "sweeps": t.sweeps,

@@ -8,10 +8,12 @@
                                       inject=parse_inject(["all"])))
     assert report["passed"]
 
-Modules: :mod:`.engine` (pool, allocator, req_to_token, prefix cache, requests, batches, real KV, SWA, EAGLE
-draft, expected-token pool), :mod:`.faults` (one injector per fault kind, attribution), :mod:`.runner` (the
-step loop and the canary wiring), :mod:`.report` (JSON schema, terminal table, HTML) and :mod:`.replay`
-(dumping a failing launch and running it again on another backend).
+Modules: :mod:`.workload` (the requests of a run), :mod:`.allocator` (slot free list), :mod:`.radix` (prefix
+cache), :mod:`.kvstore` (real KV), :mod:`.requests` (requests and batches), :mod:`.engine` (scheduling,
+req_to_token, SWA, EAGLE draft), :mod:`.faults` (one injector per fault kind, attribution), :mod:`.config`
+(presets and options), :mod:`.runner` (the step loop; the canary is installed through
+:mod:`kvcanary_cupy.runtime`, like in any engine), :mod:`.report` (JSON schema, terminal table, HTML) and
+:mod:`.replay` (dumping a failing launch and running it again on another backend).
 """
 
 from __future__ import annotations

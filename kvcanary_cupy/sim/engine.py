@@ -1,4 +1,6 @@
-"""A small synthetic serving engine: the state a real engine keeps around its KV cache, and nothing else.
+"""A small synthetic serving engine (:class:`Engine`, sized by :class:`EngineConfig`): the state a real engine
+keeps around its KV cache, and nothing else. The pieces live in their own modules: :mod:`.workload`,
+:mod:`.allocator`, :mod:`.radix`, :mod:`.kvstore`, :mod:`.requests`; this one schedules and runs them.
 
 What it models (each piece is what the canary is meant to watch):
 
@@ -22,8 +24,8 @@ What it models (each piece is what the canary is meant to watch):
   shared prefix is still resident, as SGLang's SWA radix cache does.
 * **EAGLE draft pool** (optional) — the draft model's own KV, indexed by the same slots; the draft's slot at
   position ``p`` holds the KV of token ``p + 1``.
-* **expected-token pool** — ``int32 [max_reqs, max_seq_len]``, filled each step by the canary's scatter from
-  the requests' true token histories.
+* **token histories** — each step, the requests' true token histories (:meth:`Engine.expected_token_inputs`),
+  which the canary scatters into its expected-token pool (``pool_host`` is the engine's host mirror of it).
 
 State that the canary kernels read lives in ``xp`` arrays (NumPy or CuPy); the bookkeeping a real engine keeps
 on the host (free lists, request objects, the tree, and host mirrors of ``req_to_token`` and the LUT) lives in
@@ -35,93 +37,18 @@ engine always knows the ground truth that a correct step must reproduce.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..context import RealKvSource
-
-# ---- workload ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WorkloadShape:
-    """How requests look. Lengths are inclusive ``(low, high)`` ranges of tokens."""
-
-    system_prompts: int = 4  # shared prefixes ("system prompts") that many requests start with
-    system_len: tuple[int, int] = (16, 64)
-    p_system: float = 0.6  # probability that a request starts with a system prompt
-    p_followup: float = 0.2  # probability that a request continues an earlier one (multi-turn)
-    suffix_len: tuple[int, int] = (8, 96)  # request-specific part of the prompt
-    output_len: tuple[int, int] = (8, 64)  # tokens generated
-    arrival_fraction: float = 0.6  # requests arrive during the first fraction of the steps
-    max_total_len: int = 768
-    vocab: int = 32000
-
-
-@dataclass(frozen=True)
-class RequestSpec:
-    """One request of the workload: its prompt followed by the tokens the engine will sample."""
-
-    rid: int
-    arrival: int
-    tokens: np.ndarray  # int64 [total_len]
-    prompt_len: int
-
-    @property
-    def total_len(self) -> int:
-        return int(self.tokens.shape[0])
-
-    @property
-    def output_len(self) -> int:
-        return self.total_len - self.prompt_len
-
-
-REFERENCE_STEPS = 200  # the shapes' output lengths are for runs this long; shorter runs get shorter outputs
-
-
-def make_workload(shape: WorkloadShape, num_requests: int, steps: int, rng: np.random.Generator) -> list[RequestSpec]:
-    """Draw ``num_requests`` requests arriving over the first ``arrival_fraction`` of ``steps``. Output lengths
-    shrink with runs shorter than :data:`REFERENCE_STEPS`, so that requests finish, rows get recycled and the
-    prefix cache fills even in a short run."""
-    scale = min(1.0, max(0.1, steps / REFERENCE_STEPS))
-    out_lo, out_hi = shape.output_len
-    output_len = (max(1, round(out_lo * scale)), max(2, round(out_hi * scale)))
-
-    def draw(bounds: tuple[int, int]) -> int:
-        return int(rng.integers(bounds[0], bounds[1] + 1))
-
-    def tokens(n: int) -> np.ndarray:
-        return rng.integers(1, shape.vocab, size=n, dtype=np.int64)
-
-    systems = [tokens(draw(shape.system_len)) for _ in range(max(1, shape.system_prompts))]
-    last_arrival = max(1, int(steps * shape.arrival_fraction))
-    arrivals = np.sort(rng.integers(0, last_arrival, size=num_requests))
-    specs: list[RequestSpec] = []
-    for rid, arrival in enumerate(arrivals.tolist()):
-        suffix = tokens(draw(shape.suffix_len))
-        output = tokens(max(1, draw(output_len)))
-        roll = rng.random()
-        head = np.empty(0, np.int64)
-        if specs and roll < shape.p_followup:
-            head = specs[int(rng.integers(len(specs)))].tokens  # the whole earlier conversation
-        elif roll < shape.p_followup + shape.p_system:
-            head = systems[int(rng.integers(len(systems)))]
-        if head.shape[0] + suffix.shape[0] + output.shape[0] > shape.max_total_len:
-            head = np.empty(0, np.int64)
-        prompt = np.concatenate([head, suffix])
-        if prompt.shape[0] < 2:
-            prompt = np.concatenate([prompt, tokens(2)])
-        room = shape.max_total_len - prompt.shape[0]
-        output = output[: max(1, room)]
-        specs.append(RequestSpec(rid, int(arrival), np.concatenate([prompt, output]), int(prompt.shape[0])))
-    return specs
-
+from .allocator import SlotAllocator
+from .kvstore import KvStore
+from .radix import RadixTree
+from .requests import Batch, Request
+from .workload import RequestSpec
 
 # ---- engine configuration ----------------------------------------------------------------------------------
 
@@ -173,327 +100,6 @@ def size_engine(workload: list[RequestSpec], *, max_running: int, **kwargs: Any)
                         swa_slots=swa_slots, **kwargs)
 
 
-# ---- allocators --------------------------------------------------------------------------------------------
-
-
-class SlotAllocator:
-    """Free-list allocator over ``[1, size)`` with reference counts; slot 0 is never handed out.
-
-    The free list is a stack: ``alloc`` pops from its end and ``free`` pushes there, so a freed slot is the
-    next one handed out — the pattern under which a premature free corrupts a live request quickly.
-    """
-
-    def __init__(self, size: int) -> None:
-        self.size = int(size)
-        self._free: list[int] = list(range(self.size - 1, 0, -1))
-        self.refs = np.zeros(self.size, np.int32)
-
-    @property
-    def available(self) -> int:
-        return len(self._free)
-
-    def alloc(self, n: int) -> np.ndarray | None:
-        if n > len(self._free):
-            return None
-        if n == 0:
-            return np.empty(0, np.int64)
-        out = np.array(self._free[-n:][::-1], np.int64)
-        del self._free[-n:]
-        self.refs[out] = 1
-        return out
-
-    def share(self, slot: int) -> None:
-        self.refs[slot] += 1
-
-    def free(self, slots: Any) -> list[int]:
-        """Drop one reference per slot; returns the slots that went back to the free list."""
-        released = []
-        for s in np.asarray(slots, np.int64).tolist():
-            if s <= 0 or self.refs[s] <= 0:
-                continue  # not held: an engine refuses a double free
-            self.refs[s] -= 1
-            if self.refs[s] == 0:
-                self._free.append(s)
-                released.append(s)
-        return released
-
-    def force_free(self, slot: int) -> None:
-        """Return ``slot`` to the free list now, whatever holds it (used by fault injection only)."""
-        if self.refs[slot] > 0:
-            self.refs[slot] = 0
-            self._free.append(int(slot))
-
-
-# ---- prefix cache ------------------------------------------------------------------------------------------
-
-
-class _Node:
-    __slots__ = ("children", "key", "last_use", "lock", "parent", "slots", "uid")
-
-    def __init__(self, key: np.ndarray, slots: np.ndarray, parent: _Node | None, uid: int) -> None:
-        self.key = key
-        self.slots = slots
-        self.parent = parent
-        self.children: dict[int, _Node] = {}
-        self.lock = 0
-        self.last_use = 0
-        self.uid = uid
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(a.shape[0], b.shape[0])
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.shape[0] else n
-
-
-class RadixTree:
-    """A radix tree from key sequences to slot sequences: the prefix cache (a donor's prefix for later
-    requests). Nodes on the path of a live request are locked; unlocked leaves are evicted LRU first."""
-
-    def __init__(self) -> None:
-        self._uid = itertools.count()
-        self.root = _Node(np.empty(0, np.int64), np.empty(0, np.int64), None, next(self._uid))
-        self.root.lock = 1
-        self.size = 0  # slots held
-
-    def _split(self, child: _Node, at: int) -> _Node:
-        parent = child.parent
-        assert parent is not None
-        head = _Node(child.key[:at], child.slots[:at], parent, next(self._uid))
-        head.lock, head.last_use = child.lock, child.last_use
-        parent.children[int(head.key[0])] = head
-        child.key, child.slots, child.parent = child.key[at:], child.slots[at:], head
-        head.children[int(child.key[0])] = child
-        return head
-
-    def match(self, keys: np.ndarray, now: int) -> tuple[np.ndarray, _Node]:
-        """Longest cached prefix of ``keys``: its slots and the node that ends exactly there."""
-        node, i, parts = self.root, 0, []
-        while i < keys.shape[0]:
-            child = node.children.get(int(keys[i]))
-            if child is None:
-                break
-            common = _common_prefix(child.key, keys[i:])
-            child.last_use = now
-            if common < child.key.shape[0]:
-                child = self._split(child, common)
-            parts.append(child.slots)
-            node, i = child, i + common
-            if child.key.shape[0] != common:
-                break
-        slots = np.concatenate(parts) if parts else np.empty(0, np.int64)
-        return slots, node
-
-    def insert(self, keys: np.ndarray, slots: np.ndarray, now: int) -> tuple[int, _Node]:
-        """Add ``keys -> slots``; returns how many leading keys were cached already (their slots in
-        ``slots`` are duplicates the caller frees) and the node that ends at the last key."""
-        node, i = self.root, 0
-        while i < keys.shape[0]:
-            child = node.children.get(int(keys[i]))
-            if child is None:
-                leaf = _Node(keys[i:].copy(), slots[i:].copy(), node, next(self._uid))
-                leaf.last_use = now
-                node.children[int(keys[i])] = leaf
-                self.size += leaf.slots.shape[0]
-                return i, leaf
-            common = _common_prefix(child.key, keys[i:])
-            child.last_use = now
-            if common < child.key.shape[0]:
-                child = self._split(child, common)
-            node, i = child, i + common
-        return i, node
-
-    def lock(self, node: _Node, delta: int) -> None:
-        while node is not self.root:
-            node.lock += delta
-            node = node.parent  # type: ignore[assignment]
-
-    def _nodes(self) -> list[_Node]:
-        out, stack = [], list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            out.append(node)
-            stack.extend(node.children.values())
-        return out
-
-    def evict(self, want: int, release: Callable[[np.ndarray], None]) -> int:
-        """Drop unlocked leaves, least recently used first, until ``want`` slots were released."""
-        heap = [(n.last_use, n.uid, n) for n in self._nodes() if not n.children and n.lock == 0]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < want and heap:
-            _, _, node = heapq.heappop(heap)
-            release(node.slots)
-            freed += node.slots.shape[0]
-            self.size -= node.slots.shape[0]
-            parent = node.parent
-            assert parent is not None
-            del parent.children[int(node.key[0])]
-            if parent is not self.root and not parent.children and parent.lock == 0:
-                heapq.heappush(heap, (parent.last_use, parent.uid, parent))
-        return freed
-
-    def walk(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Depth-first ``(slot, position = depth + j, prev slot)`` of every cached slot (prev −1 at the root),
-        the sweep's verify entries (SPEC §7.3)."""
-        slots, positions, prevs = [], [], []
-        stack = [(child, 0, -1) for child in reversed(list(self.root.children.values()))]
-        while stack:
-            node, depth, prev = stack.pop()
-            n = node.slots.shape[0]
-            slots.append(node.slots)
-            positions.append(depth + np.arange(n, dtype=np.int64))
-            prevs.append(np.concatenate([np.array([prev], np.int64), node.slots[:-1]]))
-            last = int(node.slots[-1])
-            stack.extend((child, depth + n, last) for child in reversed(list(node.children.values())))
-        if not slots:
-            empty = np.empty(0, np.int64)
-            return empty, empty, empty
-        return np.concatenate(slots), np.concatenate(positions), np.concatenate(prevs)
-
-
-# ---- real KV -----------------------------------------------------------------------------------------------
-
-_C_TOKEN = np.uint64(0x9E3779B97F4A7C15)
-_C_POS = np.uint64(0xC2B2AE3D27D4EB4F)
-_C_SLOT = np.uint64(0x165667B19E3779F9)
-_C_WORD = np.uint64(0xD6E8FEB86659FD93)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-
-
-def _mix(x: Any) -> Any:
-    x = x ^ (x >> np.uint64(30))
-    x = x * _M1
-    x = x ^ (x >> np.uint64(27))
-    x = x * _M2
-    return x ^ (x >> np.uint64(31))
-
-
-class KvStore:
-    """The real KV of one canary group: per layer a K (and optionally a V) tensor ``uint64 [pages, page_size,
-    words]``. Slot ``s`` lives at page ``s // page_size``, row ``s % page_size`` — exactly the layout a
-    :class:`~kvcanary_cupy.RealKvSource` with that page size describes.
-
-    The "forward" stores bytes derived from (token, position, slot, layer): any change to the slot's real KV
-    changes its fingerprint, and two slots never hold the same bytes.
-    """
-
-    def __init__(self, xp: Any, num_slots: int, page_size: int, words: int, layers: int, with_v: bool,
-                 salt: int) -> None:
-        self.page_size = page_size
-        self.words = words
-        self.salt = np.uint64(salt)
-        pages = -(-num_slots // page_size)
-        self.tensors: dict[str, list[Any]] = {
-            "K": [xp.zeros((pages, page_size, words), np.uint64) for _ in range(layers)],
-            "V": [xp.zeros((pages, page_size, words), np.uint64) for _ in range(layers)] if with_v else [],
-        }
-        self._word_ids = xp.arange(words, dtype=np.uint64)
-
-    def write(self, dest: Any, tokens: Any, positions: Any, intended: Any) -> None:
-        """Store the KV of ``tokens`` at ``positions`` (computed for slots ``intended``) into slots ``dest``."""
-        if dest.shape[0] == 0:
-            return
-        base = _mix((tokens.astype(np.uint64) * _C_TOKEN) ^ (positions.astype(np.uint64) * _C_POS)
-                    ^ (intended.astype(np.uint64) * _C_SLOT) ^ self.salt)
-        page, row = dest // self.page_size, dest % self.page_size
-        for k, layers in enumerate(self.tensors.values()):
-            for layer, tensor in enumerate(layers):
-                lane = np.uint64(1 + 64 * (2 * layer + k))
-                words = _mix(base[:, None] ^ ((self._word_ids[None, :] + lane) * _C_WORD))
-                tensor[page, row] = words
-
-    def sources(self, kind: str) -> tuple[RealKvSource, ...]:
-        per_token = self.words * 8
-        return tuple(RealKvSource(t, page_size=self.page_size, num_bytes_per_token=per_token, read_bytes=per_token)
-                     for t in self.tensors[kind])
-
-    def flip_bit(self, kind: str, layer: int, slot: int, byte: int, bit: int) -> None:
-        tensor = self.tensors[kind][layer]
-        word = byte // 8
-        mask = np.uint64(1 << ((byte % 8) * 8 + bit))
-        page, row = slot // self.page_size, slot % self.page_size
-        tensor[page, row, word] ^= mask
-
-
-# ---- requests and batches ----------------------------------------------------------------------------------
-
-
-class Request:
-    """A live request: its row, the ground-truth slot of every position, and how far it got."""
-
-    def __init__(self, spec: RequestSpec, rp: int, max_seq_len: int) -> None:
-        self.spec = spec
-        self.rid = spec.rid
-        self.rp = rp
-        self.slots = np.zeros(max_seq_len, np.int64)  # ground truth: slot of position p
-        self.computed = 0  # positions whose KV is written
-        self.assigned = 0  # positions that have a slot (computed + this step's new tokens)
-        self.num_tokens = spec.prompt_len  # tokens known so far (prompt + sampled)
-        self.tree_len = 0  # leading positions shared from the prefix cache
-        self.node: _Node | None = None
-        self.swa_evicted = 0
-        self.skip_scatter = False  # set by the stale-expected-tokens fault until the first decode step
-        self.recycled = False  # its row held another request before
-        self.admitted_step = 0
-
-    @property
-    def tokens(self) -> np.ndarray:
-        return self.spec.tokens
-
-    @property
-    def prompt_len(self) -> int:
-        return self.spec.prompt_len
-
-    @property
-    def prefilling(self) -> bool:
-        return self.computed < self.spec.prompt_len
-
-    @property
-    def kv_left(self) -> int:
-        return self.spec.total_len - 1 - self.computed
-
-
-@dataclass
-class Batch:
-    """One forward step. Host arrays (``*_h``) describe the real rows; the device arrays are what the canary
-    launches take (padding rows and their single garbage token are included, trailing)."""
-
-    step: int
-    reqs: list[Request]
-    prefix_h: np.ndarray
-    extend_h: np.ndarray
-    admitted: list[Request]
-    num_padding: int
-    token_row: np.ndarray  # batch row of each real token
-    token_pos: np.ndarray  # true position of each real token
-    token_slot: np.ndarray  # full slot of each real token
-    num_real_tokens: int = 0
-    # device (xp) arrays
-    req_pool_indices: Any = None
-    prefix_lens: Any = None
-    extend_seq_lens: Any = None
-    valid_lens: Any = None
-    input_ids: Any = None  # what the forward is fed (faults may change it)
-    positions: Any = None
-    out_cache_loc: Any = None
-    swa_out_cache_loc: Any = None
-    expected_tokens: Any = None  # the oracle: true tokens and positions
-    expected_positions: Any = None
-    draft_input_ids: Any = None  # EAGLE: token p + 1 for the draft slot at position p
-    row_of_req: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def size(self) -> int:
-        return len(self.reqs) + self.num_padding
-
-    def token_index(self, row: int, position: int) -> int:
-        """Flat index of the token that ``row`` writes at ``position`` this step."""
-        start = int(self.extend_h[:row].sum())
-        return start + position - int(self.prefix_h[row])
-
-
 # ---- the engine --------------------------------------------------------------------------------------------
 
 
@@ -502,7 +108,8 @@ SpliceHook = Callable[[int, int], None]
 
 
 class Engine:
-    """Scheduler, memory and "model" of the synthetic engine; the canary wiring lives in the runner."""
+    """Scheduler, memory and "model" of the synthetic engine; the runner installs the canary on it through
+    :mod:`kvcanary_cupy.runtime`, like any engine."""
 
     def __init__(self, cfg: EngineConfig, workload: list[RequestSpec], xp: Any) -> None:
         self.cfg = cfg
@@ -515,11 +122,10 @@ class Engine:
         self.rtt_host = np.zeros((cfg.max_reqs, cfg.max_seq_len), np.int32)
         self.req_to_token = xp.zeros((cfg.max_reqs, cfg.max_seq_len), np.int32)
         self.pool_host = np.zeros((cfg.max_reqs, cfg.max_seq_len), np.int32)
-        self.expected_pool = xp.zeros((cfg.max_reqs, cfg.max_seq_len), np.int32)
         self.tree = RadixTree()
         self.swa = cfg.swa_window > 0
         self.lut_host = np.zeros(cfg.num_slots + 1, np.int64)
-        self.lut = xp.zeros(cfg.num_slots + 1, np.int64) if self.swa else None
+        self.lut: Any = xp.zeros(cfg.num_slots + 1, np.int64) if self.swa else None
         self.swa_alloc = SlotAllocator(cfg.swa_slots) if self.swa else None
         self.swa_owner = np.zeros(max(cfg.swa_slots, 1), np.int64)  # SWA slot -> full slot that holds it
         words, layers = cfg.kv_words_per_token, cfg.num_layers
@@ -557,7 +163,7 @@ class Engine:
 
     def holders(self, slot: int) -> list[tuple[np.ndarray, int]]:
         """Every (slot sequence, position) at which ``slot`` is held: live requests and cached paths."""
-        out = []
+        out: list[tuple[np.ndarray, int]] = []
         for req in self.running:
             held = req.slots[: req.assigned]
             out.extend((held, int(p)) for p in np.flatnonzero(held == slot))
@@ -686,7 +292,7 @@ class Engine:
             self._rtt_dirty.clear()
         if self._lut_dirty:
             idx = np.fromiter(sorted(self._lut_dirty), np.int64)
-            self.lut[xp.asarray(idx)] = xp.asarray(self.lut_host[idx])  # type: ignore[index]
+            self.lut[xp.asarray(idx)] = xp.asarray(self.lut_host[idx])
             self._lut_dirty.clear()
 
     # -- scheduling ----------------------------------------------------------------------------------------
@@ -751,14 +357,14 @@ class Engine:
                 rows.append((req, take))
                 budget -= take
         while budget > 0 and self.waiting and len(self.running) < self.cfg.max_running:
-            req = self._admit(self.waiting[0], step)
-            if req is None:
+            new = self._admit(self.waiting[0], step)
+            if new is None:
                 break
             self.waiting.popleft()
-            self.prefilling.append(req)
-            admitted.append(req)
-            take = min(budget, req.prompt_len - req.computed)
-            rows.append((req, take))
+            self.prefilling.append(new)
+            admitted.append(new)
+            take = min(budget, new.prompt_len - new.computed)
+            rows.append((new, take))
             budget -= take
         rows.extend((req, 1) for req in self.decoding)
 
@@ -884,7 +490,7 @@ class Engine:
                 done.append(req)
         for req in done:
             self._finish(req, batch.step)
-        still = []
+        still: list[Request] = []
         for req in self.prefilling:
             if req in done:
                 continue

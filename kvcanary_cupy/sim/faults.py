@@ -28,7 +28,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..constants import FailReason
-from .engine import Batch, Engine, Request
+from .engine import Engine
+from .requests import Batch, Request
 
 R = FailReason
 VERIFY_ANY = int(R.VERIFY_CHAIN_HASH_MISMATCH | R.VERIFY_POSITION_MISMATCH | R.VERIFY_REAL_KV_HASH_MISMATCH
@@ -253,8 +254,9 @@ class FaultKind(abc.ABC):
         return self.needs != "swa" or engine.swa
 
     @abc.abstractmethod
-    def inject(self, ctx: InjectionContext) -> Fault | None:
-        """Corrupt the engine state once; return the fault record, or None when no target exists now."""
+    def inject(self, ctx: InjectionContext) -> Fault | tuple[Fault, int, int] | None:
+        """Corrupt the engine state once; return the fault record (with the token and victim slot it redirects,
+        for a ``forward`` kind), or None when no target exists now."""
 
 
 def _written_rows(batch: Batch, min_prefix: int) -> list[int]:
@@ -443,6 +445,7 @@ class WrongInputToken(FaultKind):
             return None
         token, req, pos, slot = picked
         batch, rng = ctx.batch, ctx.rng
+        assert batch is not None  # _pick_new_token found a token in it
         true = int(req.tokens[pos])
         wrong = (true + 1 + int(rng.integers(1000))) % 32000 or 1
         fault = ctx.tracker.new(self, ctx.step, "FULL", f"request {req.rid} position {pos} fed token {wrong} "
@@ -472,6 +475,7 @@ class PositionOffByOne(FaultKind):
             return None
         token, req, pos, slot = picked
         batch, rng = ctx.batch, ctx.rng
+        assert batch is not None  # _pick_new_token found a token in it
         wrong = pos - 1 if pos > 0 and rng.random() < 0.5 else pos + 1
         fault = ctx.tracker.new(self, ctx.step, "FULL", f"request {req.rid} slot {slot} written at position "
                                 f"{wrong} instead of {pos}", request=req, position=pos, slot=slot)
@@ -675,6 +679,7 @@ class FaultInjector:
                 continue
             self.pending[kind.name] -= 1
             if phase == "forward":
+                assert isinstance(result, tuple)  # forward kinds name the token and slot they redirect
                 _, token, victim = result
                 redirect = {group: (token, victim)}
         return redirect

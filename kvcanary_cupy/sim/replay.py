@@ -3,7 +3,7 @@
 During a simulation with ``--dump-failures DIR`` the :class:`LaunchRecorder` keeps host copies of every
 launch's inputs for the current and the previous step (violations are read one step late). When the first
 violation explaining a fault kind is read, the launch that produced it is saved as
-``DIR/<kind>-step<N>-<TAG>-<op>.npz``:
+``DIR/<kind>-seed<S>-step<N>-<TAG>-<op>.npz`` (the seed keeps runs from overwriting each other):
 
 * ``meta`` — a JSON string: format, kind, step, model (target/draft), group, launch tag, op (verify/write),
   role, the backend it ran on, hash mode, real-KV source geometry, flags (``check_verify_expected_token``,
@@ -44,8 +44,7 @@ from ..violations import ViolationReport, read_violations, to_host
 from ..write import launch_canary_write_kernel
 
 if TYPE_CHECKING:
-    from .engine import Batch, Engine
-    from .runner import CanaryGroup, Endpoint
+    from ..runtime import Endpoint, GroupState, LaunchEvent
 
 FORMAT = "kvcanary-replay/1"
 _WRITE_BITS = int(FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH)
@@ -56,7 +55,10 @@ def _h(arr: Any) -> np.ndarray:
 
 
 class LaunchRecorder:
-    """Host copies of the last two steps' launches, dumped when a fault kind is first detected."""
+    """Host copies of the last two steps' launches, dumped when a fault kind is first detected.
+
+    Installed as the canary runtime's ``observer``: it sees every launch (before it for verify and write,
+    after it for the plan) and copies what a replay needs from the runtime's own buffers."""
 
     def __init__(self, directory: str | Path, *, preset: str, seed: int, backend: str) -> None:
         self.dir = Path(directory)
@@ -64,30 +66,50 @@ class LaunchRecorder:
         self.preset, self.seed, self.backend = preset, seed, backend
         self._launches: dict[int, list[dict[str, Any]]] = {}
         self._plans: dict[tuple[int, str], dict[str, Any]] = {}
+        self._step = 0
+        self._req_to_token: Any = None
+        self._expected_pool: Any = None
+        self._check_tokens = False
         self.dumped: dict[str, Path] = {}
 
+    def attach(self, *, req_to_token: Any, expected_pool: Any, check_tokens: bool) -> None:
+        """The engine's slot table and the runtime's expected-token pool (plan inputs of every group)."""
+        self._req_to_token, self._expected_pool, self._check_tokens = req_to_token, expected_pool, check_tokens
+
     def begin_step(self, step: int) -> None:
+        self._step = step
         for old in [s for s in self._launches if s < step - 1]:
             del self._launches[old]
         for key in [k for k in self._plans if k[0] < step - 1]:
             del self._plans[key]
         self._launches.setdefault(step, [])
 
-    def plan(self, step: int, group: CanaryGroup, batch: Batch, engine: Engine) -> None:
-        vp, wp = group.verify_plan, group.write_plan
+    def observe(self, event: LaunchEvent) -> None:
+        if event.group is None:
+            return
+        if event.kind == "plan" and event.when == "after":
+            self.plan(self._step, event.group, event.stage)
+        elif event.kind == "verify" and event.when == "before" and event.endpoint is not None:
+            self.verify(self._step, event.group, event.endpoint)
+        elif event.kind == "write" and event.when == "before" and event.endpoint is not None:
+            self.write(self._step, event.group, event.endpoint, event.stage)
+
+    def plan(self, step: int, group: GroupState, stage: Any) -> None:
+        vp, wp, spec = group.verify_plan, group.write_plan, group.spec
         arrays = {
-            "in_req_pool_indices": _h(batch.req_pool_indices), "in_prefix_lens": _h(batch.prefix_lens),
-            "in_extend_seq_lens": _h(batch.extend_seq_lens), "in_req_to_token": _h(engine.req_to_token),
-            "in_expected_pool": _h(engine.expected_pool), "in_valid_lens": _h(batch.valid_lens),
+            "in_req_pool_indices": _h(stage.view("req_pool_indices")), "in_prefix_lens": _h(stage.view("prefix_lens")),
+            "in_extend_seq_lens": _h(stage.view("extend_seq_lens")), "in_req_to_token": _h(self._req_to_token),
+            "in_expected_pool": _h(self._expected_pool), "in_valid_lens": _h(stage.view("valid_lens")),
             "plan_slots": _h(vp.verify_slot_indices), "plan_expected_tokens": _h(vp.verify_expected_tokens),
             "plan_expected_positions": _h(vp.verify_expected_positions),
             "plan_prev_slots": _h(vp.verify_prev_slot_indices), "plan_num_valid": _h(vp.verify_num_valid),
             "plan_enable": _h(vp.enable), "write_offsets": _h(wp.write_offsets),
             "write_seeds": _h(wp.write_seed_slot_indices), "write_num_valid_reqs": _h(wp.write_num_valid_reqs),
         }
-        if group.lut is not None:
-            arrays["in_lut"] = _h(group.lut)
-        meta = {"swa_window": group.window, "offset": group.offset, "verify_capacity": group.verify_capacity,
+        if spec.full_to_swa_index_mapping is not None:
+            arrays["in_lut"] = _h(spec.full_to_swa_index_mapping)
+        meta = {"swa_window": spec.swa_window, "offset": spec.kv_token_id_vs_position_offset,
+                "verify_capacity": int(vp.verify_slot_indices.shape[0]),
                 "write_req_capacity": int(wp.write_seed_slot_indices.shape[0])}
         self._plans[(step, group.name)] = {"arrays": arrays, "meta": meta}
 
@@ -103,8 +125,10 @@ class LaunchRecorder:
                 "ring_capacity": int(ctx.violation_ring.shape[0])}
         return arrays, meta
 
-    def verify(self, step: int, group: CanaryGroup, ep: Endpoint, plan: VerifyPlan, check: bool) -> None:
+    def verify(self, step: int, group: GroupState, ep: Endpoint) -> None:
         arrays, meta = self._context(ep.verify_ctx)
+        plan = group.sweep_plan if ep.role == "SWEEP" else group.verify_plan
+        check = self._check_tokens and ep.role != "SWEEP"
         arrays.update({
             "plan_slots": _h(plan.verify_slot_indices), "plan_expected_tokens": _h(plan.verify_expected_tokens),
             "plan_expected_positions": _h(plan.verify_expected_positions),
@@ -114,21 +138,22 @@ class LaunchRecorder:
         meta.update(op="verify", role=ep.role, check_verify_expected_token=bool(check))
         self._add(step, group, ep, arrays, meta)
 
-    def write(self, step: int, group: CanaryGroup, ep: Endpoint, args: dict[str, Any]) -> None:
+    def write(self, step: int, group: GroupState, ep: Endpoint, stage: Any) -> None:
         assert ep.write_ctx is not None
         arrays, meta = self._context(ep.write_ctx)
         wp = group.write_plan
+        loc = group.swa_out_cache_loc.view if group.swa_out_cache_loc is not None else stage.view("out_cache_loc")
         arrays.update({
             "write_offsets": _h(wp.write_offsets), "write_seeds": _h(wp.write_seed_slot_indices),
-            "write_num_valid_reqs": _h(wp.write_num_valid_reqs), "input_ids": _h(args["input_ids"]),
-            "positions": _h(args["positions"]), "out_cache_loc": _h(args["out_cache_loc"]),
-            "expected_input_tokens": _h(args["expected_input_tokens"]),
-            "expected_input_positions": _h(args["expected_input_positions"]),
+            "write_num_valid_reqs": _h(wp.write_num_valid_reqs), "input_ids": _h(stage.view("input_ids")),
+            "positions": _h(stage.view("positions")), "out_cache_loc": _h(loc),
+            "expected_input_tokens": _h(stage.view("expected_input_ids")),
+            "expected_input_positions": _h(stage.view("expected_positions")),
         })
         meta.update(op="write", role=ep.role, enable_write_input_assert=True)
         self._add(step, group, ep, arrays, meta)
 
-    def _add(self, step: int, group: CanaryGroup, ep: Endpoint, arrays: dict[str, np.ndarray],
+    def _add(self, step: int, group: GroupState, ep: Endpoint, arrays: dict[str, np.ndarray],
              meta: dict[str, Any]) -> None:
         meta.update(step=step, model=group.model, group=group.name, tag_name=ep.tag.name)
         self._launches.setdefault(step, []).append({"arrays": arrays, "meta": meta})
@@ -158,7 +183,7 @@ class LaunchRecorder:
                     arrays[key] = value
         arrays["expected_rows"] = np.asarray(same, np.int64).reshape(-1, 8)
         arrays["meta"] = np.array(json.dumps(meta))
-        path = self.dir / f"{kind}-step{launch_step}-{tag}-{op}.npz"
+        path = self.dir / f"{kind}-seed{self.seed}-step{launch_step}-{tag}-{op}.npz"
         np.savez_compressed(path, **arrays)
         self.dumped[kind] = path
         return path
@@ -277,12 +302,12 @@ def replay_case(case: ReplayCase, backend: str = "host") -> ReplayOutcome:
                                     check_verify_expected_token=bool(m["check_verify_expected_token"]),
                                     backend=backend, on_invalid="flag" if backend == "numpy" else None)
     else:
-        plan = WritePlan.from_tensors(write_offsets=a["write_offsets"].copy(),
-                                      write_seed_slot_indices=a["write_seeds"].copy(),
-                                      write_num_valid_reqs=a["write_num_valid_reqs"].copy())
+        write_plan = WritePlan.from_tensors(write_offsets=a["write_offsets"].copy(),
+                                            write_seed_slot_indices=a["write_seeds"].copy(),
+                                            write_num_valid_reqs=a["write_num_valid_reqs"].copy())
         assert_inputs = bool(m["enable_write_input_assert"])
         launch_canary_write_kernel(
-            context=ctx, plan=plan, input_ids=a["input_ids"], positions=a["positions"],
+            context=ctx, plan=write_plan, input_ids=a["input_ids"], positions=a["positions"],
             out_cache_loc=a["out_cache_loc"], enable_write_input_assert=assert_inputs,
             expected_input_tokens=a["expected_input_tokens"] if assert_inputs else None,
             expected_input_positions=a["expected_input_positions"] if assert_inputs else None,

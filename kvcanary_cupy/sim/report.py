@@ -1,10 +1,13 @@
 """The simulation report: one JSON-ready dict, rendered as a terminal table, a JSON file or an HTML page.
 
 JSON schema (``schema: "kvcanary-sim-report/1"``; :data:`SCHEMA` is the same thing as a JSON Schema, and
-:func:`validate` checks a report against it). Every field except those under ``cost`` and ``wall_s`` is a
+:func:`validate` checks a report against it). Every field except those under ``cost`` and ``generated`` is a
 deterministic function of the run's arguments (same seed, same report).
 
-* ``schema`` (str), ``passed`` (bool), ``exit_code`` (int: 0 passed, 1 failed).
+* ``schema`` (str), ``passed`` (bool), ``outcome`` ("passed"; "failed": a kind missed, a false positive, a
+  kernel status flag or a full ring; "inconclusive": nothing failed, but a requested kind found no target to
+  inject in this workload), ``exit_code`` (int: 0 passed, 1 failed, 4 inconclusive).
+* ``generated``: ``tool`` ("kvcanary-cupy"), ``version``, ``timestamp`` (UTC, ISO 8601), ``host``, ``python``.
 * ``config``: ``preset``, ``steps``, ``requests``, ``seed``, ``backend`` (requested), ``inject`` ({kind: rate
   per step}), ``sweep_interval``, ``warmup_steps``, ``cooldown_steps``, ``with_v``, ``real_kv_hash``
   ("all"/"partial"), ``ring_capacity``, ``engine`` (pool and model sizes: ``num_slots``, ``max_reqs``,
@@ -14,10 +17,10 @@ deterministic function of the run's arguments (same seed, same report).
   ``prefill_tokens``, ``decode_tokens``, ``prefix_tokens_reused``, ``rows_recycled``, ``padding_rows``,
   ``tree_evicted_slots``, ``swa_evicted_slots``, ``peak_running``, ``peak_slots_used``, ``sweeps``.
 * ``kinds``: one entry per requested fault kind — ``kind``, ``title``, ``injected``, ``detected``, ``missed``
-  (counts of faults), ``status`` ("detected": at least one of its faults was caught, "missed": none was,
-  "not injected"), ``latency_steps`` ({``min``, ``median``, ``max``} steps from injection to the host reading
-  the first violation, over detected faults; null when none), ``reasons`` (FailReason names that fired on its
-  violations), ``violations`` (rows attributed to it).
+  (counts of faults), ``status`` ("detected": at least one of its faults was caught, "missed": none was, "not
+  injected": no target was found for it), ``latency_steps`` ({``min``, ``median``, ``max``} steps from injection
+  to the host reading the first violation, over detected faults; null when none), ``reasons`` (FailReason names
+  that fired on its violations), ``violations`` (rows attributed to it).
 * ``faults``: every injected fault — ``id``, ``kind``, ``step``, ``group`` (FULL/SWA/DRAFT), ``request``,
   ``position``, ``slot``, ``detail``, ``detected``, ``detection_step`` (read step), ``latency_steps``,
   ``detected_by`` (launch tag of the first violation), ``reasons``, ``violations``.
@@ -26,11 +29,12 @@ deterministic function of the run's arguments (same seed, same report).
   the EAGLE draft's ring), ``by_reason`` ({FailReason name: rows}).
 * ``false_positives``: the first 200 unexplained rows — ``read_step``, ``launch_step``, ``group``,
   ``launch_tag``, ``slot``, ``position``, ``stored_token``, ``expected_token``, ``reasons``.
-* ``cost``: ``backend`` (the one used), ``device``, ``wall_s``, ``ms_per_step`` ({phase: wall-clock ms per
+* ``cost``: ``backend`` (the one used), ``device``, ``wall_s``, ``compile_s`` (compiling or loading the kernels,
+  done before the timed run and excluded from every other cost figure), ``ms_per_step`` ({phase: wall-clock ms per
   step} for ``scatter``, ``plan``, ``verify``, ``write``, ``sweep``, ``read`` and the engine's own ``engine``),
-  ``canary_ms_per_step`` (sum of the canary phases), ``device_ms_per_step`` (CUDA-event times on the cuda
-  backend, else null), ``verify_entries``, ``write_entries``, ``launches`` (kernel counters),
-  ``verify_entries_per_s`` (entries / verify and sweep time).
+  ``canary_ms_per_step`` (sum of the canary phases), ``device_ms_per_step`` (CUDA-event times on the cuda backend,
+  else null), ``verify_entries``, ``write_entries``, ``launches`` (kernel counters), ``verify_entries_per_s``
+  (entries / verify and sweep time).
 * ``timeline``: per step ``0..steps`` (index = step), lists ``violations``, ``explained``,
   ``false_positives`` and ``detected`` (counted at the step they were read) and ``injected``.
 
@@ -40,22 +44,27 @@ table is plain text and the HTML page has no plot.
 
 from __future__ import annotations
 
-import base64
+import datetime
 import html
 import io
 import json
+import platform
+import shutil
+import socket
 import statistics
 import sys
+import textwrap
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
-from ..constants import reason_names
+from .. import __version__
+from ..constants import FailReason, reason_names
 from .faults import FAULT_KINDS
 
-if TYPE_CHECKING:
-    from .runner import Simulation
-
 SCHEMA_ID = "kvcanary-sim-report/1"
+
+EXIT_PASSED, EXIT_FAILED, EXIT_INCONCLUSIVE = 0, 1, 4
+OUTCOMES = {"passed": EXIT_PASSED, "failed": EXIT_FAILED, "inconclusive": EXIT_INCONCLUSIVE}
 
 _INT = {"type": "integer"}
 _NUM = {"type": "number"}
@@ -75,7 +84,9 @@ def _obj(props: dict[str, Any], required: list[str] | None = None) -> dict[str, 
 SCHEMA: dict[str, Any] = _obj({
     "schema": {"type": "string", "const": SCHEMA_ID},
     "passed": _BOOL,
+    "outcome": {"type": "string", "enum": list(OUTCOMES)},
     "exit_code": _INT,
+    "generated": _obj({"tool": _STR, "version": _STR, "timestamp": _STR, "host": _STR, "python": _STR}),
     "config": _obj({
         "preset": _STR, "steps": _INT, "requests": _INT, "seed": _INT, "backend": _STR,
         "inject": {"type": "object", "additionalProperties": _NUM}, "sweep_interval": _INT,
@@ -114,7 +125,7 @@ SCHEMA: dict[str, Any] = _obj({
         "stored_token": _INT, "expected_token": _INT, "reasons": _STR_LIST,
     })},
     "cost": _obj({
-        "backend": _STR, "device": _STR, "wall_s": _NUM,
+        "backend": _STR, "device": _STR, "wall_s": _NUM, "compile_s": _NUM,
         "ms_per_step": {"type": "object", "additionalProperties": _NUM,
                         "required": ["scatter", "plan", "verify", "write", "sweep", "read", "engine"]},
         "canary_ms_per_step": _NUM,
@@ -124,7 +135,7 @@ SCHEMA: dict[str, Any] = _obj({
     "timeline": _obj({k: _INT_LIST for k in ("violations", "explained", "false_positives", "detected", "injected")}),
 })
 
-NONDETERMINISTIC = ("cost",)  # everything else is reproducible from the arguments
+NONDETERMINISTIC = ("cost", "generated")  # everything else is reproducible from the arguments
 
 
 # ---- validation ------------------------------------------------------------------------------------------
@@ -177,7 +188,9 @@ def short_reason(name: str) -> str:
     return label.lower().replace("_", "-")
 
 
-def build_report(sim: Simulation) -> dict[str, Any]:
+def build_report(sim: Any) -> dict[str, Any]:
+    """The report of a finished :class:`~kvcanary_cupy.sim.runner.Simulation` (passed in, not imported: the
+    runner imports this module)."""
     cfg, eng = sim.cfg, sim.engine
     faults = sim.tracker.faults
     kinds = []
@@ -207,24 +220,29 @@ def build_report(sim: Simulation) -> dict[str, Any]:
     tl = sim.timeline
     fp_total = sum(tl["false_positives"])
     status_names = _status_names(sim.status_bits)
-    passed = (all(k["status"] == "detected" for k in kinds) and fp_total == 0 and not sim.status_bits
-              and sim.dropped == 0)
+    failed = (any(k["status"] == "missed" for k in kinds) or fp_total > 0 or bool(sim.status_bits)
+              or sim.dropped > 0 or bool(sim.health_problems))
+    outcome = "failed" if failed else "inconclusive" if any(k["status"] == "not injected" for k in kinds) \
+        else "passed"
 
     steps = max(1, sim.steps_run)
     ms = {phase: 1000.0 * sim.timer.wall.get(phase, 0.0) / steps
           for phase in ("scatter", "plan", "verify", "write", "sweep", "read", "engine")}
     device = sim.timer.device_seconds()
-    totals = {"verify_entries": 0, "write_entries": 0, "launches": 0}
-    for group in sim.groups:
-        for key, value in group.counters().items():
-            totals[key] += value
+    totals = sim.canary_counters()
     verify_time = sim.timer.wall.get("verify", 0.0) + sim.timer.wall.get("sweep", 0.0)
     stats = dict(eng.stats)
     stats.update(steps_run=sim.steps_run, sweeps=sim.sweeps)
     return {
         "schema": SCHEMA_ID,
-        "passed": passed,
-        "exit_code": 0 if passed else 1,
+        "passed": outcome == "passed",
+        "outcome": outcome,
+        "exit_code": OUTCOMES[outcome],
+        "generated": {
+            "tool": "kvcanary-cupy", "version": __version__,
+            "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "host": socket.gethostname(), "python": platform.python_version(),
+        },
         "config": {
             "preset": cfg.preset, "steps": cfg.steps, "requests": cfg.requests, "seed": cfg.seed,
             "backend": cfg.backend, "inject": dict(cfg.inject), "sweep_interval": cfg.sweep_interval,
@@ -243,6 +261,7 @@ def build_report(sim: Simulation) -> dict[str, Any]:
         "false_positives": sim.false_positives,
         "cost": {
             "backend": sim.backend, "device": sim.device, "wall_s": round(sim.wall, 4),
+            "compile_s": round(getattr(sim, "compile_s", 0.0), 4),
             "ms_per_step": {k: round(v, 4) for k, v in ms.items()},
             "canary_ms_per_step": round(sum(v for k, v in ms.items() if k != "engine"), 4),
             "device_ms_per_step": None if device is None else {k: round(1000 * v / steps, 4)
@@ -257,7 +276,7 @@ def build_report(sim: Simulation) -> dict[str, Any]:
 def _status_names(bits: int) -> list[str]:
     from ..constants import CanaryStatus
 
-    return [m.name for m in CanaryStatus if bits & m.value]
+    return [str(m.name) for m in CanaryStatus if bits & m.value]
 
 
 def deterministic_view(report: dict[str, Any]) -> dict[str, Any]:
@@ -268,10 +287,13 @@ def deterministic_view(report: dict[str, Any]) -> dict[str, Any]:
 # ---- terminal ----------------------------------------------------------------------------------------------
 
 HEADERS = ("fault kind", "injected", "detected", "missed", "steps to detect (min/med/max)", "reasons fired")
+_NUMERIC = (1, 2, 3)
+_WRAPPED = (4, 5)  # the columns that wrap when the terminal is narrow
+DEFAULT_WIDTH = 80
 
 
 def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for k in report["kinds"]:
         lat = k["latency_steps"]
         latency = "-" if lat is None else f"{lat['min']} / {lat['median']:g} / {lat['max']}"
@@ -282,67 +304,100 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
 
 def headline(report: dict[str, Any]) -> str:
     c = report["config"]
-    return (f"kv-canary simulation: preset {c['preset']}, {report['workload']['steps_run']} steps, "
+    return (f"kv-canary: preset {c['preset']}, {report['workload']['steps_run']} steps, "
             f"{c['requests']} requests, seed {c['seed']}, backend {report['cost']['backend']}")
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:
     v, cost, w = report["violations"], report["cost"], report["workload"]
     ms = cost["ms_per_step"]
+    phases = " + ".join(f"{phase} {ms[phase]:.2f}" for phase in ("plan", "verify", "write", "scatter", "sweep", "read"))
     lines = [
-        f"false positives: {v['false_positives']} (of {v['total']} violations read, {v['explained']} explained by "
+        f"false positives: {v['false_positives']} ({v['total']} violations read, {v['explained']} explained by "
         f"injected faults" + (f", {v['dropped']} dropped by a full ring" if v["dropped"] else "") + ")",
         f"workload: {w['requests_finished']}/{w['requests_admitted']} requests finished, {w['prefill_tokens']} "
         f"prefill + {w['decode_tokens']} decode tokens, {w['prefix_tokens_reused']} prefix tokens reused, "
         f"{w['rows_recycled']} rows recycled, {w['sweeps']} sweeps",
-        f"canary cost per step ({cost['backend']}): plan {ms['plan']:.2f} ms, verify {ms['verify']:.2f} ms, "
-        f"write {ms['write']:.2f} ms, scatter {ms['scatter']:.2f} ms, sweep {ms['sweep']:.2f} ms, "
-        f"read {ms['read']:.2f} ms = {cost['canary_ms_per_step']:.2f} ms "
+        f"canary cost per step ({cost['backend']}): {cost['canary_ms_per_step']:.2f} ms = {phases} ms "
         f"(engine {ms['engine']:.2f} ms); {cost['verify_entries_per_s']:,.0f} entries verified/s",
     ]
+    if cost["backend"] != "numpy":
+        lines.append(f"kernel compile/load before the run: {cost['compile_s']:.2f} s (not in the costs above)")
     if v["status"]:
         lines.append(f"kernel status flags: {', '.join(v['status'])}")
     return lines
 
 
+def warnings(report: dict[str, Any]) -> list[str]:
+    """What the user should know although it is no failure: requested kinds the workload gave no target."""
+    absent = [k["kind"] for k in report["kinds"] if k["status"] == "not injected"]
+    if not absent:
+        return []
+    return [f"warning: the workload is too small to inject {', '.join(absent)} (no target was found for "
+            f"{'it' if len(absent) == 1 else 'them'}); run more --steps or --requests"]
+
+
 def verdict(report: dict[str, Any]) -> str:
-    if report["passed"]:
+    outcome = report["outcome"]
+    if outcome == "passed":
         if report["kinds"]:
             return "PASS: every injected fault kind was detected, no false positive"
         return "PASS: no violation in a clean run"
+    absent = [k["kind"] for k in report["kinds"] if k["status"] == "not injected"]
+    if outcome == "inconclusive":
+        return (f"INCONCLUSIVE: could not inject {', '.join(absent)} (no target in this workload); every fault "
+                "that was injected was detected, no false positive")
     problems = []
     missed = [k["kind"] for k in report["kinds"] if k["status"] == "missed"]
-    absent = [k["kind"] for k in report["kinds"] if k["status"] == "not injected"]
     if missed:
         problems.append(f"missed {', '.join(missed)}")
-    if absent:
-        problems.append(f"never injected (no target found) {', '.join(absent)}")
     if report["violations"]["false_positives"]:
         problems.append(f"{report['violations']['false_positives']} false positive(s)")
     if report["violations"]["dropped"]:
         problems.append(f"{report['violations']['dropped']} violation(s) dropped by a full ring")
     if report["violations"]["status"]:
         problems.append(f"kernel status {', '.join(report['violations']['status'])}")
+    if absent:
+        problems.append(f"could not inject {', '.join(absent)}")
     return "FAIL: " + "; ".join(problems)
 
 
-def render_text(report: dict[str, Any]) -> str:
-    """The plain-text rendering (no optional dependency)."""
-    out = [headline(report), ""]
+def _wrap(line: str, width: int) -> list[str]:
+    """A long summary line as lines of at most ``width`` columns, continuation lines indented."""
+    return textwrap.wrap(line, width=width, subsequent_indent="  ", break_on_hyphens=False) or [""]
+
+
+def _wrap_cells(row: tuple[str, ...], widths: list[int]) -> list[tuple[str, ...]]:
+    cells = [textwrap.wrap(c, width=w, break_on_hyphens=False) or [""] if i in _WRAPPED else [c]
+             for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+    height = max(len(c) for c in cells)
+    return [tuple(c[j] if j < len(c) else "" for c in cells) for j in range(height)]
+
+
+def render_text(report: dict[str, Any], width: int = DEFAULT_WIDTH) -> str:
+    """The plain-text rendering (no optional dependency), at most ``width`` columns wide where the words allow."""
+    out = [*_wrap(headline(report), width), ""]
     rows = table_rows(report)
     if rows:
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
-        fmt = "  ".join(f"{{:<{w}}}" if i in (0, 4, 5) else f"{{:>{w}}}" for i, w in enumerate(widths))
-        out.append(fmt.format(*HEADERS).rstrip())
+        # Narrow the wrapping columns (the longest first) until the table fits, but not below 12 columns.
+        while sum(widths) + 2 * (len(widths) - 1) > width:
+            i = max(_WRAPPED, key=lambda c: widths[c])
+            if widths[i] <= 12:
+                break
+            widths[i] -= 1
+        fmt = "  ".join(f"{{:>{w}}}" if i in _NUMERIC else f"{{:<{w}}}" for i, w in enumerate(widths))
+        for cells in _wrap_cells(HEADERS, widths):
+            out.append(fmt.format(*cells).rstrip())
         out.append("  ".join("-" * w for w in widths))
-        out.extend(fmt.format(*r).rstrip() for r in rows)
+        for row in rows:
+            out.extend(fmt.format(*cells).rstrip() for cells in _wrap_cells(row, widths))
         out.append("")
     else:
         out.append("(clean run: no fault injected)")
         out.append("")
-    out.extend(summary_lines(report))
-    out.extend(_fp_lines(report))
-    out.append(verdict(report))
+    for line in summary_lines(report) + _fp_lines(report) + warnings(report) + [verdict(report)]:
+        out.extend(_wrap(line, width))
     return "\n".join(out)
 
 
@@ -360,6 +415,7 @@ def _fp_lines(report: dict[str, Any], limit: int = 10) -> list[str]:
 
 def _rich() -> Any | None:
     try:
+        import rich.box
         import rich.console
         import rich.table
     except ImportError:
@@ -367,31 +423,44 @@ def _rich() -> Any | None:
     return rich
 
 
-def print_report(report: dict[str, Any], stream: TextIO | None = None, *, plain: bool = False) -> None:
-    """Print the table and summary: with rich when installed (and ``plain`` is False), else plain text."""
+_STYLES = {"detected": "green", "missed": "bold red", "not injected": "yellow"}
+_VERDICT_STYLES = {"passed": "bold green", "failed": "bold red", "inconclusive": "bold yellow"}
+
+
+def print_report(report: dict[str, Any], stream: TextIO | None = None, *, plain: bool = False,
+                 width: int | None = None) -> None:
+    """Print the table and summary: with rich when installed (and ``plain`` is False), else plain text. The
+    width is ``width``, else the terminal's when ``stream`` is one, else 80 columns."""
     stream = stream or sys.stdout
     rich = None if plain else _rich()
     if rich is None:
-        print(render_text(report), file=stream)
+        if width is None:
+            width = shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns if stream.isatty() else DEFAULT_WIDTH
+        print(render_text(report, width), file=stream)
         return
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(file=stream, highlight=False, width=max(160, Console(file=stream).width))
-    console.print(headline(report), markup=False, soft_wrap=True)
-    table = Table()
+    console = Console(file=stream, highlight=False, width=width)
+    columns = console.width
+    for line in _wrap(headline(report), columns):
+        console.print(line, markup=False)
+    table = Table(box=rich.box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
     for i, head in enumerate(HEADERS):
-        table.add_column(head, justify="right" if i in (1, 2, 3) else "left", no_wrap=True)
+        # The latency header is stacked so that its column is no wider than its values; reasons take the rest.
+        table.add_column(head.replace(" (", "\n(") if i == 4 else head, justify="right" if i in _NUMERIC else "left",
+                         no_wrap=i != 5, overflow="fold")
     for row, kind in zip(table_rows(report), report["kinds"], strict=True):
-        style = {"detected": "green", "missed": "bold red", "not injected": "yellow"}[kind["status"]]
-        table.add_row(*row, style=style)
+        table.add_row(*row, style=_STYLES[kind["status"]])
     if report["kinds"]:
         console.print(table)
     else:
         console.print("(clean run: no fault injected)")
-    for line in summary_lines(report) + _fp_lines(report):
-        console.print(line, markup=False, soft_wrap=True)
-    console.print(verdict(report), style="bold green" if report["passed"] else "bold red", markup=False, soft_wrap=True)
+    for line in summary_lines(report) + _fp_lines(report) + warnings(report):
+        for part in _wrap(line, columns):
+            console.print(part, markup=False, style="yellow" if line.startswith("warning:") else None)
+    for part in _wrap(verdict(report), columns):
+        console.print(part, style=_VERDICT_STYLES[report["outcome"]], markup=False)
 
 
 # ---- files -------------------------------------------------------------------------------------------------
@@ -404,8 +473,19 @@ def write_json(report: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
-def plot_png(report: dict[str, Any]) -> bytes | None:
-    """A PNG of violations, injections and detections over the steps, or None without matplotlib."""
+#: What each reason label of the tables means (the FailReason bit it stands for).
+REASON_MEANINGS = {
+    FailReason.VERIFY_CHAIN_HASH_MISMATCH: "verify: the slot's chain hash does not follow from its predecessor",
+    FailReason.VERIFY_POSITION_MISMATCH: "verify: the slot stores another position than the plan expects",
+    FailReason.VERIFY_REAL_KV_HASH_MISMATCH: "verify: the real K/V bytes no longer match their fingerprint",
+    FailReason.WRITE_TOKEN_MISMATCH: "write: the new token differs from the engine's token oracle",
+    FailReason.WRITE_POSITION_MISMATCH: "write: the new token's position differs from the oracle's",
+    FailReason.VERIFY_TOKEN_MISMATCH: "verify: the slot stores another token than the expected-token pool",
+}
+
+
+def plot_svg(report: dict[str, Any]) -> str | None:
+    """An SVG of violations, injections and detections over the steps, or None without matplotlib."""
     try:
         import matplotlib
 
@@ -413,12 +493,28 @@ def plot_png(report: dict[str, Any]) -> bytes | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    fig = plot_figure(report)
+    buf = io.StringIO()
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "kvcanary"}):  # text stays text
+        fig.savefig(buf, format="svg")
+    plt.close(fig)
+    svg = buf.getvalue()
+    return svg[svg.index("<svg"):]  # inline: no XML prologue or DOCTYPE inside the HTML
+
+
+def plot_figure(report: dict[str, Any]) -> Any:
+    """The matplotlib figure behind :func:`plot_svg` (needs matplotlib)."""
+    import matplotlib.pyplot as plt
+
     tl = report["timeline"]
     steps = list(range(len(tl["violations"])))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True, height_ratios=(3, 1.3))
-    top.bar(steps, tl["explained"], width=1.0, color="#4c78a8", label="violations explained by a fault")
-    top.bar(steps, tl["false_positives"], bottom=tl["explained"], width=1.0, color="#e45756", label="false positives")
+    top.bar(steps, tl["explained"], width=0.9, color="#4c78a8", label="violations explained by a fault")
+    top.bar(steps, tl["false_positives"], bottom=tl["explained"], width=0.9, color="#e45756", label="false positives")
     top.set_yscale("symlog", linthresh=10)
+    peak = max((e + f for e, f in zip(tl["explained"], tl["false_positives"], strict=True)), default=0)
+    top.set_ylim(0, max(20, peak * 3))  # headroom on the log scale: the tallest bar stays clear of the frame
+    top.set_xlim(-1.5, len(steps) + 0.5)  # and the first and last bars clear of the sides
     top.set_ylabel("violations read")
     top.legend(loc="upper left", fontsize=8)
     by_kind: dict[str, list[tuple[int, int | None]]] = {k["kind"]: [] for k in reversed(report["kinds"])}
@@ -437,57 +533,88 @@ def plot_png(report: dict[str, Any]) -> bytes | None:
     bottom.set_ylim(-0.7, max(0.7, len(names) - 0.3))
     bottom.set_xlabel("step (orange ▼ injected, green ○ first detection read)")
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
+    return fig
 
 
-def _html_table(headers: list[str], rows: list[list[Any]]) -> str:
-    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+def _html_table(headers: list[str], rows: list[list[Any]], *, numeric: tuple[int, ...] = (),
+                names: tuple[int, ...] = ()) -> str:
+    """A table whose ``numeric`` columns are right-aligned and whose ``names`` columns never wrap; a list cell
+    (reason labels) wraps between its items only, never at a hyphen inside one."""
+
+    def cls(i: int) -> str:
+        return ' class="num"' if i in numeric else ' class="name"' if i in names else ""
+
+    def cell(value: Any) -> str:
+        if isinstance(value, list):
+            return ", ".join(f'<span class="name">{html.escape(str(v))}</span>' for v in value)
+        return html.escape("" if value is None else str(value))
+
+    head = "".join(f"<th{cls(i)}>{html.escape(str(h))}</th>" for i, h in enumerate(headers))
+    body = "".join("<tr>" + "".join(f"<td{cls(i)}>{cell(c)}</td>" for i, c in enumerate(row)) + "</tr>"
+                   for row in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _legend() -> str:
+    items = "".join(f"<dt>{html.escape(short_reason(str(bit.name)))}</dt><dd>{html.escape(meaning)} "
+                    f"(<code>{bit.name}</code>)</dd>" for bit, meaning in REASON_MEANINGS.items())
+    return f'<dl class="legend">{items}</dl>'
+
+
 def render_html(report: dict[str, Any]) -> str:
-    png = plot_png(report)
-    plot = (f'<img alt="violations and detections over steps" src="data:image/png;base64,'
-            f'{base64.b64encode(png).decode()}">' if png else
+    svg = plot_svg(report)
+    plot = (f'<figure role="img" aria-label="violations and detections over steps">{svg}</figure>' if svg else
             "<p><em>No plot: install matplotlib (the <code>report</code> extra) to get one.</em></p>")
-    kinds = _html_table(list(HEADERS), [list(r) for r in table_rows(report)])
+    kinds = _html_table(list(HEADERS), [[*r[:5], [short_reason(x) for x in k["reasons"]] or "-"]
+                                        for r, k in zip(table_rows(report), report["kinds"], strict=True)],
+                        numeric=_NUMERIC, names=(0, 4))
     faults = _html_table(
         ["id", "kind", "step", "group", "request", "detail", "detected at", "latency", "first tag", "reasons",
          "violations"],
         [[f["id"], f["kind"], f["step"], f["group"], f["request"], f["detail"], f["detection_step"],
-          f["latency_steps"], f["detected_by"], ", ".join(short_reason(r) for r in f["reasons"]), f["violations"]]
-         for f in report["faults"]])
+          f["latency_steps"], f["detected_by"], [short_reason(r) for r in f["reasons"]], f["violations"]]
+         for f in report["faults"]], numeric=(0, 2, 4, 6, 7, 10), names=(1, 8))
     fps = _html_table(["read step", "tag", "group", "slot", "position", "stored token", "expected token", "reasons"],
                       [[f["read_step"], f["launch_tag"], f["group"], f["slot"], f["position"], f["stored_token"],
-                        f["expected_token"], ", ".join(short_reason(r) for r in f["reasons"])]
-                       for f in report["false_positives"]])
+                        f["expected_token"], [short_reason(r) for r in f["reasons"]]]
+                       for f in report["false_positives"]], numeric=(0, 3, 4, 5, 6), names=(1,))
     cost = report["cost"]
     cost_rows = [[phase, f"{ms:.3f}"] for phase, ms in cost["ms_per_step"].items()]
-    colour = "#2e7d32" if report["passed"] else "#c62828"
-    summary = "".join(f"<li>{html.escape(line)}</li>" for line in summary_lines(report))
+    colour = {"passed": "#2e7d32", "failed": "#c62828", "inconclusive": "#b26a00"}[report["outcome"]]
+    summary = "".join(f"<li>{html.escape(line)}</li>" for line in summary_lines(report) + warnings(report))
     config = html.escape(json.dumps(report["config"], indent=2))
+    gen = report["generated"]
+    made = (f"{gen['tool']} {gen['version']}, generated {gen['timestamp']} on host {gen['host']} "
+            f"(Python {gen['python']})")
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>kv-canary simulation report</title>
+<meta name="generator" content="{html.escape(gen['tool'])} {html.escape(gen['version'])}">
 <style>
 body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1200px; }}
 table {{ border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.9em; }}
 th, td {{ border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }}
 th {{ background: #f3f3f3; }}
+.num {{ text-align: right; font-variant-numeric: tabular-nums; }}
+.name {{ white-space: nowrap; }}
 .verdict {{ font-weight: bold; color: {colour}; font-size: 1.2em; }}
-img {{ max-width: 100%; }}
+.generated {{ color: #666; font-size: 0.85em; }}
+figure {{ margin: 0; }}
+figure svg {{ max-width: 100%; height: auto; }}
+dl.legend {{ display: grid; grid-template-columns: max-content auto; gap: 0.2em 1em; font-size: 0.9em; }}
+dl.legend dt {{ font-weight: bold; white-space: nowrap; }}
+dl.legend dd {{ margin: 0; }}
 pre {{ background: #f7f7f7; padding: 1em; font-size: 0.85em; }}
 </style></head><body>
 <h1>kv-canary simulation report</h1>
+<p class="generated">{html.escape(made)}</p>
 <p>{html.escape(headline(report))}</p>
 <p class="verdict">{html.escape(verdict(report))}</p>
 <h2>Detection by fault kind</h2>{kinds}
+<h3>Reason labels</h3>{_legend()}
 <h2>Violations and detections over the run</h2>{plot}
 <h2>Summary</h2><ul>{summary}</ul>
-<h2>Canary cost (ms per step, {html.escape(cost['backend'])})</h2>{_html_table(["phase", "ms/step"], cost_rows)}
+<h2>Canary cost (ms per step, {html.escape(cost['backend'])})</h2>{_html_table(["phase", "ms/step"], cost_rows,
+                                                                                numeric=(1,))}
 <h2>Injected faults</h2>{faults}
 <h2>False positives</h2>{fps if report["false_positives"] else "<p>None.</p>"}
 <h2>Configuration</h2><pre>{config}</pre>

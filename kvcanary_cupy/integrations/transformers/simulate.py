@@ -464,17 +464,15 @@ def write_json(report: dict[str, Any], path: str | Path) -> Path:
 
 
 def write_html(report: dict[str, Any], path: str | Path) -> Path:
-    import base64
+    from ...sim.report import HEADERS, _html_table, plot_svg, short_reason, table_rows
 
-    from ...sim.report import HEADERS, _html_table, plot_png, short_reason, table_rows
-
-    png = plot_png(report)
-    plot = (f'<img alt="violations and detections over steps" src="data:image/png;base64,'
-            f'{base64.b64encode(png).decode()}">' if png else "<p><em>No plot: install matplotlib.</em></p>")
+    svg = plot_svg({**report, "faults": [f for f in report["faults"] if f["injected"]]})
+    plot = (f'<figure role="img" aria-label="violations and detections over steps">{svg}</figure>' if svg
+            else "<p><em>No plot: install matplotlib (the <code>report</code> extra).</em></p>")
     faults = _html_table(
         ["kind", "workload", "step", "group", "request", "detail", "detected at", "latency", "first tag", "reasons"],
         [[f["kind"], f["workload"], f["step"], f["group"], f["request"], f["detail"], f["detection_step"],
-          f["latency_steps"], f["detected_by"], ", ".join(short_reason(r) for r in f["reasons"])]
+          f["latency_steps"], f["detected_by"], [short_reason(r) for r in f["reasons"]]]
          for f in report["faults"]])
     colour = "#2e7d32" if report["passed"] else "#c62828"
     summary = "".join(f"<li>{html.escape(line)}</li>" for line in summary_lines(report) + _fp_lines(report))
@@ -533,8 +531,14 @@ def run_cli(args: Any) -> int:
     finally:
         canary_logger.setLevel(level)
         transformers.logging.set_verbosity(tf_level)
-    print_report(report, plain=args.plain)
-    for path, writer in ((args.json, write_json), (args.html, write_html)):
+    # With --json -, standard output carries the JSON alone (as for the synthetic engine).
+    json_to_stdout = args.json == "-"
+    human = sys.stderr if json_to_stdout else sys.stdout
+    print_report(report, human, plain=args.plain)
+    if json_to_stdout:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    for path, writer in ((None if json_to_stdout else args.json, write_json), (args.html, write_html)):
         if path:
-            print(f"wrote {writer(report, path)}")
+            print(f"wrote {writer(report, path)}", file=human)
     return int(report["exit_code"])

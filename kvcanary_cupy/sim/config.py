@@ -1,0 +1,133 @@
+"""What a simulation run depends on: the engine presets (:data:`PRESETS`), the run's options
+(:class:`SimConfig`, validated with messages naming the command-line option), and the backend they resolve to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..backends import BACKEND_NAMES, available_backends, unavailable_reason
+from .faults import FAULT_KINDS
+from .workload import WorkloadShape
+
+# ---- presets -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    shape: WorkloadShape
+    max_running: int
+    chunk_size: int
+    swa_window: int = 0
+    eagle: bool = False
+    page_size: int = 16
+
+
+PRESETS: dict[str, Preset] = {
+    "decode": Preset(
+        "decode", "short prompts, long generations; decode batches padded to CUDA-graph sizes",
+        WorkloadShape(system_len=(16, 48), suffix_len=(4, 32), output_len=(48, 128), p_system=0.6,
+                      p_followup=0.25, max_total_len=640),
+        max_running=16, chunk_size=256),
+    "prefill": Preset(
+        "prefill", "long prompts in chunked prefill, short generations",
+        WorkloadShape(system_prompts=3, system_len=(64, 192), suffix_len=(96, 384), output_len=(2, 8),
+                      p_system=0.7, p_followup=0.1, max_total_len=768),
+        max_running=8, chunk_size=128),
+    "swa": Preset(
+        "swa", "a sliding-window (SWA) group next to the full one: LUT, eviction outside the window",
+        WorkloadShape(system_len=(16, 64), suffix_len=(16, 96), output_len=(24, 96), p_followup=0.25,
+                      max_total_len=640),
+        max_running=16, chunk_size=64, swa_window=32),
+    "eagle": Preset(
+        "eagle", "an EAGLE draft pool (offset +1) next to the target",
+        WorkloadShape(system_len=(16, 64), suffix_len=(8, 96), output_len=(16, 96), p_followup=0.25,
+                      max_total_len=640),
+        max_running=16, chunk_size=96, eagle=True),
+    "mixed": Preset(
+        "mixed", "everything at once: chunked prefill and decode in one batch, prefix sharing, SWA and EAGLE",
+        WorkloadShape(system_len=(16, 96), suffix_len=(8, 160), output_len=(4, 96), p_system=0.55,
+                      p_followup=0.25, max_total_len=640),
+        max_running=16, chunk_size=96, swa_window=48, eagle=True),
+}
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything a run depends on; the report is a deterministic function of it (timings aside)."""
+
+    preset: str = "mixed"
+    steps: int = 200
+    requests: int = 48
+    seed: int = 0
+    backend: str = "auto"
+    inject: dict[str, float] = field(default_factory=dict)
+    sweep_interval: int = 8
+    with_v: bool = False
+    real_kv_hash: str = "all"
+    warmup_steps: int = 4
+    cooldown_steps: int | None = None  # default: min(16, steps // 5)
+    ring_capacity: int = 16384  # per canary group
+    dump_dir: str | None = None
+    canary_mode: str = "log"  # the runtime's mode: "log" (attribute every row) or "raise" (stop at the first)
+
+    @property
+    def cooldown(self) -> int:
+        return min(16, self.steps // 5) if self.cooldown_steps is None else self.cooldown_steps
+
+    def validate(self) -> None:
+        """Raise ValueError with a message naming the option for anything that cannot run."""
+        if self.preset not in PRESETS:
+            raise ValueError(f"--preset {self.preset!r} is unknown; choose from {', '.join(PRESETS)}")
+        if self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if self.requests < 1:
+            raise ValueError(f"--requests must be >= 1, got {self.requests}")
+        if self.sweep_interval < 0:
+            raise ValueError(f"--sweep-interval must be >= 0 (0 disables the sweep), got {self.sweep_interval}")
+        if self.real_kv_hash not in ("all", "partial"):
+            raise ValueError(f"--real-kv-hash must be 'all' or 'partial', got {self.real_kv_hash!r}")
+        if self.warmup_steps < 0 or self.cooldown < 0:
+            raise ValueError("--warmup and --cooldown must be >= 0")
+        if self.ring_capacity < 1:
+            raise ValueError(f"--ring-capacity must be >= 1, got {self.ring_capacity}")
+        if self.canary_mode not in ("log", "raise"):
+            raise ValueError(f"canary_mode must be 'log' or 'raise', got {self.canary_mode!r}")
+        if self.backend not in ("auto", *BACKEND_NAMES):
+            raise ValueError(f"--backend {self.backend!r} is unknown; choose from auto, {', '.join(BACKEND_NAMES)}")
+        preset = PRESETS[self.preset]
+        for kind in self.inject:
+            if kind not in FAULT_KINDS:
+                raise ValueError(f"unknown fault kind {kind!r}; choose from {', '.join(FAULT_KINDS)}")
+            if FAULT_KINDS[kind].needs == "swa" and not preset.swa_window:
+                swa_presets = [p.name for p in PRESETS.values() if p.swa_window]
+                raise ValueError(f"--inject {kind} needs an SWA group; preset {self.preset!r} has none "
+                                 f"(use --preset {' or '.join(swa_presets)})")
+        if self.inject and self.warmup_steps >= self.steps - self.cooldown:
+            raise ValueError(f"no step is left to inject faults: --steps {self.steps} with a warm-up of "
+                             f"{self.warmup_steps} and a cool-down of {self.cooldown} steps")
+
+
+def applicable_kinds(preset: str) -> list[str]:
+    """Fault kinds that the preset's engine can host (``--inject all`` means these)."""
+    has_swa = bool(PRESETS[preset].swa_window)
+    return [k for k, kind in FAULT_KINDS.items() if kind.needs != "swa" or has_swa]
+
+
+def resolve_backend(name: str) -> tuple[str, Any, str]:
+    """(backend name, array module, device) for a ``--backend`` value; ValueError when unavailable."""
+    if name == "auto":
+        name = "cuda" if unavailable_reason("cuda") is None else "numpy"
+    reason = unavailable_reason(name)
+    if reason is not None:
+        raise ValueError(f"--backend {name} is not available here: {reason} "
+                         f"(available: {', '.join(available_backends())})")
+    if name == "cuda":
+        import cupy
+
+        return name, cupy, "cuda"
+    return name, np, "cpu"

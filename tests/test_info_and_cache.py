@@ -1,0 +1,118 @@
+"""``kvcanary info`` and ``kvcanary cache clear``; the cache's location (XDG) and pruning; the README's table of
+environment variables."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from kvcanary_cupy import cache
+from kvcanary_cupy.backends import BACKEND_NAMES, unavailable_reason
+from kvcanary_cupy.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def xdg(tmp_path, monkeypatch) -> Path:
+    monkeypatch.delenv("KVCANARY_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    return tmp_path / "xdg" / "kvcanary_cupy" / "hostcuda"
+
+
+def test_the_cache_follows_kvcanary_cache_dir_then_xdg_then_home(tmp_path, monkeypatch, xdg):
+    assert cache.host_module_dir(create=False) == xdg
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/path")  # the XDG spec: a relative value is ignored
+    assert cache.host_module_dir(create=False) == Path.home() / ".cache" / "kvcanary_cupy" / "hostcuda"
+    monkeypatch.setenv("KVCANARY_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache.host_module_dir(create=False) == tmp_path / "mine" / "hostcuda"
+
+
+def test_info_names_each_backend_with_its_reason_and_the_versions_and_cache_sizes(xdg, capsys):
+    xdg.mkdir(parents=True)
+    (xdg / "plan-0123.so").write_bytes(b"x" * 3000)
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    for name in BACKEND_NAMES:
+        assert info["backends"][name] == {"available": unavailable_reason(name) is None,
+                                          "reason": unavailable_reason(name)}
+    for key in ("cupy", "nvrtc", "cuda_driver", "compiler", "libasan", "torch", "numpy", "kvcanary_cupy"):
+        assert key in info["versions"], key
+    host = info["caches"][0]
+    assert host["path"] == str(xdg) and host["files"] == 1 and host["bytes"] == 3000
+    assert main(["info"]) == 0
+    text = capsys.readouterr().out
+    for name in BACKEND_NAMES:
+        reason = unavailable_reason(name)
+        assert f"{name} " in text and ("available" if reason is None else reason) in text
+    for label in ("CuPy", "NVRTC", "CUDA driver", "g++", "libasan", "torch", str(xdg), "1 files, 2.9 KiB"):
+        assert label in text, label
+
+
+def test_cache_clear_removes_the_host_modules_and_says_how_much(xdg, capsys):
+    xdg.mkdir(parents=True)
+    for i in range(3):
+        (xdg / f"m{i}.so").write_bytes(b"x" * 1024)
+    assert main(["cache", "clear"]) == 0
+    assert "removed 3 files" in capsys.readouterr().out and not xdg.exists()
+    assert main(["cache", "clear"]) == 0
+    assert "removed 0 files" in capsys.readouterr().out
+    assert main(["cache"]) == 2  # an action is required
+
+
+def test_pruning_drops_the_least_recently_used_files_first_and_spares_recent_and_kept_ones(tmp_path):
+    now = time.time()
+    ages = {"old.so": 9000, "older.so": 90000, "kept.so": 900000, "recent.so": 60, "mid.so": 3000}
+    for name, age in ages.items():
+        path = tmp_path / name
+        path.write_bytes(b"x" * 1000)
+        os.utime(path, (now - age, now - age))
+    freed = cache.prune(tmp_path, limit=3500, keep=(tmp_path / "kept.so",))
+    left = sorted(p.name for p in tmp_path.iterdir())
+    # 5000 bytes, cap 3500: the oldest unprotected files go (older, then old: kept.so is protected) until
+    # 3000 remain, so mid.so stays
+    assert freed == 2000 and left == ["kept.so", "mid.so", "recent.so"]
+    # cap 0: everything goes but the protected file and the one used in the last ten minutes
+    assert cache.prune(tmp_path, limit=0, keep=(tmp_path / "kept.so",)) == 1000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.so", "recent.so"]
+    assert cache.prune(tmp_path, limit=10**9) == 0
+
+
+def test_a_new_host_build_prunes_the_cache_to_its_cap(tmp_path, monkeypatch):
+    if unavailable_reason("host") is not None:
+        pytest.skip(f"host backend: {unavailable_reason('host')}")
+    from kvcanary_cupy.hostcuda import HostModule
+
+    monkeypatch.setenv("KVCANARY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KVCANARY_CACHE_MAX_MB", "0")
+    folder = tmp_path / "hostcuda"
+    folder.mkdir()
+    stale = folder / "stale-0000.so"
+    stale.write_bytes(b"x" * 4096)
+    os.utime(stale, (time.time() - 86400, time.time() - 86400))
+    module = HostModule('extern "C" __global__ void k(int* p) { p[threadIdx.x] = 1; }', name="prune_probe")
+    assert not stale.exists() and module.library_path.exists()
+
+
+def _env_vars_read_by_the_package() -> set[str]:
+    names: set[str] = set()
+    for path in (ROOT / "kvcanary_cupy").rglob("*.py"):
+        text = path.read_text()
+        names |= set(re.findall(r"""(?:environ\.get|getenv|environ\[|setenv)\(?\s*["']([A-Z][A-Z0-9_]+)["']""", text))
+        names |= set(re.findall(r"""^_[A-Z_]*ENV\s*=\s*["']([A-Z][A-Z0-9_]+)["']""", text, re.M))
+    return names
+
+
+def test_the_readme_lists_every_environment_variable_the_package_reads():
+    found = _env_vars_read_by_the_package()
+    assert {"KVCANARY_CACHE_DIR", "XDG_CACHE_HOME", "KVCANARY_HOST_SANITIZE", "CXX"} <= found, found
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| variable |"):]
+    table = table[:table.index("\n\n")]
+    listed = set(re.findall(r"^\| `([A-Z][A-Z0-9_]+)`", table, re.M))
+    assert found <= listed, f"not in the README's table: {sorted(found - listed)}"
