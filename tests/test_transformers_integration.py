@@ -170,6 +170,51 @@ def test_each_fault_kind_is_detected_with_reason_and_step(models, workload, kind
         assert first.violation.slot == fault.slot and first.violation.position == fault.position
 
 
+def test_sweep_verifies_cached_blocks_cleanly_and_finds_a_flipped_bit_in_one(models):
+    """The blocks the engine keeps for prefix reuse are swept; a bit flipped in one is found there."""
+    w = WORKLOADS["shared-prefix"]
+    model = models[w.arch]
+    canary = install(model, CanaryOptions(sweep_interval=1))
+    generate(model, w)
+    canary.finish()
+    canary.remove()
+    (state,) = canary.states.values()
+    assert canary.violations == [] and state.rt.stats()["swept_slots"] > 0
+
+    flipped = {}
+
+    class FlipCachedBlock:
+        def before_batch(self, canary, step, kwargs, requests, cache):
+            pass
+
+        def on_layer_write(self, canary, step, allocator, layer_idx, write_index):
+            return write_index
+
+        def after_forward(self, canary, step, batch, cache):
+            state = canary.states[id(cache)]
+            geo = state.geos[0]
+            cached = [b for b in geo.allocator.ledger.cached_blocks if b in state.block_index]
+            if flipped or not cached:
+                return
+            slot = cached[0] * geo.stride + 1
+            byte = slot * geo.row_bytes  # K of the group's first layer, first byte of the row
+            cache.cache_tensor[byte] ^= 4
+            flipped.update(step=step, slot=slot)
+
+    w = WORKLOADS["mixed-lengths"]
+    canary = install(model, CanaryOptions(sweep_interval=1))
+    canary.observers.append(FlipCachedBlock())
+    generate(model, w)
+    canary.finish()
+    canary.remove()
+    assert flipped, "no block was ever cached"
+    assert [v for v in canary.violations if v.step <= flipped["step"]] == []
+    hits = [v for v in canary.violations if v.violation.slot == flipped["slot"]]
+    assert hits and hits[0].violation.launch_tag == "SWEEP_K_FULL"
+    assert hits[0].violation.reasons == ("VERIFY_REAL_KV_HASH_MISMATCH",)
+    assert hits[0].step == flipped["step"] + 1
+
+
 def test_raise_mode_stops_the_engine_loop_with_the_violation(models):
     w = WORKLOADS["mixed-lengths"]
     model = models[w.arch]

@@ -114,7 +114,8 @@ class CanaryOptions:
     later, which stops the engine's loop); every violation is also kept in ``violations`` either way.
     ``real_kv_hash``: ``partial`` (first 16 bytes of every layer's K/V row) or ``all``; ``with_v`` adds V
     endpoints next to K; ``backend`` as for the launchers (``auto``, ``numpy``, ``host``); the write-input and
-    verify-token asserts compare with the engine's request state (prompt + generated ids).
+    verify-token asserts compare with the engine's request state (prompt + generated ids). ``sweep_interval``:
+    every N steps verify every slot of the blocks the engine keeps cached for prefix reuse (0: never).
     """
 
     mode: str = "log"
@@ -122,6 +123,7 @@ class CanaryOptions:
     with_v: bool = True
     backend: str = "auto"
     ring_capacity: int = 4096
+    sweep_interval: int = 8
     logger: str = "kvcanary_cupy.transformers"
 
     def config(self) -> CanaryConfig:
@@ -131,7 +133,7 @@ class CanaryOptions:
             fail(f"real_kv_hash must be 'partial' or 'all', got {self.real_kv_hash!r}")
         return CanaryConfig(mode=self.mode, ring_capacity=self.ring_capacity, real_kv_hash_mode=self.real_kv_hash,
                             write_input_assert=True, verify_token_assert=True, backend=self.backend,
-                            logger=self.logger)
+                            sweep_interval=self.sweep_interval, logger=self.logger)
 
 
 class TransformersCanaryState:
@@ -178,8 +180,11 @@ class TransformersCanaryState:
                           max_context_len=self.max_len, pool_rows=self.max_requests + 1,
                           max_history_tokens=self.max_requests * self.max_len)
         device = str(self.device) if self.device.type != "cuda" or self.device.index is not None else "cuda:0"
+        # Where each complete full-attention block sits in the table of the request that wrote it: the sweep
+        # needs the positions of cached blocks, which the engine does not keep.
+        self.block_index: dict[int, int] = {}
         self.rt = CanaryRuntime.create(opts.config(), KvPools(tuple(groups), layout=None), caps, device=device,
-                                       framework="torch", timer=self._timer)
+                                       framework="torch", timer=self._timer, sweep_source=self._cached_slots)
         self.violations: list[StepViolation] = []
         self.health_problems: list[tuple[int, str]] = []
         self.status_bits = 0
@@ -238,7 +243,9 @@ class TransformersCanaryState:
 
     def after_forward(self, batch: EngineStep, written: dict[int, np.ndarray]) -> None:
         """Phases 3 and 4: TAIL verify (re-hashing every prefix slot's real K/V) and TAIL write (fingerprints
-        of the new K/V, stamped where the forward really wrote), then the one-step-late read of the rings."""
+        of the new K/V, stamped where the forward really wrote), then the one-step-late read of the rings and,
+        when due, the sweep of the cached blocks."""
+        self._note_complete_blocks(batch)
         for geo in self.geos:
             model = self.model_of[geo.index]
             loc = written[geo.index]
@@ -255,6 +262,37 @@ class TransformersCanaryState:
         for state in self.rt.groups.values():
             if state.model == model and state.swa_out_cache_loc is not None:
                 state.swa_out_cache_loc.view[:n] = written  # the identity LUT's gather of the same slots
+
+    def _note_complete_blocks(self, batch: EngineStep) -> None:
+        geo = self.geos[0]
+        if len(self.geos) != 1 or geo.window:
+            return  # prefix reuse needs full attention only (transformers turns it off otherwise)
+        for i, rid in enumerate(batch.request_ids):
+            complete = int(batch.prefix_lens[i] + batch.extend_lens[i]) // geo.page_size
+            for k, block in enumerate(batch.block_tables[geo.index][rid][:complete]):
+                self.block_index[int(block)] = k
+
+    def _cached_slots(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The sweep source: every slot of every block the engine keeps cached for reuse, with its position;
+        predecessors inside a block, none across blocks (a cached block's parent may be gone: prev 0 skips
+        that one chain check, a block at the start of a sequence anchors at -1)."""
+        geo = self.geos[0]
+        blocks = [b for b in geo.allocator.ledger.cached_blocks if b in self.block_index] if not geo.window else []
+        ps = geo.page_size
+        offsets = np.arange(ps, dtype=np.int64)
+        slots, positions, prevs = [], [], []
+        for b in blocks:
+            k = self.block_index[b]
+            first = b * geo.stride
+            slots.append(first + offsets)
+            positions.append(k * ps + offsets)
+            prev = first + offsets - 1
+            prev[0] = -1 if k == 0 else 0
+            prevs.append(prev)
+        if not slots:
+            empty = np.zeros(0, np.int64)
+            return empty, empty, empty
+        return np.concatenate(slots), np.concatenate(positions), np.concatenate(prevs)
 
     def flush(self) -> None:
         """Read everything still pending (the last step's launches)."""
