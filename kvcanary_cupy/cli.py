@@ -123,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     sim.add_argument("--engine", choices=["synthetic", "transformers"], default="synthetic",
                      help="synthetic (this project's engine) or transformers (Hugging Face continuous batching with "
-                     "a random-weight model; needs the transformers extra; --preset/--steps/--requests/--sweep-"
-                     "interval/--warmup/--cooldown/--dump-failures do not apply)")
+                     "a random-weight model; needs the transformers extra; --preset/--steps/--requests/"
+                     "--warmup/--cooldown/--dump-failures do not apply)")
     sim.add_argument("--model-size", choices=["small", "medium"], default="small",
                      help="--engine transformers: small (hidden 64, 2 layers) or medium (~58M params)")
     sim.add_argument("--preset", choices=list(PRESETS), default="mixed", help="scenario (default: mixed)")

@@ -308,6 +308,7 @@ def test_internal_transformers_api_is_the_one_the_hooks_were_written_for(models)
                          "head_dim", "bytes_per_block", "write_trash_index", "block_table", "pool", "index"):
                 assert hasattr(a, attr), attr
         assert cache.cache_allocators["sliding_attention"].sliding_window == 8
+        assert isinstance(cache.cache_allocators["full_attention"].ledger.cached_blocks, dict)
     finally:
         manager.destroy()
 

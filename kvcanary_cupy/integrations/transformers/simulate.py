@@ -31,7 +31,7 @@ from .hooks import TransformersCanary, install
 from .workloads import MODEL_SIZES, Workload, build_model, cb_config, generation_config, workloads
 
 SCHEMA_ID = "kvcanary-transformers-report/1"
-PHASES = ("batch", "stage", "scatter", "plan", "verify", "write", "read")
+PHASES = ("batch", "stage", "scatter", "plan", "verify", "write", "sweep", "read")
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class TransformersSimConfig:
     real_kv_hash: str = "partial"
     with_v: bool = True
     inject_at: int = 4
+    sweep_interval: int = 8
     workloads: tuple[str, ...] = ()  # empty: all
 
     def validate(self) -> None:
@@ -124,7 +125,7 @@ class TransformersSimulation:
 
     def _run(self, model: Any, w: Workload, kind: str | None, offset: int, injector: Injector | None) -> RunResult:
         opts = CanaryOptions(mode="log", real_kv_hash=self.cfg.real_kv_hash, with_v=self.cfg.with_v,
-                             backend=self.cfg.backend)
+                             backend=self.cfg.backend, sweep_interval=self.cfg.sweep_interval)
         canary: TransformersCanary = install(model, opts)
         stats = WorkloadStats()
         canary.observers.append(stats)
@@ -315,7 +316,7 @@ def build_report(sim: TransformersSimulation) -> dict[str, Any]:
         "config": {"engine": "transformers", "transformers_version": transformers.__version__,
                    "model_size": cfg.model_size, "model_params": sim.model_params, "seed": cfg.seed,
                    "backend": cfg.backend, "inject": {k: 1 for k in cfg.inject}, "inject_at": cfg.inject_at,
-                   "real_kv_hash": cfg.real_kv_hash, "with_v": cfg.with_v},
+                   "real_kv_hash": cfg.real_kv_hash, "with_v": cfg.with_v, "sweep_interval": cfg.sweep_interval},
         "workloads": per_workload,
         "kinds": kinds,
         "faults": faults,
@@ -375,8 +376,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         f"injected faults" + (f", {v['dropped']} dropped by a full ring" if v["dropped"] else "") + ")")
     lines.append(
         f"canary cost per step ({cost['backend']}): batch {ms['batch']:.2f} ms, stage {ms['stage'] + ms['scatter']:.2f}"
-        f" ms, plan {ms['plan']:.2f} ms, verify {ms['verify']:.2f} ms, write {ms['write']:.2f} ms, read "
-        f"{ms['read']:.2f} ms = "
+        f" ms, plan {ms['plan']:.2f} ms, verify {ms['verify']:.2f} ms, write {ms['write']:.2f} ms, sweep "
+        f"{ms['sweep']:.2f} ms, read {ms['read']:.2f} ms = "
         f"{cost['canary_ms_per_step']:.2f} ms (engine {ms['engine']:.2f} ms); "
         f"{100 * cost['canary_share_of_generate']:.1f} % of generate_batch wall time")
     return lines
@@ -509,7 +510,7 @@ def run_cli(args: Any) -> int:
                 inject.append(name)
     cfg = TransformersSimConfig(model_size=args.model_size, inject=tuple(inject), seed=args.seed,
                                 backend=args.backend, real_kv_hash=args.real_kv_hash,
-                                with_v=True)
+                                with_v=True, sweep_interval=args.sweep_interval)
     cfg.validate()
 
     def progress(done: int, total: int, what: str) -> None:
