@@ -55,6 +55,7 @@ class TransformersCanary:
         self.options = options or CanaryOptions()
         self.options.config()  # validates
         self._managers: list[Any] = []
+        self.model: Any
         if isinstance(target, ContinuousBatchingManager):
             self.model = target.model
             self._managers.append(target)
@@ -74,7 +75,7 @@ class TransformersCanary:
             self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             self.model.register_forward_hook(self._after_forward, with_kwargs=True),
         ]
-        original_init = self.model.init_continuous_batching
+        original_init: Callable[..., Any] = self.model.init_continuous_batching
 
         @functools.wraps(original_init)
         def init_continuous_batching(*args: Any, **kwargs: Any) -> Any:
@@ -200,8 +201,9 @@ class TransformersCanary:
             if kwargs.get("block_table") is not None:  # the decode fast path: the attention kernel writes
                 written[geo.index] = batch.head_locs[geo.index]  # through the block table, no update() to watch
                 continue
-            writes = [self._layer_writes.get((geo.index, layer)) for layer in geo.layer_indices]
-            if any(w is None or w.shape[0] < t for w in writes):
+            seen = [self._layer_writes.get((geo.index, layer)) for layer in geo.layer_indices]
+            writes = [w for w in seen if w is not None and w.shape[0] >= t]
+            if len(writes) != len(seen):
                 written[geo.index] = np.full(t, -1, np.int64)  # a layer did not write: stamp nothing
                 continue
             loc = writes[0][:t].copy()

@@ -219,7 +219,7 @@ def build_report(sim: TransformersSimulation) -> dict[str, Any]:
     false_positives: list[dict[str, Any]] = []
     by_tag: Counter[str] = Counter()
     by_reason: Counter[str] = Counter()
-    faults = []
+    faults: list[dict[str, Any]] = []
     fp_total = explained = 0
     status_bits = dropped = 0
     for run in sim.runs:
@@ -267,20 +267,20 @@ def build_report(sim: TransformersSimulation) -> dict[str, Any]:
             "detected_by": None if first is None else first.violation.launch_tag, "reasons": reason_names(bits),
             "violations": len(mine)})
     kinds = []
-    for name in cfg.inject:
-        mine = [f for f in faults if f["kind"] == name and f["injected"]]
-        caught = [f for f in mine if f["detected"]]
+    for kind in cfg.inject:
+        struck = [f for f in faults if f["kind"] == kind and f["injected"]]
+        caught = [f for f in struck if f["detected"]]
         lat = sorted(int(f["latency_steps"]) for f in caught)
         bits = 0
-        for f in mine:
+        for f in struck:
             for r in f["reasons"]:
                 bits |= _reason_bit(r)
         kinds.append({
-            "kind": name, "title": FAULT_KINDS[name], "injected": len(mine), "detected": len(caught),
-            "missed": len(mine) - len(caught),
-            "status": "not injected" if not mine else ("detected" if len(caught) == len(mine) else "missed"),
+            "kind": kind, "title": FAULT_KINDS[kind], "injected": len(struck), "detected": len(caught),
+            "missed": len(struck) - len(caught),
+            "status": "not injected" if not struck else ("detected" if len(caught) == len(struck) else "missed"),
             "latency_steps": {"min": lat[0], "median": float(statistics.median(lat)), "max": lat[-1]} if lat else None,
-            "reasons": reason_names(bits), "violations": sum(f["violations"] for f in mine)})
+            "reasons": reason_names(bits), "violations": sum(f["violations"] for f in struck)})
     token_exact = all(sim.token_exact.values())
     # A health problem (counters that disagree) in a clean run is a false alarm; in a fault run it is one
     # more sign of the fault (a write that did not land where the batch said makes TAIL count fewer slots).
@@ -294,8 +294,8 @@ def build_report(sim: TransformersSimulation) -> dict[str, Any]:
     ms = {p: round(1000 * sum(r.seconds.get(p, 0.0) for r in sim.runs) / n_steps, 4) for p in PHASES}
     ms["engine"] = round(1000 * (run_wall - canary_s) / n_steps, 4)
     counters: Counter[str] = Counter()
-    for r in sim.runs:
-        counters.update(r.counters)
+    for result in sim.runs:
+        counters.update(result.counters)
     verify_s = sum(r.seconds.get("verify", 0.0) for r in sim.runs)
     per_workload = []
     for name, exact in sim.token_exact.items():
@@ -344,7 +344,7 @@ def _reason_bit(name: str) -> int:
 def _status_names(bits: int) -> list[str]:
     from ...constants import CanaryStatus
 
-    return [m.name for m in CanaryStatus if bits & m.value]
+    return [str(m.name) for m in CanaryStatus if bits & m.value]
 
 
 def _backend_used(requested: str) -> str:

@@ -76,7 +76,8 @@ def build_model(arch: str = "llama", size: str = "small", seed: int = 0) -> Any:
     )
 
     torch.manual_seed(seed)
-    dims = dict(MODEL_SIZES[size])
+    dims: dict[str, Any] = dict(MODEL_SIZES[size])
+    model: Any
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**dims))
     elif arch == "mistral":
