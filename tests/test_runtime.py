@@ -10,11 +10,11 @@ import re
 import numpy as np
 import pytest
 import runtime_scenario as sc
-from conftest import host_backend_reason
 from runtime_oracle import OracleGroup, ProtocolOracle
 
 import kvcanary_cupy.bind as bind_module
 from kvcanary_cupy import CanaryArgumentError, CanaryLaunchTag, CanaryStatus, FailReason
+from kvcanary_cupy.backends import unavailable_reason
 from kvcanary_cupy.layouts import BlockTable
 from kvcanary_cupy.runtime import (
     CanaryConfig,
@@ -26,8 +26,8 @@ from kvcanary_cupy.runtime import (
     StepBatch,
 )
 
-BACKENDS = ["numpy", pytest.param("host", marks=pytest.mark.skipif(host_backend_reason() is not None,
-                                                                   reason=str(host_backend_reason())))]
+BACKENDS = ["numpy", pytest.param("host", marks=pytest.mark.skipif(unavailable_reason("host") is not None,
+                                                                   reason=str(unavailable_reason("host"))))]
 LOGGER = "kvcanary_cupy.runtime.test"
 
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 import logging
 
 import pytest
-from conftest import host_backend_reason
 
+from kvcanary_cupy.backends import unavailable_reason
 from kvcanary_cupy.runtime import CanaryViolationError
 from kvcanary_cupy.sim import FAULT_KINDS, PRESETS, SimConfig, Simulation
 from kvcanary_cupy.sim.runner import CANARY_LOGGER
 
-BACKENDS = ["numpy", pytest.param("host", marks=pytest.mark.skipif(host_backend_reason() is not None,
-                                                                   reason=str(host_backend_reason())))]
+BACKENDS = ["numpy", pytest.param("host", marks=pytest.mark.skipif(unavailable_reason("host") is not None,
+                                                                   reason=str(unavailable_reason("host"))))]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

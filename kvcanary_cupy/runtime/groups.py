@@ -173,7 +173,6 @@ def bind_group(state: GroupState, stage: StagedBatch, *, layout: tuple[str, Any]
                check_tokens: bool, backend: str) -> None:
     """Bind the group's plan, HEAD/TAIL verify and write, and SWEEP verify launches (validates everything)."""
     spec = state.spec
-    flag = "flag"
     state.plan = bind_plan(
         verify_plan_out=state.verify_plan, write_plan_out=state.write_plan,
         req_pool_indices=None if row_less(layout[1]) else stage.owner("req_pool_indices"),
@@ -183,23 +182,23 @@ def bind_group(state: GroupState, stage: StagedBatch, *, layout: tuple[str, Any]
         verify_capacity=int(state.verify_plan.verify_slot_indices.shape[0]),
         req_to_verify_expected_tokens=expected_pool if check_tokens else None,
         req_to_verify_expected_tokens_valid_lens=stage.owner("valid_lens") if check_tokens else None,
-        kv_token_id_vs_position_offset=spec.kv_token_id_vs_position_offset, backend=backend, on_invalid=flag)
+        kv_token_id_vs_position_offset=spec.kv_token_id_vs_position_offset, backend=backend, on_invalid="flag")
     loc = state.swa_out_cache_loc.owner if state.swa_out_cache_loc is not None else stage.owner("out_cache_loc")
     oracle = stage.with_oracle
     for ep in state.all_endpoints():
         if ep.role == "SWEEP":
             ep.verify = bind_verify(context=ep.verify_ctx, plan=state.sweep_plan, check_verify_expected_token=False,
-                                    backend=backend, on_invalid=flag)
+                                    backend=backend, on_invalid="flag")
             continue
         ep.verify = bind_verify(context=ep.verify_ctx, plan=state.verify_plan,
-                                check_verify_expected_token=check_tokens, backend=backend, on_invalid=flag)
+                                check_verify_expected_token=check_tokens, backend=backend, on_invalid="flag")
         assert ep.write_ctx is not None
         ep.write = bind_write(
             context=ep.write_ctx, plan=state.write_plan, input_ids=stage.owner("input_ids"),
             positions=stage.owner("positions"), out_cache_loc=loc, enable_write_input_assert=oracle,
             expected_input_tokens=stage.owner("expected_input_ids") if oracle else None,
             expected_input_positions=stage.owner("expected_positions") if oracle else None,
-            backend=backend, on_invalid=flag)
+            backend=backend, on_invalid="flag")
 
 
 def gather_lut(state: GroupState, xp: Any, src: Any, dst: Any) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass, field
 
@@ -10,8 +11,8 @@ from ..constants import CanaryStatus, PlanStatus
 from ..violations import Violation, ViolationReport
 
 
-def _flag_names(flag: type, bits: int) -> str:
-    names = [m.name for m in flag if bits & m.value]
+def _flag_names(flag: type[enum.IntFlag], bits: int) -> str:
+    names = [str(m.name) for m in flag if bits & m.value]
     rest = bits & ~sum(m.value for m in flag)
     return ", ".join(names + ([f"0x{rest:x}"] if rest else []))
 

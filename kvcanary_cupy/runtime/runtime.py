@@ -26,6 +26,7 @@ import numpy as np
 
 from .._errors import fail
 from ..bind import BoundLaunch, bind_scatter
+from ..constants import CanaryStatus
 from ..dlpack import first_torch_cuda_tensor
 from ..violations import ViolationReport, decode_row
 from .batch import Buffer, StagedBatch, StagedHistory, StepBatch
@@ -374,7 +375,7 @@ class CanaryRuntime:
             if rows or status or dropped:
                 head_k = state.endpoints["HEAD"][0]
                 report.reports[name] = ViolationReport(
-                    total=n, capacity=cap, rows=rows, status=status,
+                    total=n, capacity=cap, rows=rows, status=CanaryStatus(status),
                     slot_run_counter=sc.value(host, counter_name(state, head_k, "verify", "slots")),
                     kernel_run_counter=sc.value(host, counter_name(state, head_k, "verify", "kernels")))
                 report.new_violations += [(name, v) for v in rows]

@@ -48,7 +48,8 @@ class Scalars:
         return self._views[block][i : i + 1]
 
     def host_buffers(self, space: ArraySpace) -> tuple[np.ndarray, np.ndarray]:
-        return tuple(space.host(int(v.shape[0]), dt) for v, dt in zip(self._views, _DTYPES, strict=True))
+        int32s, int64s = (space.host(int(v.shape[0]), dt) for v, dt in zip(self._views, _DTYPES, strict=True))
+        return int32s, int64s
 
     def copy_to(self, space: ArraySpace, host: tuple[np.ndarray, np.ndarray]) -> None:
         """Enqueue the copy of both blocks into ``host`` (pinned) on the current stream."""
