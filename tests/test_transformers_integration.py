@@ -82,6 +82,18 @@ def test_generation_is_token_exact_and_clean_with_the_canary(models, name):
         assert stats.peak_batch > 1
 
 
+def test_mode_off_launches_nothing_and_changes_nothing(models):
+    w = WORKLOADS["mixed-lengths"]
+    model = models[w.arch]
+    reference = generate(model, w)
+    canary = install(model, mode="off")
+    assert generate(model, w) == reference
+    canary.finish()
+    canary.remove()
+    (state,) = canary.states.values()
+    assert state.rt.groups == {} and canary.violations == [] and canary.steps > 0
+
+
 def test_real_kv_fingerprints_are_the_engine_memory(models):
     """TAIL records hold the fingerprint of the bytes the engine's own per-layer views show for that slot."""
     w = WORKLOADS["sliding-window"]

@@ -110,8 +110,9 @@ class GroupGeometry:
 class CanaryOptions:
     """What the canary does in the engine (turned into a runtime :class:`CanaryConfig`).
 
-    ``mode``: ``log`` (one warning per violation) or ``raise`` (the runtime's ``CanaryViolationError`` one step
-    later, which stops the engine's loop); every violation is also kept in ``violations`` either way.
+    ``mode``: ``log`` (one warning per violation), ``raise`` (the runtime's ``CanaryViolationError`` one step
+    later, which stops the engine's loop) or ``off`` (hooks in place, nothing allocated or launched); every
+    violation is also kept in ``violations``.
     ``real_kv_hash``: ``partial`` (first 16 bytes of every layer's K/V row) or ``all``; ``with_v`` adds V
     endpoints next to K; ``backend`` as for the launchers (``auto``, ``numpy``, ``host``); the write-input and
     verify-token asserts compare with the engine's request state (prompt + generated ids). ``sweep_interval``:
@@ -127,8 +128,8 @@ class CanaryOptions:
     logger: str = "kvcanary_cupy.transformers"
 
     def config(self) -> CanaryConfig:
-        if self.mode not in ("log", "raise"):
-            fail(f"mode must be 'log' or 'raise', got {self.mode!r}")
+        if self.mode not in ("off", "log", "raise"):
+            fail(f"mode must be 'off', 'log' or 'raise', got {self.mode!r}")
         if self.real_kv_hash not in ("partial", "all"):
             fail(f"real_kv_hash must be 'partial' or 'all', got {self.real_kv_hash!r}")
         return CanaryConfig(mode=self.mode, ring_capacity=self.ring_capacity, real_kv_hash_mode=self.real_kv_hash,
