@@ -2,7 +2,7 @@
 
 ``install(model_or_manager)`` hooks the engine's batch, its K/V writes and its forward; ``remove()`` takes every
 hook out again. Needs ``transformers`` in the tested range (``pip install 'kvcanary_cupy[transformers]'``):
-importing this package checks the version and refuses any other with a ``kv-canary:`` ValueError.
+``install`` checks the installed version and refuses any other with a ``kv-canary:`` ValueError naming the range.
 """
 
 from __future__ import annotations

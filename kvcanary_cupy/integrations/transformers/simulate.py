@@ -48,7 +48,9 @@ class TransformersSimConfig:
 
     def validate(self) -> None:
         from ..._errors import fail
+        from ._version import check_version
 
+        check_version()
         if self.model_size not in MODEL_SIZES:
             fail(f"--model-size must be one of {', '.join(MODEL_SIZES)}, got {self.model_size!r}")
         for kind in self.inject:
