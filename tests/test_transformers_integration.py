@@ -345,3 +345,10 @@ def test_simulate_engine_transformers_reports_and_exits_zero(tmp_path, capsys):
     assert all(k["detected"] == k["injected"] >= 4 for k in report["kinds"])
     assert all(w["token_exact"] for w in report["workloads"]) and len(report["workloads"]) == 4
     assert "fault kind" in out and "PASS" in out
+
+
+def test_simulate_engine_transformers_refuses_what_it_cannot_run(capsys):
+    assert main(["simulate", "--engine", "transformers", "--backend", "cuda", "--quiet"]) == 2
+    assert "not available with --engine transformers" in capsys.readouterr().err
+    assert main(["simulate", "--engine", "transformers", "--inject", "swa-early-evict", "--quiet"]) == 2
+    assert "unknown fault kind 'swa-early-evict' for --engine transformers" in capsys.readouterr().err
