@@ -16,6 +16,7 @@ import torch
 import transformers
 from oracle import fold_source_bytes, splitmix64
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from transformers.generation.continuous_batching.cache_allocators.cache_allocator import CacheAllocator
 from transformers.generation.continuous_batching.cache_allocators.cache_pool import CachePool
 from transformers.generation.continuous_batching.cache_allocators.full_attention import FullAttentionCacheAllocator
 from transformers.generation.continuous_batching.cache_allocators.sliding_attention import (
@@ -46,8 +47,7 @@ def models():
 
 
 def _generate_raw(model, w):
-    return model.generate_batch(inputs=[list(p) for p in w.prompts], generation_config=generation_config(
-        w.max_new_tokens), continuous_batching_config=cb_config(**w.cb), progress_bar=False)
+    return w.run(model)
 
 
 @pytest.mark.parametrize("name", list(WORKLOADS))
@@ -80,6 +80,8 @@ def test_generation_is_token_exact_and_clean_with_the_canary(models, name):
         assert stats.soft_resets > 0 and stats.peak_batch < len(w.prompts)
     if name == "mixed-lengths":
         assert stats.peak_batch > 1
+    if name == "forks":
+        assert len(with_canary) == w.num_results and any("__child#" in rid for rid in with_canary)
 
 
 def test_mode_off_launches_nothing_and_changes_nothing(models):
@@ -294,6 +296,7 @@ INTERNAL_SIGNATURES = {
     SlidingAttentionCacheAllocator.update: ["self", "key_states", "value_states", "layer_idx", "read_index",
                                             "write_index"],
     CachePool.get_free_blocks: ["self", "index", "num_blocks"],
+    CacheAllocator.copy_blocks: ["self", "source_block_ids", "dest_block_ids"],
     PagedAttentionCache.update: ["self", "key_states", "value_states", "layer_idx", "kwargs"],
 }
 
@@ -342,8 +345,8 @@ def test_simulate_engine_transformers_reports_and_exits_zero(tmp_path, capsys):
     report = json.loads(path.read_text())
     assert report["passed"] and report["violations"]["false_positives"] == 0
     assert [k["kind"] for k in report["kinds"]] == ["kv-bitflip"]
-    assert all(k["detected"] == k["injected"] >= 4 for k in report["kinds"])
-    assert all(w["token_exact"] for w in report["workloads"]) and len(report["workloads"]) == 4
+    assert all(k["detected"] == k["injected"] >= len(WORKLOADS) - 1 for k in report["kinds"])
+    assert all(w["token_exact"] for w in report["workloads"]) and len(report["workloads"]) == len(WORKLOADS)
     assert "fault kind" in out and "PASS" in out
 
 

@@ -264,6 +264,23 @@ class TransformersCanaryState:
             if state.model == model and state.swa_out_cache_loc is not None:
                 state.swa_out_cache_loc.view[:n] = written  # the identity LUT's gather of the same slots
 
+    def copy_blocks(self, group: int, sources: list[int], dests: list[int]) -> None:
+        """The engine copied whole blocks (a fork): copy their canary records too, in every buffer of the group,
+        so the copies verify as what they are (the TAIL fingerprints then check the engine's byte copy)."""
+        import torch
+
+        geo = next(g for g in self.geos if g.index == group)
+        if not sources or not self.rt.enabled:
+            return
+        offsets = torch.arange(geo.page_size, device=self.device)
+        src = (torch.tensor(sources, device=self.device)[:, None] * geo.stride + offsets).reshape(-1)
+        dst = (torch.tensor(dests, device=self.device)[:, None] * geo.stride + offsets).reshape(-1)
+        model = self.model_of[group]
+        buffers = {id(ep.verify_ctx.canary_buf): ep.verify_ctx.canary_buf for state in self.rt.groups.values()
+                   if state.model == model for ep in state.all_endpoints()}
+        for buf in buffers.values():
+            buf[dst] = buf[src]
+
     def _note_complete_blocks(self, batch: EngineStep) -> None:
         geo = self.geos[0]
         if len(self.geos) != 1 or geo.window:

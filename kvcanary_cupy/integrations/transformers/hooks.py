@@ -10,6 +10,8 @@ Where it hooks (transformers 5.24; see the README section "The canary in Hugging
   ``SlidingAttentionCacheAllocator.update``, internal), wrapped per *instance* so that nothing else is touched:
   the wrapper records the ``write_index`` each layer really writes with, then calls the original.
 * **after the forward** -- a forward hook on the model (public torch API): the TAIL launches.
+* **block copies** -- ``copy_blocks`` of every cache allocator (internal, wrapped per instance): when the engine
+  forks a request it copies whole blocks; the canary records of those slots are copied with them.
 * **managers** -- when installed on a model, ``model.init_continuous_batching`` (public) is wrapped on the
   instance to learn the managers it creates (``manager.batch_processor`` gives the request list).
 
@@ -148,6 +150,7 @@ class TransformersCanary:
             self.states[id(cache)] = st
             for allocator in cache.cache_allocators.values():
                 self._set(allocator, "update", self._wrap_update(allocator, allocator.update, st))
+                self._set(allocator, "copy_blocks", self._wrap_copy_blocks(allocator, allocator.copy_blocks, st))
         return st
 
     def _requests_for(self, cache: Any) -> list[Any]:
@@ -173,6 +176,13 @@ class TransformersCanary:
             return original(key_states, value_states, layer_idx, read_index, write_index)
 
         return update
+
+    def _wrap_copy_blocks(self, allocator: Any, original: Callable[..., Any], st: TransformersCanaryState) -> Any:
+        def copy_blocks(source_block_ids: list[int], dest_block_ids: list[int]) -> None:
+            original(source_block_ids, dest_block_ids)
+            st.copy_blocks(int(allocator.index), source_block_ids, dest_block_ids)
+
+        return copy_blocks
 
     def _before_forward(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         cache = kwargs.get("cache")

@@ -28,7 +28,7 @@ from ...constants import reason_names
 from .canary import CanaryOptions, StepViolation
 from .faults import FAULT_KINDS, Injector, make_injector
 from .hooks import TransformersCanary, install
-from .workloads import MODEL_SIZES, Workload, build_model, cb_config, generation_config, workloads
+from .workloads import MODEL_SIZES, Workload, build_model, workloads
 
 SCHEMA_ID = "kvcanary-transformers-report/1"
 PHASES = ("batch", "stage", "scatter", "plan", "verify", "write", "sweep", "read")
@@ -135,9 +135,7 @@ class TransformersSimulation:
             canary.observers.append(injector)
         start = time.perf_counter()
         try:
-            out = model.generate_batch(inputs=[list(p) for p in w.prompts],
-                                       generation_config=generation_config(w.max_new_tokens),
-                                       continuous_batching_config=cb_config(**w.cb), progress_bar=False)
+            out = w.run(model)
             wall = time.perf_counter() - start
             canary.finish()
         finally:
@@ -175,9 +173,7 @@ class TransformersSimulation:
             model = models[w.arch]
             self.model_params = max(self.model_params, sum(p.numel() for p in model.parameters()))
             t = time.perf_counter()
-            reference = model.generate_batch(inputs=[list(p) for p in w.prompts],
-                                             generation_config=generation_config(w.max_new_tokens),
-                                             continuous_batching_config=cb_config(**w.cb), progress_bar=False)
+            reference = w.run(model)
             self.reference_wall[name] = time.perf_counter() - t
             ref_tokens = {rid: list(r.generated_tokens) for rid, r in reference.items()}
             done += 1
@@ -304,7 +300,7 @@ def build_report(sim: TransformersSimulation) -> dict[str, Any]:
         clean = next(r for r in sim.runs if r.workload == name and r.kind is None)
         w = workloads(seed=cfg.seed)[name]
         per_workload.append({
-            "name": name, "description": w.description, "arch": w.arch, "requests": len(w.prompts),
+            "name": name, "description": w.description, "arch": w.arch, "requests": w.num_results,
             "max_new_tokens": w.max_new_tokens, "steps": clean.steps, "token_exact": exact,
             "violations": len(clean.violations), "prefill_tokens": clean.stats.prefill_tokens,
             "decode_tokens": clean.stats.decode_tokens, "prefix_tokens_reused": clean.stats.prefix_tokens_reused,

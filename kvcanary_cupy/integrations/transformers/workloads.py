@@ -1,6 +1,7 @@
 """Random-weight models and request mixes that exercise transformers' continuous batching on a CPU: different
 prompt lengths, shared prefixes (block sharing), more requests than the cache holds (queueing, frees, soft
-resets), and sliding-window layer groups. No download: every model is built from a config with random weights."""
+resets), forked requests (block copies) and sliding-window layer groups. No download: every model is built from
+a config with random weights."""
 
 from __future__ import annotations
 
@@ -29,6 +30,17 @@ class Workload:
     prompts: tuple[tuple[int, ...], ...]
     max_new_tokens: int
     cb: dict[str, Any] = field(default_factory=dict)  # ContinuousBatchingConfig fields
+    sampling: dict[str, Any] = field(default_factory=dict)  # GenerationConfig fields beyond greedy decoding
+
+    @property
+    def num_results(self) -> int:
+        return len(self.prompts) * int(self.sampling.get("num_return_sequences", 1))
+
+    def run(self, model: Any, **cb_fields: Any) -> Any:
+        """``generate_batch`` over the prompts; the raw results (request id -> GenerationOutput)."""
+        return model.generate_batch(inputs=[list(p) for p in self.prompts],
+                                    generation_config=generation_config(self.max_new_tokens, **self.sampling),
+                                    continuous_batching_config=cb_config(**self.cb, **cb_fields), progress_bar=False)
 
 
 def _prompts(rng: np.random.Generator, lengths: list[int], vocab: int, prefix: list[int] | None = None
@@ -56,7 +68,12 @@ def workloads(vocab: int = 512, seed: int = 0) -> dict[str, Workload]:
             "queueing", "more requests than the cache holds: waiting, frees and soft resets", "llama",
             _prompts(rng, [10] * 6, vocab), 16,
             dict(page_size=4, num_blocks=10, max_batch_tokens=64)),
-        "sliding-window": Workload(
+        "forks": Workload(
+        "forks", "2 sampled continuations per prompt (seeded): forked requests share full pages, copy the last",
+        "llama", _prompts(rng, [7, 13, 22], vocab), 10,
+        dict(page_size=4, num_blocks=64, max_batch_tokens=32, seed=1),
+        dict(do_sample=True, num_return_sequences=2)),
+    "sliding-window": Workload(
             "sliding-window", "Gemma3-style model: 3 sliding-window layers (window 8) next to 1 full layer",
             "gemma3", _prompts(rng, [5, 19, 12, 30], vocab), 14,
             dict(page_size=4, num_blocks=48, max_batch_tokens=24)),
@@ -92,10 +109,11 @@ def build_model(arch: str = "llama", size: str = "small", seed: int = 0) -> Any:
     return model.eval()
 
 
-def generation_config(max_new_tokens: int) -> Any:
+def generation_config(max_new_tokens: int, **fields: Any) -> Any:
     from transformers import GenerationConfig
 
-    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    return GenerationConfig(**{"max_new_tokens": max_new_tokens, "do_sample": False, "eos_token_id": -1,
+                               "pad_token_id": 0, **fields})
 
 
 def cb_config(**fields: Any) -> Any:
@@ -106,10 +124,8 @@ def cb_config(**fields: Any) -> Any:
 
 def generate(model: Any, workload: Workload) -> dict[str, list[int]]:
     """``generate_batch`` over the workload; request id -> generated ids. Raises if any request failed."""
-    out = model.generate_batch(inputs=[list(p) for p in workload.prompts],
-                               generation_config=generation_config(workload.max_new_tokens),
-                               continuous_batching_config=cb_config(**workload.cb), progress_bar=False)
+    out = workload.run(model)
     failed = {rid: r.error for rid, r in out.items() if r.error is not None}
-    if failed or len(out) != len(workload.prompts):
+    if failed or len(out) != workload.num_results:
         raise RuntimeError(f"generate_batch failed: {failed or 'missing results'}")
     return {rid: list(r.generated_tokens) for rid, r in out.items()}
