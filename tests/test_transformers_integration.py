@@ -152,11 +152,13 @@ EXPECTED_REASONS = {
     "wrong-token": {"WRITE_TOKEN_MISMATCH"},
     "double-alloc": {"VERIFY_POSITION_MISMATCH", "VERIFY_TOKEN_MISMATCH", "VERIFY_REAL_KV_HASH_MISMATCH",
                      "VERIFY_CHAIN_HASH_MISMATCH"},
+    "copy-corrupt": {"VERIFY_REAL_KV_HASH_MISMATCH"},
 }
 
 
-@pytest.mark.parametrize("workload,kind", [("mixed-lengths", k) for k in FAULT_KINDS]
-                         + [("sliding-window", k) for k in ("kv-bitflip", "wrong-token", "kv-write-skip")])
+@pytest.mark.parametrize("workload,kind", [("mixed-lengths", k) for k in FAULT_KINDS if k != "copy-corrupt"]
+                         + [("sliding-window", k) for k in ("kv-bitflip", "wrong-token", "kv-write-skip")]
+                         + [("forks", "copy-corrupt")])
 def test_each_fault_kind_is_detected_with_reason_and_step(models, workload, kind):
     w = WORKLOADS[workload]
     model = models[w.arch]
@@ -175,7 +177,10 @@ def test_each_fault_kind_is_detected_with_reason_and_step(models, workload, kind
     assert before == []
     assert after, f"{kind} injected at step {fault.step} ({fault.detail}) was not detected"
     first = after[0]
-    assert first.step <= fault.step + 1  # found by the launches of the step it struck or the next one
+    if kind == "copy-corrupt":  # found when the forked child is first scheduled, at the copied slot
+        assert first.violation.slot == fault.slot and first.step <= fault.step + 3
+    else:  # found by the launches of the step it struck or the next one
+        assert first.step <= fault.step + 1
     assert set(first.violation.reasons) & EXPECTED_REASONS[kind]
     if kind == "wrong-token":
         assert first.step == fault.step and first.violation.launch_tag.startswith("HEAD_K")

@@ -14,10 +14,11 @@ fault vocabulary where the bug is the same:
 * ``kv-misdirect`` -- one layer's K/V write of one token sent into a slot another live request still reads;
 * ``wrong-token`` -- a token id in the forward's ``input_ids`` replaced by another id;
 * ``double-alloc`` -- a block a live request still holds is handed out again by the cache pool on its next
-  allocation.
-
-There is no offload/restore fault on a CPU-only torch: transformers' CPU offloading needs pinned memory, which
-CPU-only torch refuses, so that engine path does not run here (soft resets, which re-prefill, do run).
+  allocation;
+* ``copy-corrupt`` -- a block copy of the engine (``copy_blocks``, when it forks a request) delivers a block
+  whose bytes differ from the source's in one bit: the copy path's analogue of an offload/restore returning
+  different bytes. There is no offload/restore fault itself: transformers' CPU offloading needs pinned memory,
+  which CPU-only torch refuses, so that engine path does not run here (soft resets, which re-prefill, do run).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ FAULT_KINDS: dict[str, str] = {
     "kv-misdirect": "one layer's K/V write of a token lands in a slot another live request reads",
     "wrong-token": "the forward receives a wrong token id",
     "double-alloc": "the pool hands out a block that a live request still holds",
+    "copy-corrupt": "a block copy (a forked request's pages) delivers one bit different from its source",
 }
 
 
@@ -298,10 +300,30 @@ class DoubleAlloc(Injector):
         pool.get_free_blocks = get_free_blocks
 
 
+class CopyCorrupt(Injector):
+    kind = "copy-corrupt"
+
+    def on_block_copy(self, canary: Any, step: int, allocator: Any, sources: list[int], dests: list[int]) -> None:
+        if not self.armed or step < self.at or not dests:
+            return
+        dest = int(dests[0])
+        stride, ps = int(allocator.block_physical_stride), int(allocator.tokens_per_page)
+        row_bytes = int(allocator.num_key_value_heads) * int(allocator.head_dim) * allocator.cache_dtype.itemsize
+        layer = int(self.rng.integers(len(allocator.layer_indices)))
+        kv = int(self.rng.integers(2))
+        slot = dest * stride  # the block's first token: written by the parent, read by the child
+        byte = (slot + (2 * layer + kv) * ps) * row_bytes + int(self.rng.integers(16))
+        flat = allocator._copy_view.view(-1)
+        flat[byte] = int(flat[byte]) ^ (1 << int(self.rng.integers(8)))
+        self.fault = InjectedFault(self.kind, step, "SWA" if getattr(allocator, "sliding_window", 0) else "FULL",
+                                   "-", None, slot, f"copy of block {int(sources[0])} into block {dest} came out "
+                                   f"with byte {byte} flipped ({'KV'[kv]} of layer {allocator.layer_indices[layer]})")
+
+
 def make_injector(kind: str, at: int, seed: int = 0, vocab_size: int = 512) -> Injector:
     classes: dict[str, type[Injector]] = {
         "kv-bitflip": KvBitflip, "block-table": BlockTableRedirect, "kv-write-skip": KvWriteSkip,
-        "kv-misdirect": KvMisdirect, "double-alloc": DoubleAlloc,
+        "kv-misdirect": KvMisdirect, "double-alloc": DoubleAlloc, "copy-corrupt": CopyCorrupt,
     }
     if kind == "wrong-token":
         return WrongToken(at, seed, vocab_size)

@@ -44,6 +44,9 @@ class StepObserver(Protocol):
 
     def after_forward(self, canary: TransformersCanary, step: int, batch: StepBatch, cache: Any) -> None: ...
 
+    # Optional: ``on_block_copy(canary, step, allocator, source_block_ids, dest_block_ids)``, called after the
+    # engine copied blocks (a fork) and the canary copied their records.
+
 
 class TransformersCanary:
     """The canary installed in one transformers model or continuous-batching manager (:func:`install`)."""
@@ -181,6 +184,10 @@ class TransformersCanary:
         def copy_blocks(source_block_ids: list[int], dest_block_ids: list[int]) -> None:
             original(source_block_ids, dest_block_ids)
             st.copy_blocks(int(allocator.index), source_block_ids, dest_block_ids)
+            for obs in self.observers:
+                hook = getattr(obs, "on_block_copy", None)
+                if hook is not None:
+                    hook(self, st.steps, allocator, source_block_ids, dest_block_ids)
 
         return copy_blocks
 

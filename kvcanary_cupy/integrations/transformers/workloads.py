@@ -70,8 +70,8 @@ def workloads(vocab: int = 512, seed: int = 0) -> dict[str, Workload]:
             dict(page_size=4, num_blocks=10, max_batch_tokens=64)),
         "forks": Workload(
         "forks", "2 sampled continuations per prompt (seeded): forked requests share full pages, copy the last",
-        "llama", _prompts(rng, [7, 13, 22], vocab), 10,
-        dict(page_size=4, num_blocks=64, max_batch_tokens=32, seed=1),
+        "llama", _prompts(rng, [6, 11, 19, 27, 34], vocab), 10,
+        dict(page_size=4, num_blocks=96, max_batch_tokens=16, seed=1),
         dict(do_sample=True, num_return_sequences=2)),
     "sliding-window": Workload(
             "sliding-window", "Gemma3-style model: 3 sliding-window layers (window 8) next to 1 full layer",
