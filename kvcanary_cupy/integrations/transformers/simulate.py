@@ -7,9 +7,10 @@ per requested fault kind with that single fault armed at ``inject_at`` (it fires
 that has a target). In a fault run, violations from launches before the fault took effect are false positives;
 those from its step on are attributed to it. The first one read is its detection (the canary reads its ring one
 step after the launch, as an engine must), and its latency is counted from the step the fault took effect.
-Steps are numbered globally across runs for the timeline. Exit status 0 only when every run is token-exact
-without faults, every requested kind was injected and detected in every run that injected it, and nothing else
-was flagged.
+Steps are numbered globally across runs for the timeline. Exit status as for the synthetic engine: 0 when every
+run is token-exact without faults, every requested kind was injected and detected in every run that injected it,
+and nothing else was flagged; 1 when anything failed; 4 (inconclusive) when nothing failed but a requested kind
+found no target in any workload.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .hooks import TransformersCanary, install
 from .workloads import MODEL_SIZES, Workload, build_model, workloads
 
 SCHEMA_ID = "kvcanary-transformers-report/1"
+OUTCOMES = {"passed": 0, "failed": 1, "inconclusive": 4}  # the synthetic engine's exit statuses
 PHASES = ("batch", "stage", "scatter", "plan", "verify", "write", "sweep", "read")
 
 
@@ -284,8 +286,11 @@ def build_report(sim: TransformersSimulation) -> dict[str, Any]:
     # more sign of the fault (a write that did not land where the batch said makes TAIL count fewer slots).
     health_clean = sum(len(r.health_problems) for r in sim.runs if r.kind is None)
     health_faults = sum(len(r.health_problems) for r in sim.runs if r.kind is not None)
-    passed = (token_exact and fp_total == 0 and not status_bits and dropped == 0 and health_clean == 0
-              and all(k["status"] == "detected" for k in kinds))
+    failed = (not token_exact or fp_total or status_bits or dropped or health_clean
+              or any(k["status"] == "missed" for k in kinds))
+    # The synthetic engine's outcomes and exit statuses: a kind that found no target anywhere is inconclusive.
+    outcome = "failed" if failed else "inconclusive" if any(k["status"] == "not injected" for k in kinds) \
+        else "passed"
     canary_s = sum(sum(r.seconds.get(p, 0.0) for p in PHASES) for r in sim.runs)
     run_wall = sum(r.wall for r in sim.runs)
     n_steps = max(1, sum(r.steps for r in sim.runs))
@@ -309,8 +314,9 @@ def build_report(sim: TransformersSimulation) -> dict[str, Any]:
             "reference_wall_s": round(sim.reference_wall[name], 4)})
     return {
         "schema": SCHEMA_ID,
-        "passed": passed,
-        "exit_code": 0 if passed else 1,
+        "passed": outcome == "passed",
+        "outcome": outcome,
+        "exit_code": OUTCOMES[outcome],
         "config": {"engine": "transformers", "transformers_version": transformers.__version__,
                    "model_size": cfg.model_size, "model_params": sim.model_params, "seed": cfg.seed,
                    "backend": cfg.backend, "inject": {k: 1 for k in cfg.inject}, "inject_at": cfg.inject_at,
@@ -382,18 +388,21 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
 
 
 def verdict(report: dict[str, Any]) -> str:
-    if report["passed"]:
+    if report["outcome"] == "passed":
         if report["kinds"]:
             return "PASS: token-exact with the canary, every injected fault kind detected, no false positive"
         return "PASS: token-exact with the canary, no violation in clean runs"
+    absent = [k["kind"] for k in report["kinds"] if k["status"] == "not injected"]
+    if report["outcome"] == "inconclusive":
+        return (f"INCONCLUSIVE: could not inject {', '.join(absent)} (no target in any workload); every fault "
+                "that was injected was detected, no false positive")
     problems = [f"tokens differ with the canary installed on {w['name']}" for w in report["workloads"]
                 if not w["token_exact"]]
     missed = [k["kind"] for k in report["kinds"] if k["status"] == "missed"]
-    absent = [k["kind"] for k in report["kinds"] if k["status"] == "not injected"]
     if missed:
         problems.append(f"missed {', '.join(missed)}")
     if absent:
-        problems.append(f"never injected (no target found) {', '.join(absent)}")
+        problems.append(f"could not inject {', '.join(absent)}")
     if report["violations"]["false_positives"]:
         problems.append(f"{report['violations']['false_positives']} false positive(s)")
     if report["violations"]["dropped"]:
@@ -451,8 +460,8 @@ def print_report(report: dict[str, Any], stream: TextIO | None = None, *, plain:
         console.print(table)
     for line in lines:
         console.print(line, markup=False, soft_wrap=True)
-    console.print(verdict(report), style="bold green" if report["passed"] else "bold red", markup=False,
-                  soft_wrap=True)
+    style = {"passed": "bold green", "failed": "bold red", "inconclusive": "bold yellow"}[report["outcome"]]
+    console.print(verdict(report), style=style, markup=False, soft_wrap=True)
 
 
 def write_json(report: dict[str, Any], path: str | Path) -> Path:
@@ -473,7 +482,7 @@ def write_html(report: dict[str, Any], path: str | Path) -> Path:
         [[f["kind"], f["workload"], f["step"], f["group"], f["request"], f["detail"], f["detection_step"],
           f["latency_steps"], f["detected_by"], [short_reason(r) for r in f["reasons"]]]
          for f in report["faults"]])
-    colour = "#2e7d32" if report["passed"] else "#c62828"
+    colour = {"passed": "#2e7d32", "failed": "#c62828", "inconclusive": "#b26a00"}[report["outcome"]]
     summary = "".join(f"<li>{html.escape(line)}</li>" for line in summary_lines(report) + _fp_lines(report))
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>kv-canary in transformers</title>
