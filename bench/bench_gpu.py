@@ -363,6 +363,40 @@ def test_plan(gpu_measure, batch, which):
         baseline=lambda: wl.plan_baseline(g.cp, scatter_add, setup.baseline_args))
 
 
+LAYOUT_LABELS = {"token": "token table (req_to_token)", "block": "block table (16 tokens / block)",
+                 "csr": "CSR page lists (16 tokens / page)"}
+
+
+@functools.cache
+def layout_plan_setup(batch: Batch, kind: str) -> dict[str, Any]:
+    """A launch of ``batch``'s entries through one slot layout (bench/workloads.py), run and checked once."""
+    g = gpu()
+    with g.stream:
+        vp = kc.VerifyPlan.allocate(verify_capacity=batch.verify_entries, device="cuda")
+        wp = kc.WritePlan.allocate(write_req_capacity=batch.bs, device="cuda")
+        kwargs = {"verify_plan_out": vp, "write_plan_out": wp, **wl.layout_plan_kwargs(batch, kind, g.asarray)}
+        kc.launch_canary_plan_kernels(**kwargs)
+    g.stream.synchronize()
+    assert int(vp.enable.get()[0]) == 1 and int(vp.verify_num_valid.get()[0]) == batch.verify_entries
+    return kwargs
+
+
+@pytest.mark.parametrize("kind", wl.LAYOUT_KINDS)
+@pytest.mark.parametrize("batch", PLAN_BATCHES, ids=ids(PLAN_BATCHES))
+def test_plan_layouts(gpu_measure, batch, kind):
+    """The token table, the block table and CSR page lists planning the same entries (eager launches); the
+    token table is the group's baseline."""
+    kwargs = layout_plan_setup(batch, kind)
+    if kind != "token":
+        want = layout_plan_setup(batch, "token")["verify_plan_out"]
+        for name, value in plan_fields(kwargs["verify_plan_out"]).items():
+            assert bool((value == getattr(want, name)).all()), f"{kind}: {name}"
+    gpu_measure(lambda: kc.launch_canary_plan_kernels(**kwargs), inner=20, group=f"GPU plan layouts · "
+                f"{batch.describe()}", label=f"kernels, eager: {LAYOUT_LABELS[kind]}",
+                role="baseline" if kind == "token" else "subject", mode="eager", entries=batch.verify_entries,
+                key=f"gpu.plan-layout.{kind}.{batch.id}")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # verify
 # ----------------------------------------------------------------------------------------------------------

@@ -175,6 +175,55 @@ def plan_inputs(batch: Batch, seed: int = 0) -> PlanInputs:
     )
 
 
+LAYOUT_BLOCK = 16  # tokens per block / page in the layout benchmarks (vLLM's and FlashInfer's common size)
+LAYOUT_KINDS = ("token", "block", "csr")
+
+
+@functools.lru_cache(maxsize=8)
+def _block_tables(bs: int, width: int, window: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(block table int32 [bs + 1, blocks], the token table it describes, LUT or None): request r owns table
+    row r + 1, its blocks a random permutation of the pool's blocks (row 0 is the padding row)."""
+    rng = np.random.default_rng(seed)
+    blocks = -(-width // LAYOUT_BLOCK)
+    table = np.zeros((bs + 1, blocks), np.int32)
+    table[1:] = rng.permutation(bs * blocks).astype(np.int32).reshape(bs, blocks)
+    expanded = table[:, :, None].astype(np.int64) * LAYOUT_BLOCK + np.arange(LAYOUT_BLOCK)
+    rtt = np.ascontiguousarray(expanded.reshape(bs + 1, blocks * LAYOUT_BLOCK)[:, :width].astype(np.int32))
+    lut = None
+    if window:
+        lut = rng.permutation(bs * blocks * LAYOUT_BLOCK).astype(np.int64) + 1
+    for a in (table, rtt, lut):
+        if a is not None:
+            a.flags.writeable = False
+    return table, rtt, lut
+
+
+def layout_plan_kwargs(batch: Batch, kind: str, convert: Callable[[np.ndarray], Any] = lambda a: a,
+                       seed: int = 0) -> dict[str, Any]:
+    """Plan inputs of ``batch`` (without the plans) whose slots come from one block-structured pool, given as
+    the token table ("token"), the block table ("block") or CSR page lists ("csr") of the same slots, so
+    that the three launches plan the very same entries."""
+    inputs = plan_inputs(batch, seed)
+    table, rtt, lut = _block_tables(batch.bs, batch.width, batch.window, seed)
+    kwargs = inputs.kwargs(convert)
+    kwargs["full_to_swa_index_mapping"] = None if lut is None else convert(lut)
+    if kind == "token":
+        kwargs["req_to_token"] = convert(rtt)
+        return kwargs
+    del kwargs["req_to_token"]
+    num_slots = table.size * LAYOUT_BLOCK
+    if kind == "block":
+        kwargs["layout"] = kc.BlockTable(convert(table), LAYOUT_BLOCK, num_slots=num_slots)
+    elif kind == "csr":
+        blocks = table.shape[1]
+        indptr = np.arange(batch.bs + 1, dtype=np.int32) * blocks
+        kwargs["layout"] = kc.PageList(convert(indptr), convert(np.ascontiguousarray(table[1:].reshape(-1))),
+                                       LAYOUT_BLOCK, num_slots=num_slots)
+    else:
+        raise ValueError(kind)
+    return kwargs
+
+
 @dataclass
 class WriteInputs:
     """Flat per-token inputs of a write launch, request-major (NumPy)."""

@@ -17,6 +17,7 @@ constexpr u64 kAnchorHash = 0xDE7FAE23A9A1B716ull;
 
 // Canary slot fields (int64 words), violation row columns and reason / status bits (SPEC §1).
 enum { kFieldToken = 0, kFieldPosition = 1, kFieldPrevHash = 2, kFieldRealKvHash = 3 };
+enum { kCanaryFieldsPerSlot = 4 };
 enum { kViolationFields = 8 };
 enum {
   kVerifyChainHash = 1,
@@ -47,6 +48,15 @@ KVC_DEVICE u64 splitmix64(u64 x) {
   x *= 0x94D049BB133111EBull;
   x ^= x >> 31;
   return x;
+}
+
+// Whether `slot` indexes a row of a buffer of `num_slots` rows (any device value may arrive here).
+KVC_DEVICE bool slot_in_range(i64 slot, i64 num_slots) { return slot >= 0 && slot < num_slots; }
+
+// Copy one canary record (the 4 fields of a slot) from `src` to `dst`; a null `src` stores zeros.
+KVC_DEVICE void store_record(i64* dst, const i64* src) {
+#pragma unroll
+  for (int f = 0; f < kCanaryFieldsPerSlot; ++f) dst[f] = src != nullptr ? src[f] : 0;
 }
 
 // One chain step: (prev_hash, token, position) of a slot -> the prev_hash its successor stores.

@@ -4,7 +4,9 @@ Next to every KV slot the canary keeps a 32-byte record (token, position, hash c
 slot, fingerprint of the real KV bytes). Each step, :func:`launch_canary_plan_kernels` turns the batch into
 the slots to verify and the write offsets, :func:`launch_canary_verify_kernel` checks the prefix,
 :func:`launch_canary_write_kernel` stamps the new tokens, and violations land in a ring that
-:func:`read_violations` decodes on the host.
+:func:`read_violations` decodes on the host. Between processes (disaggregated prefill and decode), the
+records travel with the KV pages: :func:`gather_canary_records` on the sender, :func:`scatter_canary_records`
+and :class:`ReceivedPrefixVerifier` on the receiver.
 
 Importing this package needs NumPy only; CuPy (CUDA backend), g++ (host backend) and torch (interop) are
 used when present and asked for.
@@ -31,6 +33,7 @@ from .context import RealKvSource, VerifyOrWriteContext
 from .layouts import BlockTable, PageList, SlotLayout, TokenTable
 from .plan import VerifyPlan, WritePlan, launch_canary_plan_kernels
 from .scatter import launch_scatter_req_token_ids
+from .transfer import ReceivedPrefixVerifier, gather_canary_records, scatter_canary_records
 from .verify import launch_canary_verify_kernel
 from .violations import Violation, ViolationReport, format_violations, read_violations
 from .write import launch_canary_write_kernel
@@ -54,6 +57,7 @@ __all__ = [
     "PlanStatus",
     "RealKvHashMode",
     "RealKvSource",
+    "ReceivedPrefixVerifier",
     "SlotLayout",
     "TokenTable",
     "VerifyOrWriteContext",
@@ -67,9 +71,11 @@ __all__ = [
     "bind_verify",
     "bind_write",
     "format_violations",
+    "gather_canary_records",
     "launch_canary_plan_kernels",
     "launch_canary_verify_kernel",
     "launch_canary_write_kernel",
     "launch_scatter_req_token_ids",
     "read_violations",
+    "scatter_canary_records",
 ]

@@ -1,15 +1,19 @@
 """Host-visible argument checks shared by every launcher and every backend.
 
 Only facts a host can see without reading device memory are checked here: types, dtypes, ranks, lengths,
-contiguity, writability, devices and argument combinations. Values that live in device memory are the
-kernels' business (SPEC §0.5). Every failure is a ``ValueError`` starting ``kv-canary: `` that names the
-argument, raised before any output is touched.
+contiguity, writability, devices, argument combinations, and the memory the arrays occupy (SPEC §0.8: every
+array aligned to its element size, no output overlapping another output or an input, wrapped torch storage
+still where it was). Values that live in device memory are the kernels' business (SPEC §0.5). Every failure
+is a :class:`~kvcanary_cupy._errors.CanaryArgumentError` (a ``ValueError`` starting ``kv-canary: ``) that
+names the argument, raised before any output is touched.
 """
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -48,15 +52,21 @@ def optional_array_arg(obj: Any, name: str, **kwargs: Any) -> Any:
     return None if obj is None else array_arg(obj, name, **kwargs)
 
 
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
 def int_arg(value: Any, name: str, *, minimum: int | None = None, maximum: int | None = None) -> int:
-    """A Python int from an int-like scalar (not bool, not an array), with optional bounds."""
+    """A Python int from an int-like scalar (not bool, not an array), with optional bounds; always within
+    int64, the width every scalar goes to the kernels with."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         fail(f"{name} must be an int, got {type(value).__name__}")
     value = int(value)
-    if minimum is not None and value < minimum:
-        fail(f"{name} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        fail(f"{name} must be <= {maximum}, got {value}")
+    low = INT64_MIN if minimum is None else max(minimum, INT64_MIN)
+    high = INT64_MAX if maximum is None else min(maximum, INT64_MAX)
+    if value < low:
+        fail(f"{name} must be >= {low}, got {value}")
+    if value > high:
+        fail(f"{name} must be <= {high}, got {value}")
     return value
 
 
@@ -80,3 +90,104 @@ def same_device(arrays: Iterable[tuple[str, Any]]) -> Device:
             fail(f"{name} is on {dev} but {first_name} is on {first_device}; all arrays of one call must "
                  f"share a device")
     return first_device if first_device is not None else Device("cpu", 0)
+
+
+# --- memory: alignment, overlap, moved storage (SPEC §0.8) ---------------------------------------------------
+
+def data_pointer(arr: Any) -> int:
+    """Address of element 0 of a NumPy or CuPy array."""
+    if isinstance(arr, np.ndarray):
+        return int(arr.__array_interface__["data"][0])
+    return int(arr.data.ptr)
+
+
+def _span_end(arr: Any, pointer: int) -> tuple[int, int]:
+    """``[first byte, last byte + 1)`` of the memory a non-empty array addresses."""
+    if arr.flags.c_contiguous:
+        return pointer, pointer + arr.nbytes
+    lo = hi = pointer
+    for extent, stride in zip(arr.shape, arr.strides, strict=True):
+        reach = (extent - 1) * stride
+        if reach < 0:
+            lo += reach
+        else:
+            hi += reach
+    return lo, hi + arr.dtype.itemsize
+
+
+def check_memory(outputs: Sequence[tuple[str, Any]], inputs: Sequence[tuple[str, Any]] = ()) -> None:
+    """Refuse what would make a kernel race or fault on the memory itself (SPEC §0.8).
+
+    ``outputs`` are the arrays a launch writes, ``inputs`` those it only reads, as ``(name, array)`` pairs
+    (None entries skipped); an array that is both read and written is an output. Every array must start at
+    a multiple of its element size (loads, stores and atomics of int32/int64 fields are naturally aligned
+    on a GPU, and misaligned ones are undefined behaviour in C++; the kernels index contiguous arrays from
+    their first element, so the start is what matters); an output must share no byte with another output
+    nor with an input, since one thread would then read or write what another thread writes.
+    """
+    spans: list[tuple[int, int, bool, str]] = []
+    for is_output, group in ((True, outputs), (False, inputs)):
+        for name, arr in group:
+            if arr is None:
+                continue
+            pointer = data_pointer(arr)
+            itemsize = arr.dtype.itemsize
+            if pointer % itemsize:
+                fail(f"{name} is not aligned to its {itemsize}-byte elements (address {pointer:#x}); kernels "
+                     f"load it as {arr.dtype.name}")
+            if arr.size:
+                spans.append((*_span_end(arr, pointer), is_output, name))
+    spans.sort()
+    count = len(spans)
+    for k in range(count - 1):
+        _, hi, is_output, name = spans[k]
+        j = k + 1
+        while j < count and spans[j][0] < hi:  # sorted by start: only these can overlap span k
+            _, _, other_output, other = spans[j]
+            j += 1
+            if is_output or other_output:
+                written, read = (name, other) if is_output else (other, name)
+                role = "another output" if is_output and other_output else "an input it is read with"
+                fail(f"{written} overlaps {read} in memory ({role}); outputs of one launch must not share "
+                     f"memory with each other or with the inputs")
+
+
+@dataclass(frozen=True)
+class StorageGuard:
+    """What a wrapped torch tensor looked like when it was wrapped: a launch that uses a view taken then
+    refuses to run if the tensor's storage has since moved or shrunk (``resize_``, ``set_``,
+    ``untyped_storage().resize_``), since the view would address freed memory."""
+
+    name: str
+    tensor: Any  # held, so the storage object outlives every view of it
+    pointer: int
+    needed_bytes: int
+
+    def check(self) -> None:
+        tensor = self.tensor
+        if tensor.data_ptr() != self.pointer or tensor.untyped_storage().nbytes() < self.needed_bytes:
+            fail(f"{self.name}: the torch tensor's storage moved or shrank since it was wrapped (resize_, "
+                 f"set_ or a storage resize); wrap or bind it again")
+
+
+def storage_guards(named: Iterable[tuple[str, Any]]) -> tuple[StorageGuard, ...]:
+    """One :class:`StorageGuard` per torch tensor among ``named`` (other producers cannot move their memory
+    under a live view: NumPy refuses to resize a referenced array, CuPy and JAX arrays never resize)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return ()
+    guards = []
+    for name, obj in named:
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            needed = obj.data_ptr() - storage.data_ptr() + _tensor_extent_bytes(obj)
+            guards.append(StorageGuard(name, obj, obj.data_ptr(), needed))
+    return tuple(guards)
+
+
+def _tensor_extent_bytes(tensor: Any) -> int:
+    if tensor.numel() == 0:
+        return 0
+    reach = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+                if stride > 0)
+    return (reach + 1) * tensor.element_size()

@@ -18,9 +18,13 @@ Contract of a bound launch:
 
 * Device values may be refilled in place between calls (``tensor.copy_(...)``, ``tensor[:] = ...``,
   ``array[...] = ...``): every call reads them afresh.
-* Shapes, dtypes and the buffers themselves may not change: a tensor that is reallocated, resized or
-  replaced by another object is not seen (the bound view keeps the old memory alive and keeps using it).
-  Bind again after changing capacities.
+* Shapes, dtypes and the buffers themselves may not change. A bound launch holds every object it was bound
+  to, so replacing an attribute of your own objects by a new tensor is not seen: the launch keeps using (and
+  keeping alive) the buffers it was bound to. A bound torch tensor whose storage moves or shrinks in place
+  (``resize_``, ``set_``, a storage resize), which frees the memory the bound view addresses, is detected:
+  every call compares each bound torch tensor's data pointer and storage size with the values at bind time
+  (a few microseconds, on the host) and raises a ``kv-canary: `` ValueError instead of launching. Bind again
+  after changing capacities.
 * The first call on a GPU compiles and loads the kernels (NVRTC), which is not capture-safe: call every
   bound launch once (warm-up) before capturing it in a CUDA graph.
 """
@@ -28,15 +32,17 @@ Contract of a bound launch:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ._validate import StorageGuard, storage_guards
 from .backends import Backend, resolve_backend
 from .context import VerifyOrWriteContext
 from .dlpack import Device, DLPackArray, cupy_stream_for, first_torch_cuda_tensor, stream_scope
-from .layouts import SlotLayout, layout_arrays
+from .layouts import SlotLayout
 from .plan import OnInvalid, VerifyPlan, WritePlan, prepare_plan_launch
 from .scatter import prepare_scatter_launch
 from .verify import prepare_verify_launch
@@ -56,6 +62,8 @@ class BoundLaunch:
         follows_torch_stream: True when a bound buffer is a torch CUDA tensor; calls then run on
             ``torch.cuda.current_stream(device)`` as it is at call time. Otherwise CUDA launches run on CuPy's
             current stream at call time, and CPU launches run inline.
+        arguments: the objects bound (held, so that they outlive the launch).
+        guards: one storage check per bound torch tensor, run before every call.
     """
 
     step: str
@@ -63,9 +71,14 @@ class BoundLaunch:
     backend: Backend
     device: Device
     follows_torch_stream: bool
+    arguments: tuple[Any, ...] = ()
+    guards: tuple[StorageGuard, ...] = ()
 
     def __call__(self) -> None:
-        """Run the bound launch once on the buffers' current contents. No conversion, no validation."""
+        """Run the bound launch once on the buffers' current contents. No conversion, no validation beyond
+        the storage check of bound torch tensors (a pointer and size comparison each)."""
+        for guard in self.guards:
+            guard.check()
         run = getattr(self.backend, self.step)
         if self.device.kind == "cpu":
             run(self.launch)
@@ -96,15 +109,29 @@ class BoundLaunch:
         return f"BoundLaunch({self.step}, backend={self.backend_name}, device={self.device}, {where})"
 
 
-def _bind(step: str, arguments: tuple[Any, ...], prepare: Callable[[], Any], backend: str,
+def _named_leaves(name: str, value: Any) -> Iterator[tuple[str, Any]]:
+    """``(dotted name, leaf)`` of an argument: dataclass fields (plans, contexts, sources) and sequences opened."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from _named_leaves(f"{name}.{f.name}", getattr(value, f.name))
+    elif isinstance(value, (tuple, list)):
+        for k, item in enumerate(value):
+            yield from _named_leaves(f"{name}[{k}]", item)
+    else:
+        yield name, value
+
+
+def _bind(step: str, arguments: dict[str, Any], prepare: Callable[[], Any], backend: str,
           on_invalid: str | None) -> BoundLaunch:
     # Conversion, validation and backend resolution happen exactly as in the launchers, inside the same
     # stream scope (so DLPack imports of torch CUDA tensors name torch's current stream and need no wait).
-    with stream_scope(*arguments):
+    values = tuple(arguments.values())
+    with stream_scope(*values):
         launch = prepare()
         resolved = resolve_backend(backend, launch.device, on_invalid)
-    follows_torch = launch.device.kind == "cuda" and first_torch_cuda_tensor(arguments) is not None
-    return BoundLaunch(step, launch, resolved, launch.device, follows_torch)
+    follows_torch = launch.device.kind == "cuda" and first_torch_cuda_tensor(values) is not None
+    named = [leaf for name, value in arguments.items() for leaf in _named_leaves(name, value)]
+    return BoundLaunch(step, launch, resolved, launch.device, follows_torch, values, storage_guards(named))
 
 
 def bind_plan(
@@ -128,9 +155,13 @@ def bind_plan(
     """Bind :func:`~kvcanary_cupy.launch_canary_plan_kernels` (same arguments). Scalars such as
     ``swa_window_size`` and ``kv_token_id_vs_position_offset`` are fixed at bind time; the contents of every
     array argument are read at call time."""
-    arguments = (verify_plan_out, write_plan_out, req_pool_indices, prefix_lens, extend_seq_lens,
-                 *layout_arrays(req_to_token, layout), full_to_swa_index_mapping, req_to_verify_expected_tokens,
-                 req_to_verify_expected_tokens_valid_lens)
+    arguments = {
+        "verify_plan_out": verify_plan_out, "write_plan_out": write_plan_out,
+        "req_pool_indices": req_pool_indices, "prefix_lens": prefix_lens, "extend_seq_lens": extend_seq_lens,
+        "req_to_token": req_to_token, "layout": layout, "full_to_swa_index_mapping": full_to_swa_index_mapping,
+        "req_to_verify_expected_tokens": req_to_verify_expected_tokens,
+        "req_to_verify_expected_tokens_valid_lens": req_to_verify_expected_tokens_valid_lens,
+    }
     return _bind("plan", arguments, lambda: prepare_plan_launch(
         verify_plan_out=verify_plan_out, write_plan_out=write_plan_out, req_pool_indices=req_pool_indices,
         prefix_lens=prefix_lens, extend_seq_lens=extend_seq_lens, req_to_token=req_to_token,
@@ -150,7 +181,7 @@ def bind_verify(
     on_invalid: str | None = None,
 ) -> BoundLaunch:
     """Bind :func:`~kvcanary_cupy.launch_canary_verify_kernel` (same arguments)."""
-    return _bind("verify", (context, plan), lambda: prepare_verify_launch(
+    return _bind("verify", {"context": context, "plan": plan}, lambda: prepare_verify_launch(
         context=context, plan=plan, check_verify_expected_token=check_verify_expected_token,
     ), backend, on_invalid)
 
@@ -170,8 +201,11 @@ def bind_write(
 ) -> BoundLaunch:
     """Bind :func:`~kvcanary_cupy.launch_canary_write_kernel` (same arguments). ``input_ids``, ``positions``
     and ``out_cache_loc`` are bound at their padded length; pad unused tails with ``out_cache_loc = -1``."""
-    arguments = (context, plan, input_ids, positions, out_cache_loc, expected_input_tokens,
-                 expected_input_positions)
+    arguments = {
+        "context": context, "plan": plan, "input_ids": input_ids, "positions": positions,
+        "out_cache_loc": out_cache_loc, "expected_input_tokens": expected_input_tokens,
+        "expected_input_positions": expected_input_positions,
+    }
     return _bind("write", arguments, lambda: prepare_write_launch(
         context=context, plan=plan, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
         enable_write_input_assert=enable_write_input_assert, expected_input_tokens=expected_input_tokens,
@@ -190,7 +224,8 @@ def bind_scatter(
     on_invalid: str | None = None,
 ) -> BoundLaunch:
     """Bind :func:`~kvcanary_cupy.launch_scatter_req_token_ids` (same arguments)."""
-    arguments = (flat_in, offsets, req_pool_indices, pool_out, status)
+    arguments = {"flat_in": flat_in, "offsets": offsets, "req_pool_indices": req_pool_indices,
+                 "pool_out": pool_out, "status": status}
     return _bind("scatter", arguments,
                  lambda: prepare_scatter_launch(flat_in=flat_in, offsets=offsets, req_pool_indices=req_pool_indices,
                                                 pool_out=pool_out, status=status),

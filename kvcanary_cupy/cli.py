@@ -15,7 +15,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 PROG = "kvcanary"
 
@@ -51,6 +51,16 @@ def _int_at_least(minimum: int, wording: str) -> Any:
 
 
 _positive = _int_at_least(1, "a positive integer")
+
+
+def _kill_drill(text: str) -> tuple[int, int]:
+    worker, at, step = text.partition("@")
+    try:
+        if not at:
+            raise ValueError
+        return int(worker), int(step)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WORKER@STEP, e.g. 1@5, got {text!r}") from None
 _non_negative = _int_at_least(0, "an integer >= 0")
 
 
@@ -65,11 +75,13 @@ def _seed(text: str) -> int:
 
 
 def _simulate_epilog() -> str:
+    from .sim.disagg.faults import DEFAULT_TRANSFER_RATE, TRANSFER_KINDS
     from .sim.faults import DEFAULT_RATE, FAULT_KINDS
     from .sim.runner import PRESETS
 
     kinds = "\n".join(f"  {name:<16} {kind.title}" + ("  (needs an SWA preset)" if kind.needs == "swa" else "")
                       for name, kind in FAULT_KINDS.items())
+    transfer_kinds = "\n".join(f"  {name:<20} {kind.title} ({kind.side} side)" for name, kind in TRANSFER_KINDS.items())
     presets = "\n".join(f"  {p.name:<8} {p.description}" for p in PRESETS.values())
     return f"""\
 examples:
@@ -79,18 +91,29 @@ examples:
   {PROG} simulate --inject all --json report/run.json --html report/run.html --dump-failures report/dumps
   {PROG} simulate --engine transformers --inject all   (the canary inside transformers' continuous batching)
   {PROG} replay report/dumps/kv-bitflip-seed7-step12-TAIL_K_FULL-verify.npz --backend host --sanitize
+  {PROG} simulate --disaggregated --decode-workers 2 --inject all --steps 60 --requests 16
 
 fault kinds (--inject KIND[:RATE]; RATE = expected injections per step, default {DEFAULT_RATE};
 'all' = every kind the preset can host; the run tries to inject each requested kind at least once, and a kind
 that finds no target in a small workload is reported as "could not inject"):
 {kinds}
 
+transfer fault kinds, with --disaggregated (RATE = probability per transfer, default {DEFAULT_TRANSFER_RATE};
+the run tries each requested kind on the first transfers after the warm-up, and every fault must be caught
+before its request's first decode step):
+{transfer_kinds}
+
 presets:
 {presets}
 
+--disaggregated starts one prefill process and N decode processes (torch.distributed: gloo on CPU, NCCL
+with GPUs; loopback addresses only); KV pages and canary records travel between them and every decode
+worker verifies each received prefix before the request's first decode step.
+
 exit status: 0 when every requested fault kind was injected and detected and nothing else was flagged;
 1 when a kind was missed or something else was flagged; 4 when nothing failed but a requested kind could not
-be injected (the workload is too small: raise --steps or --requests); 2 for bad arguments."""
+be injected (the workload is too small: raise --steps or --requests); 2 for bad arguments;
+with --disaggregated, 1 also when a process died or the run missed its deadline."""
 
 
 REPLAY_EPILOG = f"""\
@@ -124,10 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--engine", choices=["synthetic", "transformers"], default="synthetic",
                      help="synthetic (this project's engine) or transformers (Hugging Face continuous batching with "
                      "a random-weight model; needs the transformers extra; --preset/--steps/--requests/"
-                     "--warmup/--cooldown/--dump-failures do not apply)")
+                     "--warmup/--cooldown/--dump-failures/--layout do not apply)")
     sim.add_argument("--model-size", choices=["small", "medium"], default="small",
                      help="--engine transformers: small (hidden 64, 2 layers) or medium (~58M params)")
-    sim.add_argument("--preset", choices=list(PRESETS), default="mixed", help="scenario (default: mixed)")
+    sim.add_argument("--preset", choices=list(PRESETS), default=None,
+                     help="scenario (default: mixed; decode with --disaggregated)")
     sim.add_argument("--steps", type=_positive, default=200, help="engine steps to run (default: 200)")
     sim.add_argument("--requests", type=_positive, default=48, help="requests in the workload (default: 48)")
     sim.add_argument("--seed", type=_seed, default=0, help="seed of the workload and the faults (default: 0)")
@@ -138,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="inject a fault kind (repeatable; 'all' for every kind)")
     sim.add_argument("--sweep-interval", type=_non_negative, default=8, metavar="N",
                      help="verify every prefix-cache slot every N steps (0: never; default: 8)")
+    sim.add_argument("--layout", choices=["token", "block", "csr"], default="token",
+                     help="slot layout the plan reads: token (SGLang's req_to_token), block (a batch-row block "
+                     "table, vLLM-style) or csr (page lists, FlashInfer-style) (default: token)")
     sim.add_argument("--with-v", action="store_true", help="add V endpoints next to K")
     sim.add_argument("--real-kv-hash", choices=["all", "partial"], default="all",
                      help="bytes of real KV fingerprinted per slot: all, or the first 16 (default: all)")
@@ -153,6 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--dump-failures", metavar="DIR",
                      help="save the first failing launch of each fault kind as .npz for 'kvcanary replay'")
     sim.add_argument("--quiet", action="store_true", help="no progress display")
+    dis = sim.add_argument_group("disaggregated serving (prefill and decode in separate processes)")
+    dis.add_argument("--disaggregated", action="store_true",
+                     help="one prefill process + decode workers; transfer faults for --inject")
+    dis.add_argument("--decode-workers", type=_positive, default=2, metavar="N", help="decode processes (default: 2)")
+    dis.add_argument("--transfer-timeout", type=float, default=30.0, metavar="S",
+                     help="seconds any send, receive or rendezvous may take before the run fails (default: 30)")
+    dis.add_argument("--kill-decode-worker", type=_kill_drill, default=None, metavar="W@STEP",
+                     help="fault drill: decode worker W kills itself (SIGKILL) at its step STEP; the run must "
+                     "report it and exit non-zero")
     sim.add_argument("--plain", action="store_true", help="plain-text table even when rich is installed")
     sim.set_defaults(func=_cmd_simulate)
 
@@ -198,30 +234,17 @@ def _writable(path: str, option: str) -> None:
         raise BadArguments(f"{option} {path}: not writable")
 
 
-def _cmd_simulate(args: argparse.Namespace) -> int:
-    if args.engine == "transformers":
-        return _cmd_simulate_transformers(args)
-    from .sim.faults import parse_inject
-    from .sim.report import ProgressDisplay, print_report, write_html, write_json
-    from .sim.runner import SimConfig, Simulation, applicable_kinds
-
-    try:
-        inject = parse_inject(args.inject, applicable_kinds(args.preset))
-        cfg = SimConfig(preset=args.preset, steps=args.steps, requests=args.requests, seed=args.seed,
-                        backend=args.backend, inject=inject, sweep_interval=args.sweep_interval,
-                        with_v=args.with_v, real_kv_hash=args.real_kv_hash, warmup_steps=args.warmup,
-                        cooldown_steps=args.cooldown, ring_capacity=args.ring_capacity,
-                        dump_dir=args.dump_failures)
-        sim = Simulation(cfg)
-    except (ValueError, OSError) as exc:
-        raise BadArguments(str(exc)) from None
-    json_to_stdout = args.json == "-"
-    for path, option in ((None if json_to_stdout else args.json, "--json"), (args.html, "--html")):
+def _check_outputs(args: argparse.Namespace) -> None:
+    for path, option in ((None if args.json == "-" else args.json, "--json"), (args.html, "--html")):
         if path:
             _writable(path, option)
-    with ProgressDisplay(cfg.steps, enabled=not args.quiet) as progress:
-        report = sim.run(progress)
-    # With --json -, standard output carries the JSON alone; everything for people goes to standard error.
+
+
+def _emit(args: argparse.Namespace, report: dict[str, Any], print_report: Any, write_json: Any,
+          write_html: Any) -> TextIO:
+    """Print the report and write its files; returns the stream meant for people. With --json -, standard
+    output carries the JSON alone and everything for people goes to standard error."""
+    json_to_stdout = args.json == "-"
     human = sys.stderr if json_to_stdout else sys.stdout
     print_report(report, human, plain=args.plain)
     if json_to_stdout:
@@ -233,6 +256,35 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                 print(f"wrote {writer(report, path)}", file=human)
             except OSError as exc:  # the run's verdict stands: report it, keep its exit status
                 print(f"{PROG} simulate: error: cannot write {path}: {exc}", file=sys.stderr)
+    return human
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from .sim.faults import parse_inject
+    from .sim.report import ProgressDisplay, print_report, write_html, write_json
+    from .sim.runner import SimConfig, Simulation, applicable_kinds
+
+    if args.engine == "transformers":
+        return _cmd_simulate_transformers(args)
+    if args.disaggregated:
+        return _cmd_simulate_disaggregated(args)
+    if args.kill_decode_worker is not None:
+        raise BadArguments("--kill-decode-worker needs --disaggregated")
+    args.preset = args.preset or "mixed"
+    try:
+        inject = parse_inject(args.inject, applicable_kinds(args.preset))
+        cfg = SimConfig(preset=args.preset, steps=args.steps, requests=args.requests, seed=args.seed,
+                        backend=args.backend, inject=inject, sweep_interval=args.sweep_interval,
+                        with_v=args.with_v, real_kv_hash=args.real_kv_hash, warmup_steps=args.warmup,
+                        cooldown_steps=args.cooldown, ring_capacity=args.ring_capacity,
+                        dump_dir=args.dump_failures, layout=args.layout)
+        sim = Simulation(cfg)
+    except (ValueError, OSError) as exc:
+        raise BadArguments(str(exc)) from None
+    _check_outputs(args)
+    with ProgressDisplay(cfg.steps, enabled=not args.quiet) as progress:
+        report = sim.run(progress)
+    human = _emit(args, report, print_report, write_json, write_html)
     if sim.recorder is not None:
         for kind, path in sim.recorder.dumped.items():
             print(f"dumped the first failing launch of {kind}: {path}", file=human)
@@ -244,13 +296,59 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 def _cmd_simulate_transformers(args: argparse.Namespace) -> int:
     try:
-        from .integrations.transformers.simulate import run_cli
+        from .integrations.transformers.simulate import (
+            config_from_args,
+            print_report,
+            run_quietly,
+            write_html,
+            write_json,
+        )
     except ImportError as exc:
         raise BadArguments(f"--engine transformers needs torch and transformers: {exc}") from None
     try:
-        return run_cli(args)
+        if args.disaggregated:
+            raise ValueError("--disaggregated does not apply to --engine transformers")
+        cfg = config_from_args(args)
     except ValueError as exc:
         raise BadArguments(str(exc)) from None
+    _check_outputs(args)
+    report = run_quietly(cfg, progress=not args.quiet)
+    _emit(args, report, print_report, write_json, write_html)
+    return int(report["exit_code"])
+
+
+def _cmd_simulate_disaggregated(args: argparse.Namespace) -> int:
+    from .sim.disagg import DisaggConfig, DisaggRunError, run_disaggregated
+    from .sim.disagg.faults import DEFAULT_TRANSFER_RATE, TRANSFER_KINDS
+    from .sim.disagg.report import print_report, write_html, write_json
+    from .sim.faults import parse_inject
+
+    try:
+        if args.layout != "token":
+            raise ValueError("--layout does not apply to --disaggregated (its engines keep req_to_token)")
+        for option, given in (("--dump-failures", args.dump_failures), ("--cooldown", args.cooldown)):
+            if given is not None:
+                raise ValueError(f"{option} does not apply to --disaggregated")
+        cfg = DisaggConfig(
+            preset=args.preset or "decode", steps=args.steps, requests=args.requests, seed=args.seed,
+            backend=args.backend, decode_workers=args.decode_workers,
+            inject=parse_inject(args.inject, known=TRANSFER_KINDS, default_rate=DEFAULT_TRANSFER_RATE),
+            sweep_interval=args.sweep_interval, with_v=args.with_v, real_kv_hash=args.real_kv_hash,
+            warmup_steps=args.warmup, ring_capacity=args.ring_capacity, transfer_timeout_s=args.transfer_timeout,
+            kill_decode_worker=args.kill_decode_worker)
+        cfg.validate()
+    except ValueError as exc:
+        raise BadArguments(str(exc)) from None
+    _check_outputs(args)
+    if not args.quiet:
+        print(f"starting 1 prefill process and {cfg.decode_workers} decode worker(s) on 127.0.0.1", file=sys.stderr)
+    try:
+        report = run_disaggregated(cfg)
+    except DisaggRunError as exc:
+        print(f"{PROG} simulate: error: the disaggregated run failed: {exc}", file=sys.stderr)
+        return 1
+    _emit(args, report, print_report, write_json, write_html)
+    return int(report["exit_code"])
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:

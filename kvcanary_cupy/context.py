@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import fail
-from ._validate import array_arg, int_arg
+from ._validate import array_arg, bool_arg, check_memory, data_pointer, int_arg, storage_guards
 from .constants import (
     CANARY_FIELDS_PER_SLOT,
     CANARY_SLOT_BYTES,
@@ -30,10 +30,6 @@ from .dlpack import as_byte_rows, device_of
 from .plan import _allocate
 
 
-def _data_ptr(arr: Any) -> int:
-    return int(arr.ctypes.data) if isinstance(arr, np.ndarray) else int(arr.data.ptr)
-
-
 @dataclass(frozen=True)
 class RealKvSource:
     """Real KV bytes fingerprinted into each slot's ``real_kv_hash``.
@@ -42,6 +38,10 @@ class RealKvSource:
     0 contiguous, dim 0 of any stride, e.g. one layer of a per-layer pool): row ``s // page_size``, columns
     ``(s % page_size) * num_bytes_per_token`` onward; the leading ``read_bytes`` of them are hashed (16 in
     PARTIAL mode). ``tensor`` may be any DLPack producer of any dtype (torch bfloat16 is viewed as bytes).
+
+    The byte view is taken once, here, and the source holds ``tensor``; a torch tensor whose storage later
+    moves or shrinks (an engine growing its pool with ``resize_``) is refused at the next launch instead of
+    being read through a stale view: build a new source after reallocating.
     """
 
     tensor: Any
@@ -67,14 +67,20 @@ class RealKvSource:
         if rows.shape[1] < page * per_token:
             fail(f"RealKvSource.tensor rows hold {rows.shape[1]} bytes, fewer than page_size * "
                  f"num_bytes_per_token = {page * per_token}")
-        if _data_ptr(rows) % REAL_KV_ALIGN_BYTES:
+        if data_pointer(rows) % REAL_KV_ALIGN_BYTES:
             fail("RealKvSource.tensor must start at a 16-byte aligned address")
         object.__setattr__(self, "_rows", rows)
+        object.__setattr__(self, "_guards", storage_guards([("RealKvSource.tensor", self.tensor)]))
 
     @property
     def byte_rows(self) -> Any:
         """The validated ``uint8 [rows, row_bytes]`` NumPy/CuPy view of the tensor."""
         return self._rows  # type: ignore[attr-defined]
+
+    def check_storage(self) -> None:
+        """Refuse (ValueError) when the wrapped torch tensor's storage moved or shrank since construction."""
+        for guard in self._guards:  # type: ignore[attr-defined]
+            guard.check()
 
     @property
     def slots_covered(self) -> int:
@@ -123,25 +129,59 @@ class VerifyOrWriteContext:
         stride = int_arg(slot_stride_bytes, "slot_stride_bytes", minimum=CANARY_SLOT_BYTES)
         if stride % 8:
             fail(f"slot_stride_bytes must be a multiple of 8, got {stride}")
+        kind = int_arg(kernel_kind, "kernel_kind")
+        mode = real_kv_mode_arg(real_kv_hash_mode, "real_kv_hash_mode")
+        sources = real_kv_sources_arg(real_kv_sources, "real_kv_sources")
+        chain_assert = bool_arg(enable_chain_position_assert, "enable_chain_position_assert")
         return cls(
             canary_buf=_allocate(device, slots * stride, np.uint8, fill=0).reshape(slots, stride),
-            kernel_kind=int(kernel_kind),
+            kernel_kind=kind,
             violation_ring=_allocate(device, capacity * VIOLATION_FIELDS, np.int64, fill=0).reshape(
                 capacity, VIOLATION_FIELDS),
             violation_write_index=_allocate(device, 1, np.int32, fill=0),
             slot_run_counter=_allocate(device, 1, np.int64, fill=0),
             kernel_run_counter=_allocate(device, 1, np.int64, fill=0),
-            real_kv_sources=tuple(real_kv_sources),
-            real_kv_hash_mode=RealKvHashMode(real_kv_hash_mode),
-            enable_chain_position_assert=_allocate(device, 1, np.int32,
-                                                   fill=int(bool(enable_chain_position_assert))),
+            real_kv_sources=sources,
+            real_kv_hash_mode=mode,
+            enable_chain_position_assert=_allocate(device, 1, np.int32, fill=int(chain_assert)),
             status=_allocate(device, 1, np.int32, fill=0),
         )
 
     def for_endpoint(self, **changes: Any) -> VerifyOrWriteContext:
         """A context sharing this one's ring, write index and status, with some fields replaced (e.g.
-        ``kernel_kind``, ``canary_buf``, ``real_kv_sources``, or fresh per-endpoint counters)."""
+        ``kernel_kind``, ``canary_buf``, ``real_kv_sources``, or fresh per-endpoint counters). Arrays are
+        checked when a launch uses them; names and the scalar fields are checked here."""
+        names = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(changes) - set(names))
+        if unknown:
+            fail(f"for_endpoint got unknown field(s) {', '.join(unknown)}; fields: {', '.join(names)}")
+        if "kernel_kind" in changes:
+            changes["kernel_kind"] = int_arg(changes["kernel_kind"], "kernel_kind")
+        if "real_kv_hash_mode" in changes:
+            changes["real_kv_hash_mode"] = real_kv_mode_arg(changes["real_kv_hash_mode"], "real_kv_hash_mode")
+        if "real_kv_sources" in changes:
+            changes["real_kv_sources"] = real_kv_sources_arg(changes["real_kv_sources"], "real_kv_sources")
         return dataclasses.replace(self, **changes)
+
+
+def real_kv_mode_arg(value: Any, name: str) -> RealKvHashMode:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        fail(f"{name} must be a RealKvHashMode, got {value!r}")
+    try:
+        return RealKvHashMode(int(value))
+    except ValueError:
+        fail(f"{name} must be a RealKvHashMode ({', '.join(m.name for m in RealKvHashMode)}), got {value!r}")
+
+
+def real_kv_sources_arg(value: Any, name: str) -> tuple[RealKvSource, ...]:
+    if not isinstance(value, (tuple, list)):
+        fail(f"{name} must be a tuple of RealKvSource, got {type(value).__name__}")
+    if len(value) > MAX_REAL_KV_SOURCES:
+        fail(f"{name}: at most {MAX_REAL_KV_SOURCES} RealKvSource entries are supported, got {len(value)}")
+    for k, source in enumerate(value):
+        if not isinstance(source, RealKvSource):
+            fail(f"{name}[{k}] must be a RealKvSource, got {type(source).__name__}")
+    return tuple(value)
 
 
 @dataclass(frozen=True)
@@ -159,6 +199,8 @@ class ContextArrays:
     mode: int
     chain_assert: Any
     status: Any
+    # (name, array) of canary_buf, ring, write index, counters, status, chain flag, real-KV byte rows
+    named: tuple[tuple[str, Any], ...] = ()
 
     @property
     def num_slots(self) -> int:
@@ -174,9 +216,9 @@ def prepare_context(context: Any, name: str = "context", *, need_chain_flag: boo
     if stride < CANARY_SLOT_BYTES or stride % 8:
         fail(f"{name}.canary_buf slot stride must be a multiple of 8 holding at least "
              f"{CANARY_FIELDS_PER_SLOT} int64 fields, got {stride} bytes")
-    if _data_ptr(buf) % 8:
+    if data_pointer(buf) % 8:
         fail(f"{name}.canary_buf must start at an 8-byte aligned address (its fields are read as int64)")
-    kind = int_arg(context.kernel_kind, f"{name}.kernel_kind", minimum=-(1 << 63), maximum=(1 << 63) - 1)
+    kind = int_arg(context.kernel_kind, f"{name}.kernel_kind")
     ring = array_arg(context.violation_ring, f"{name}.violation_ring", dtype=np.int64, ndim=2,
                      shape=(None, VIOLATION_FIELDS), writable=True)
     if ring.shape[0] < 1:
@@ -195,19 +237,12 @@ def prepare_context(context: Any, name: str = "context", *, need_chain_flag: boo
             fail(f"{name}.enable_chain_position_assert is required (int32 [1])")
         chain_flag = array_arg(context.enable_chain_position_assert, f"{name}.enable_chain_position_assert",
                                dtype=np.int32, ndim=1, shape=(1,))
-    try:
-        mode = int(RealKvHashMode(int(context.real_kv_hash_mode)))
-    except (TypeError, ValueError):
-        fail(f"{name}.real_kv_hash_mode must be a RealKvHashMode, got {context.real_kv_hash_mode!r}")
-    sources = tuple(context.real_kv_sources)
-    if len(sources) > MAX_REAL_KV_SOURCES:
-        fail(f"{name}.real_kv_sources: at most {MAX_REAL_KV_SOURCES} RealKvSource entries are supported, "
-             f"got {len(sources)}")
+    mode = int(real_kv_mode_arg(context.real_kv_hash_mode, f"{name}.real_kv_hash_mode"))
+    sources = real_kv_sources_arg(context.real_kv_sources, f"{name}.real_kv_sources")
     num_slots = int(buf.shape[0])
     views = []
     for k, source in enumerate(sources):
-        if not isinstance(source, RealKvSource):
-            fail(f"{name}.real_kv_sources[{k}] must be a RealKvSource, got {type(source).__name__}")
+        source.check_storage()
         if source.slots_covered < num_slots:
             fail(f"{name}.real_kv_sources[{k}] covers {source.slots_covered} slots "
                  f"({source.byte_rows.shape[0]} rows x page_size {source.page_size}), fewer than the "
@@ -227,5 +262,17 @@ def prepare_context(context: Any, name: str = "context", *, need_chain_flag: boo
     return ContextArrays(
         canary=buf.view(np.int64), canary_bytes=buf, kernel_kind=kind, ring=ring, write_index=write_index,
         slot_run_counter=slot_counter, kernel_run_counter=kernel_counter, sources=tuple(views), mode=mode,
-        chain_assert=chain_flag, status=status,
+        chain_assert=chain_flag, status=status, named=tuple(named),
     )
+
+
+def check_context_memory(ctx: ContextArrays, *, writes_canary: bool, inputs: list[tuple[str, Any]]) -> None:
+    """SPEC §0.8 for a verify or write launch: the context's ring, index, counters and status (and the
+    canary buffer, for a write) are outputs; the canary buffer of a verify, the chain flag, the real-KV
+    tensors and the launch's own arrays (``inputs``) are read alongside."""
+    canary_name = ctx.named[0][0]
+    outputs = [(n, a) for n, a in ctx.named[1:6]]
+    reads = [(n, a) for n, a in ctx.named[6:]]
+    canary = (canary_name, ctx.canary)  # viewed as int64: that is how the kernels load it
+    (outputs if writes_canary else reads).append(canary)
+    check_memory(outputs=outputs, inputs=reads + inputs)

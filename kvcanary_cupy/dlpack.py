@@ -92,8 +92,10 @@ def as_array(obj: Any, name: str, *, writable: bool = False) -> Any:
     ``writable=True`` marks an output: a read-only import (a NumPy array with ``writeable=False``, or a
     producer that exports read-only memory) is refused rather than silently copied.
     """
-    if isinstance(obj, np.ndarray) or is_cupy_array(obj):
+    if type(obj) is np.ndarray or is_cupy_array(obj):
         arr = obj
+    elif isinstance(obj, np.ndarray):
+        arr = _plain_ndarray(obj, name)
     elif hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
         if getattr(obj, "requires_grad", False) and hasattr(obj, "detach"):
             obj = obj.detach()  # a view that shares storage; DLPack refuses tensors that track gradients
@@ -126,6 +128,15 @@ def as_array(obj: Any, name: str, *, writable: bool = False) -> Any:
     return arr
 
 
+def _plain_ndarray(obj: np.ndarray, name: str) -> np.ndarray:
+    """The base-class view of a NumPy subclass whose elements mean what the memory says (``np.memmap``...);
+    subclasses that change indexing or hide elements are refused rather than misread."""
+    if isinstance(obj, (np.matrix, np.ma.MaskedArray)):
+        fail(f"{name} must be a plain array, got {type(obj).__module__}.{type(obj).__name__} (its "
+             "indexing or masking would be ignored); pass np.asarray(...) of the data you mean")
+    return obj.view(np.ndarray)
+
+
 def _is_writable(arr: Any) -> bool:
     flags = getattr(arr, "flags", None)
     if flags is None:
@@ -149,7 +160,10 @@ def as_byte_rows(obj: Any, name: str) -> Any:
                 fail(f"{name} must be at least 2-D, got shape {tuple(obj.shape)}")
             obj = obj.detach()
             if obj.dtype != torch.uint8 and obj.stride(-1) == 1:
-                obj = obj.view(torch.uint8)
+                try:
+                    obj = obj.view(torch.uint8)
+                except RuntimeError as exc:  # e.g. a last dim whose byte size torch cannot reinterpret
+                    fail(f"{name} cannot be viewed as bytes ({exc})")
     arr = as_array(obj, name)
     if arr.ndim < 2:
         fail(f"{name} must be at least 2-D, got shape {tuple(arr.shape)}")
@@ -181,9 +195,14 @@ def export(arr: Any, to: Any) -> Any:
     """Hand ``arr`` (NumPy or CuPy) to a framework module that has ``from_dlpack`` (torch, cupy, numpy,
     ``jax.dlpack``); the result shares memory with ``arr``."""
     from_dlpack = getattr(to, "from_dlpack", None)
-    if from_dlpack is None:
-        raise TypeError(f"{getattr(to, '__name__', to)!r} has no from_dlpack")
-    return from_dlpack(arr)
+    if not callable(from_dlpack):
+        fail(f"to={getattr(to, '__name__', to)!r} has no from_dlpack")
+    if not (isinstance(arr, np.ndarray) or is_cupy_array(arr)):
+        fail(f"arr must be a NumPy or CuPy array, got {type(arr).__name__}")
+    try:
+        return from_dlpack(arr)
+    except Exception as exc:  # the consumer's refusal (device it cannot reach, dtype it lacks...)
+        fail(f"arr cannot be handed to {getattr(to, '__name__', to)!r} through DLPack ({exc})")
 
 
 def leaves(values: Iterable[Any]) -> Iterator[Any]:

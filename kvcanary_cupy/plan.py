@@ -14,7 +14,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ._errors import fail
-from ._validate import array_arg, int_arg, optional_array_arg, same_device
+from ._validate import array_arg, check_memory, int_arg, optional_array_arg, same_device
 from .backends import resolve_backend
 from .constants import MAX_PLAN_BATCH_SIZE
 from .dlpack import Device, DLPackArray, device_scope, stream_scope
@@ -27,28 +27,35 @@ _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 def _allocate(device: Any, shape: int, dtype: type, fill: int | None = None) -> Any:
     """One plan array on ``device`` ("cpu" -> NumPy, "cuda"/"cuda:N" -> CuPy)."""
     dev = str(device)
-    xp: Any
-    ctx: Any
+    xp: Any = np
+    index = ""
     if dev == "cpu":
-        xp, ctx = np, None
+        pass
     elif dev == "cuda" or dev.startswith("cuda:"):
         from .dlpack import cupy_module
 
-        cupy = cupy_module()
-        if cupy is None:
+        xp = cupy_module()
+        if xp is None:
             fail(f"device={dev!r} needs CuPy (install the cuda12 or cuda13 extra)")
-        xp, ctx = cupy, cupy.cuda.Device(int(dev.split(":")[1]) if ":" in dev else None)
+        index = dev.split(":")[1] if ":" in dev else ""
+        if index and not index.isdigit():
+            fail(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     else:
         fail(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    if ctx is None:
-        return np.full(shape, fill, dtype) if fill is not None else np.empty(shape, dtype)
-    with ctx:
-        arr = xp.full(shape, fill, dtype) if fill is not None else xp.empty(shape, dtype)
-        if fill is not None:
-            # The fill ran on CuPy's current stream; a first launch on another stream (torch's) must see it.
-            # Allocation is setup-time work, never inside a captured region, so waiting here is harmless.
-            xp.cuda.get_current_stream().synchronize()
-        return arr
+    try:
+        if xp is np:
+            return np.full(shape, fill, dtype) if fill is not None else np.empty(shape, dtype)
+        with xp.cuda.Device(int(index) if index else None):
+            arr = xp.full(shape, fill, dtype) if fill is not None else xp.empty(shape, dtype)
+            if fill is not None:
+                # The fill ran on CuPy's current stream; a first launch on another stream (torch's) must see
+                # it. Allocation is setup-time work, never inside a captured region, so waiting is harmless.
+                xp.cuda.get_current_stream().synchronize()
+            return arr
+    except (MemoryError, ValueError) as exc:  # sizes beyond what the device (or NumPy) can hold
+        fail(f"cannot allocate {shape} x {np.dtype(dtype).name} on device={dev!r} ({exc})")
+    except Exception as exc:  # CuPy installed but no usable GPU or driver (CUDARuntimeError...)
+        fail(f"device={dev!r} is not usable here ({type(exc).__name__}: {exc})")
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,7 @@ class VerifyPlan:
     def from_tensors(cls, **fields: Any) -> VerifyPlan:
         """Wrap caller-owned arrays (any DLPack producer). ``status`` may be omitted: a 1-element int32
         array is then allocated next to ``verify_num_valid`` (same framework when it is a NumPy array)."""
+        _known_fields(cls, fields)
         if fields.get("status") is None:
             fields["status"] = _status_like(fields.get("verify_num_valid"))
         return cls(**fields)
@@ -146,9 +154,22 @@ class WritePlan:
     def from_tensors(cls, **fields: Any) -> WritePlan:
         """Wrap caller-owned arrays. ``verify_offsets`` may be omitted: it is then allocated like
         ``write_offsets`` (same framework when that is a NumPy array)."""
+        _known_fields(cls, fields)
         if fields.get("verify_offsets") is None:
             fields["verify_offsets"] = _scratch_like(fields.get("write_offsets"))
         return cls(**fields)
+
+
+def _known_fields(cls: type, fields: dict[str, Any]) -> None:
+    """Unknown or missing field names are argument errors, not dataclass TypeErrors."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    optional = {"status", "verify_offsets"}
+    unknown = sorted(set(fields) - set(names))
+    if unknown:
+        fail(f"{cls.__name__}.from_tensors got unknown field(s) {', '.join(unknown)}; fields: {', '.join(names)}")
+    missing = [n for n in names if n not in fields and n not in optional]
+    if missing:
+        fail(f"{cls.__name__}.from_tensors is missing field(s) {', '.join(missing)}")
 
 
 def _status_like(template: Any) -> Any:
@@ -158,7 +179,12 @@ def _status_like(template: Any) -> Any:
 def _scratch_like(template: Any) -> Any:
     if template is None:
         fail("write_offsets is required")
-    return _like(template, int(template.shape[0]), np.int64, "write_offsets")
+    from .dlpack import as_array
+
+    length = as_array(template, "write_offsets").shape
+    if len(length) != 1:
+        fail(f"write_offsets must be 1-D, got shape {tuple(length)}")
+    return _like(template, int(length[0]), np.int64, "write_offsets")
 
 
 def _like(template: Any, length: int, dtype: type, name: str) -> Any:
@@ -309,6 +335,9 @@ def prepare_plan_launch(
     named += [(f"verify_plan_out.{f.name}", getattr(verify, f.name)) for f in dataclasses.fields(verify)]
     named += [(f"write_plan_out.{f.name}", getattr(write, f.name)) for f in dataclasses.fields(write)]
     device = same_device(named)
+    is_output = [name.startswith(("verify_plan_out.", "write_plan_out.")) for name, _ in named]
+    check_memory(outputs=[a for a, out in zip(named, is_output, strict=True) if out],
+                 inputs=[a for a, out in zip(named, is_output, strict=True) if not out])
     return PlanLaunch(
         req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend,
         req_to_token=layout_value if layout_kind == "token" else None,

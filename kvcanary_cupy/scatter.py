@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ._validate import array_arg, optional_array_arg, same_device
+from ._validate import array_arg, check_memory, optional_array_arg, same_device
 from .backends import resolve_backend
 from .dlpack import Device, DLPackArray, device_scope, stream_scope
 
@@ -35,8 +35,10 @@ def prepare_scatter_launch(*, flat_in: Any, offsets: Any, req_pool_indices: Any,
     offs = array_arg(offsets, "offsets", dtype=np.int64, ndim=1, shape=(bs + 1,))
     pool = array_arg(pool_out, "pool_out", dtype=np.int32, ndim=2, writable=True)
     status_arr = optional_array_arg(status, "status", dtype=np.int32, ndim=1, shape=(1,), writable=True)
-    device = same_device([("flat_in", flat), ("offsets", offs), ("req_pool_indices", rpi),
-                          ("pool_out", pool), ("status", status_arr)])
+    inputs = [("flat_in", flat), ("offsets", offs), ("req_pool_indices", rpi)]
+    outputs = [("pool_out", pool), ("status", status_arr)]
+    device = same_device(inputs + outputs)
+    check_memory(outputs=outputs, inputs=inputs)
     return ScatterLaunch(flat, offs, rpi, pool, status_arr, device)
 
 

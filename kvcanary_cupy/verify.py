@@ -16,7 +16,7 @@ import numpy as np
 from ._errors import fail
 from ._validate import array_arg, bool_arg, same_device
 from .backends import resolve_backend
-from .context import ContextArrays, VerifyOrWriteContext, prepare_context
+from .context import ContextArrays, VerifyOrWriteContext, check_context_memory, prepare_context
 from .dlpack import Device, device_scope, stream_scope
 from .plan import VerifyPlan
 
@@ -52,12 +52,14 @@ def prepare_verify_launch(*, context: VerifyOrWriteContext, plan: VerifyPlan,
     one: dict[str, Any] = {"dtype": np.int32, "ndim": 1, "shape": (1,)}
     num_valid = array_arg(plan.verify_num_valid, "plan.verify_num_valid", **one)
     enable = array_arg(plan.enable, "plan.enable", **one)
-    device = same_device([
-        ("context.canary_buf", ctx.canary_bytes), ("plan.verify_slot_indices", slots),
-        ("plan.verify_expected_tokens", tokens), ("plan.verify_expected_positions", positions),
-        ("plan.verify_prev_slot_indices", prevs), ("plan.verify_num_valid", num_valid),
-        ("plan.enable", enable),
-    ])
+    plan_arrays = [
+        ("plan.verify_slot_indices", slots), ("plan.verify_expected_tokens", tokens if check else None),
+        ("plan.verify_expected_positions", positions), ("plan.verify_prev_slot_indices", prevs),
+        ("plan.verify_num_valid", num_valid), ("plan.enable", enable),
+    ]
+    device = same_device([("context.canary_buf", ctx.canary_bytes), *plan_arrays,
+                          ("plan.verify_expected_tokens", tokens)])
+    check_context_memory(ctx, writes_canary=False, inputs=plan_arrays)
     return VerifyLaunch(ctx, slots, tokens, positions, prevs, num_valid, enable, check, device)
 
 

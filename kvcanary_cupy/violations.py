@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from ._errors import fail
+from ._validate import array_arg, int_arg
 from .constants import (
     VIOLATION_FIELD_EXPECTED_AUX,
     VIOLATION_FIELD_EXPECTED_TOKEN,
@@ -20,11 +22,13 @@ from .constants import (
     VIOLATION_FIELD_SLOT_IDX,
     VIOLATION_FIELD_STORED_CHAIN_HASH,
     VIOLATION_FIELD_STORED_TOKEN,
+    VIOLATION_FIELDS,
     CanaryLaunchTag,
     CanaryStatus,
     FailReason,
     reason_names,
 )
+from .context import VerifyOrWriteContext
 
 _WRITE_BITS = int(FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH)
 
@@ -139,17 +143,29 @@ def read_violations(context: Any, start: int = 0) -> ViolationReport:
     ``total`` is the kernels' count, which keeps growing after the ring is full; ``start`` lets a logger
     continue where it stopped.
     """
-    total = int(to_host(context.violation_write_index)[0])
-    capacity = int(context.violation_ring.shape[0])
+    if not isinstance(context, VerifyOrWriteContext):
+        fail(f"context must be a VerifyOrWriteContext, got {type(context).__name__}")
+    start = int_arg(start, "start")
+
+    def one(arr: Any, name: str, dtype: type) -> Any:
+        return array_arg(arr, name, dtype=dtype, ndim=1, shape=(1,))
+
+    ring = array_arg(context.violation_ring, "context.violation_ring", dtype=np.int64, ndim=2,
+                     shape=(None, VIOLATION_FIELDS))
+    write_index = one(context.violation_write_index, "context.violation_write_index", np.int32)
+    slot_counter = one(context.slot_run_counter, "context.slot_run_counter", np.int64)
+    kernel_counter = one(context.kernel_run_counter, "context.kernel_run_counter", np.int64)
+    status_arr = None if context.status is None else one(context.status, "context.status", np.int32)
+    total = int(to_host(write_index)[0])
+    capacity = int(ring.shape[0])
     begin, end = max(start, 0), min(max(total, 0), capacity)
     # Only the rows asked for cross to the host: a ring is sized for bursts, a step usually fills a few rows.
-    landed = to_host(context.violation_ring[begin:end]) if end > begin else np.zeros((0, 8), np.int64)
+    landed = to_host(ring[begin:end]) if end > begin else np.zeros((0, 8), np.int64)
     rows = [decode_row(begin + k, row) for k, row in enumerate(landed)]
-    status = CanaryStatus(int(to_host(context.status)[0]) if context.status is not None else 0)
+    status = CanaryStatus(int(to_host(status_arr)[0]) if status_arr is not None else 0)
     return ViolationReport(
         total=total, capacity=capacity, rows=rows, status=status,
-        slot_run_counter=int(to_host(context.slot_run_counter)[0]),
-        kernel_run_counter=int(to_host(context.kernel_run_counter)[0]),
+        slot_run_counter=int(to_host(slot_counter)[0]), kernel_run_counter=int(to_host(kernel_counter)[0]),
     )
 
 

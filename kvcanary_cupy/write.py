@@ -16,7 +16,7 @@ import numpy as np
 from ._errors import fail
 from ._validate import array_arg, bool_arg, optional_array_arg, same_device
 from .backends import resolve_backend
-from .context import ContextArrays, VerifyOrWriteContext, prepare_context
+from .context import ContextArrays, VerifyOrWriteContext, check_context_memory, prepare_context
 from .dlpack import Device, DLPackArray, device_scope, stream_scope
 from .plan import WritePlan
 
@@ -77,12 +77,13 @@ def prepare_write_launch(
                                  shape=tokens)
     exp_pos = optional_array_arg(expected_input_positions, "expected_input_positions", dtype=np.int64,
                                  ndim=1, shape=tokens)
-    device = same_device([
-        ("context.canary_buf", ctx.canary_bytes), ("plan.write_offsets", offsets),
-        ("plan.write_seed_slot_indices", seeds), ("plan.write_num_valid_reqs", num_valid),
-        ("input_ids", ids), ("positions", pos), ("out_cache_loc", loc),
-        ("expected_input_tokens", exp_tok), ("expected_input_positions", exp_pos),
-    ])
+    inputs = [
+        ("plan.write_offsets", offsets), ("plan.write_seed_slot_indices", seeds),
+        ("plan.write_num_valid_reqs", num_valid), ("input_ids", ids), ("positions", pos),
+        ("out_cache_loc", loc), ("expected_input_tokens", exp_tok), ("expected_input_positions", exp_pos),
+    ]
+    device = same_device([("context.canary_buf", ctx.canary_bytes), *inputs])
+    check_context_memory(ctx, writes_canary=True, inputs=inputs)
     return WriteLaunch(ctx, offsets, seeds, num_valid, ids, pos, loc, assert_inputs, exp_tok, exp_pos, device)
 
 

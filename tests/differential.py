@@ -161,11 +161,14 @@ def chain_results_equal(a: ChainResult, b: ChainResult) -> None:
         (b.write_index, b.slot_run_counter, b.kernel_run_counter, b.status)
     assert np.array_equal(a.canary, b.canary)
     assert a.landed == b.landed
-    assert sorted(a.rows) == sorted(b.rows)
-    # Rows of earlier launches may also sit in another order; rows past the landed ones are untouched.
     hi = a.landed[1]
-    assert sorted(a.ring[:hi].tolist()) == sorted(b.ring[:hi].tolist())
-    assert np.array_equal(a.ring[hi:], b.ring[hi:])
+    # When the ring fills up during the launch (or the index starts outside it), which rows land depends on
+    # the append order, which only the reference fixes: then only the count of landed rows is comparable.
+    if a.write_index - a.landed[0] == hi - a.landed[0]:
+        assert sorted(a.rows) == sorted(b.rows)
+        # Rows of earlier launches may also sit in another order.
+        assert sorted(a.ring[:hi].tolist()) == sorted(b.ring[:hi].tolist())
+    assert np.array_equal(a.ring[hi:], b.ring[hi:])  # rows past the landed ones are untouched
 
 
 def run_scatter(backend: Any, case: Any) -> tuple[np.ndarray, int]:

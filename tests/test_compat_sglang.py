@@ -271,6 +271,43 @@ def test_torch_reference_checks_valid_lens_before_anything_else():
     assert str(info.value) == MISSING_LENS
 
 
+@pytest.mark.parametrize("field", ["verify_expected_tokens", "verify_slot_indices", "write_seed_slot_indices"])
+def test_torch_reference_refuses_an_expanded_output_before_writing_anything(field):
+    """A stride-0 output cannot take a result; the refusal comes before any field is copied back."""
+    vp, wp = sentinel_plans(6, 2)
+    plan = vp if field.startswith("verify") else wp
+    length = getattr(plan, field).shape[0]
+    expanded = torch.full((1,), SENTINEL, dtype=torch.int64).expand(length)
+    if plan is vp:
+        vp = dataclasses.replace(vp, **{field: expanded})
+    else:
+        wp = dataclasses.replace(wp, **{field: expanded})
+    before = plan_bytes(vp, wp)
+    with pytest.raises(kc.CanaryArgumentError, match=f"^kv-canary: .*{field} has elements sharing memory"):
+        sg.launch_canary_plan_kernels_torch_reference(verify_plan_out=vp, write_plan_out=wp, **small_inputs())
+    assert plan_bytes(vp, wp) == before
+
+
+def test_torch_reference_refuses_outputs_that_share_memory():
+    vp, wp = sentinel_plans(6, 2)
+    vp = dataclasses.replace(vp, verify_expected_positions=vp.verify_slot_indices)
+    before = plan_bytes(vp, wp)
+    with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: .* overlaps .* in memory"):
+        sg.launch_canary_plan_kernels_torch_reference(verify_plan_out=vp, write_plan_out=wp, **small_inputs())
+    assert plan_bytes(vp, wp) == before
+
+
+def test_compat_allocate_on_a_missing_cuda_device_is_an_argument_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    for cls, key in ((sg.VerifyPlan, "verify_capacity"), (sg.WritePlan, "write_req_capacity"),
+                     (sg.VerifyOrWriteContext, "num_slots")):
+        with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: .*cannot be allocated on device='cuda'"):
+            cls.allocate(**{key: 4}, device="cuda")
+    with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: device='gpu' is not a torch device"):
+        sg.VerifyPlan.allocate(verify_capacity=4, device="gpu")
+
+
 def test_torch_reference_on_core_dtypes_matches_the_core():
     vp, wp = sentinel_plans(6, 2)
     sg.launch_canary_plan_kernels_torch_reference(verify_plan_out=vp, write_plan_out=wp, **small_inputs())

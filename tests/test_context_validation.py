@@ -99,7 +99,11 @@ def assert_untouched(ctx, before):
 class TestLaunchValidation:
     def test_five_sources(self, backend):
         src = kc.RealKvSource(np.zeros((64, 16), np.uint8), page_size=1, num_bytes_per_token=16, read_bytes=16)
-        ctx = context(real_kv_sources=(src,) * 5, real_kv_hash_mode=kc.RealKvHashMode.ALL)
+        with rejects("at most 4 RealKvSource"):
+            context(real_kv_sources=(src,) * 5, real_kv_hash_mode=kc.RealKvHashMode.ALL)
+        # A context built field by field (no allocate) is checked again at launch.
+        ctx = dataclasses.replace(context(real_kv_sources=(src,), real_kv_hash_mode=kc.RealKvHashMode.ALL),
+                                  real_kv_sources=(src,) * 5)
         before = snapshot(ctx)
         with rejects("at most 4 RealKvSource"):
             launch_all(ctx, backend)

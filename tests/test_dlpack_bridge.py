@@ -84,8 +84,8 @@ def test_export_of_a_numpy_array_to_torch_shares_memory():
     assert arr.tolist() == [0, 1, 9]
 
 
-def test_export_to_a_module_without_from_dlpack_is_a_type_error():
-    with pytest.raises(TypeError, match="from_dlpack"):
+def test_export_to_a_module_without_from_dlpack_is_a_kv_canary_error():
+    with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: to=.*has no from_dlpack"):
         export(np.zeros(1), object())
 
 
@@ -305,3 +305,22 @@ def test_plan_launch_mixing_two_gpus_names_both_and_writes_nothing():
     with pytest.raises(ValueError,
                        match=r"kv-canary: full_to_swa_index_mapping is on cuda:1 but req_pool_indices is on cuda:0"):
         kc.launch_canary_plan_kernels(**kwargs)
+
+
+def test_numpy_subclasses_that_change_indexing_or_hide_elements_are_refused():
+    values = np.arange(8, dtype=np.int64)
+    with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: prefix_lens must be a plain array, got "
+                                                     r"numpy\.ma\..*MaskedArray"):
+        as_array(np.ma.masked_array(values, mask=values % 2 == 0), "prefix_lens")
+    with pytest.warns(PendingDeprecationWarning):
+        matrix = np.asmatrix(values.reshape(2, 4).astype(np.int32))
+    with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: req_to_token must be a plain array"):
+        as_array(matrix, "req_to_token")
+
+
+def test_a_memmap_is_used_in_place_as_a_plain_array(tmp_path):
+    mapped = np.memmap(tmp_path / "pool.bin", dtype=np.int32, mode="w+", shape=(2, 4))
+    view = as_array(mapped, "pool_out", writable=True)
+    assert type(view) is np.ndarray and view.ctypes.data == mapped.ctypes.data
+    view[1, 2] = 7
+    assert mapped[1, 2] == 7

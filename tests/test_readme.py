@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-EXAMPLE = re.compile(r"```python\n(?P<code>.*?)```\n+prints\n+```text\n(?P<output>.*?)```", re.S)
+# The code may not cross a fence: a python block without "prints" must not swallow the next example.
+EXAMPLE = re.compile(r"```python\n(?P<code>(?:(?!```).)*?)```\n+prints\n+```text\n(?P<output>.*?)```", re.S)
 
 
 def examples() -> list[tuple[str, str]]:

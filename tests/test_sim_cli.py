@@ -44,6 +44,10 @@ def test_no_command_prints_help_and_fails(capsys):
     (["simulate", "--preset", "decode", "--inject", "swa-early-evict"], "needs an SWA group"),
     (["simulate", "--inject", "all", "--steps", "5", "--warmup", "4"], "no step is left to inject faults"),
     (["simulate", "--seed", "-3"], "the seed must be >= 0"),
+    (["simulate", "--requests", "1000000000"], "--requests must lie in [1, 100000]"),
+    (["simulate", "--steps", "1000000000"], "--steps must lie in [1, 100000]"),
+    (["simulate", "--inject", "kv-bitflip:1e-320"], "the rate must lie in [1e-06, 1]"),
+    (["simulate", "--ring-capacity", "99999999999"], "--ring-capacity must lie in [1, 16777216]"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["replay"], "the following arguments are required: FILE"),
 ])

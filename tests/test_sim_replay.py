@@ -105,3 +105,85 @@ def test_replay_under_address_sanitizer(dumps):
                            "--backend", "host", "--sanitize"], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "AddressSanitizer + UBSan" in done.stdout and "reproduced" in done.stdout
+
+
+def _forge(case, tmp_path, name="forged.npz", *, meta=None, **arrays):
+    """A copy of ``case`` with meta keys and arrays replaced (``None`` deletes an entry)."""
+    out = {k: v for k, v in case.arrays.items()}
+    for key, value in arrays.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    out["meta"] = np.array(json.dumps(meta if meta is not None else case.meta))
+    path = tmp_path / name
+    np.savez_compressed(path, **out)
+    return path
+
+
+def _meta(case, **changes):
+    meta = json.loads(json.dumps(case.meta))
+    for key, value in changes.items():
+        if value is None:
+            meta.pop(key)
+        else:
+            meta[key] = value
+    return meta
+
+
+@pytest.mark.parametrize(("forgery", "field"), [
+    (lambda c: {"meta": _meta(c, ring_capacity=None)}, "meta.ring_capacity is missing"),
+    (lambda c: {"meta": _meta(c, ring_capacity="64")}, "meta.ring_capacity must be int"),
+    (lambda c: {"meta": _meta(c, ring_capacity=1 << 40)}, "meta.ring_capacity must lie in"),
+    (lambda c: {"meta": _meta(c, op="erase")}, "meta.op must be 'verify' or 'write'"),
+    (lambda c: {"meta": _meta(c, real_kv_hash_mode=7)}, "meta.real_kv_hash_mode must be one of"),
+    (lambda c: {"meta": _meta(c, tag=True)}, "meta.tag must be int"),
+    (lambda c: {"meta": _meta(c, sources=[{"page_size": 1}] * len(c.meta["sources"]) or [{"page_size": 1}])},
+     "meta.sources[0]."),
+    (lambda c: {"canary_buf": c.arrays["canary_buf"].astype(np.float64)}, "entry 'canary_buf' must be a 2-D uint8"),
+    (lambda c: {"canary_buf": c.arrays["canary_buf"][:, :24].copy()}, "entry 'canary_buf' must be [slots"),
+    (lambda c: {"expected_rows": c.arrays["expected_rows"][:, :7].copy()}, "entry 'expected_rows' must have shape"),
+    (lambda c: {"plan_slots": None}, "entry 'plan_slots' is missing"),
+    (lambda c: {"plan_prev_slots": c.arrays["plan_prev_slots"][:-1].copy()}, "entry 'plan_prev_slots' must have"),
+    (lambda c: {"plan_num_valid": c.arrays["plan_num_valid"].astype(np.int64)}, "entry 'plan_num_valid' must be"),
+])
+def test_replay_refuses_malformed_dumps_naming_file_and_field(dumps, tmp_path, capsys, forgery, field):
+    case = load_case(dumps["kv-bitflip"])  # a TAIL verify: real-KV sources, plan inputs
+    assert case.meta["op"] == "verify"
+    path = _forge(case, tmp_path, **forgery(case))
+    with pytest.raises(ValueError, match=r"forged\.npz: ") as excinfo:
+        load_case(path)
+    assert field in str(excinfo.value)
+    assert main(["replay", str(path), "--backend", "numpy"]) == 2
+    err = capsys.readouterr().err
+    assert "forged.npz" in err and field in err and "Traceback" not in err and "internal error" not in err
+
+
+def test_replay_refuses_a_malformed_write_dump(dumps, tmp_path):
+    case = load_case(dumps["wrong-token"])
+    if case.meta["op"] != "write":
+        pytest.skip("this seed's first wrong-token detection was a verify")
+    path = _forge(case, tmp_path, positions=case.arrays["positions"][:-1].copy())
+    with pytest.raises(ValueError, match=r"forged\.npz: entry 'positions' must have shape"):
+        load_case(path)
+
+
+def test_replay_refuses_meta_that_is_not_json(dumps, tmp_path):
+    case = load_case(dumps["kv-bitflip"])
+    arrays = dict(case.arrays, meta=np.array("{not json"))
+    np.savez(tmp_path / "bad.npz", **arrays)
+    with pytest.raises(ValueError, match=r"bad\.npz: entry 'meta' is not JSON"):
+        load_case(tmp_path / "bad.npz")
+    np.savez(tmp_path / "list.npz", **dict(case.arrays, meta=np.array("[1, 2]")))
+    with pytest.raises(ValueError, match=r"list\.npz: entry 'meta' must be a JSON object"):
+        load_case(tmp_path / "list.npz")
+
+
+def test_replay_refuses_a_member_that_unpacks_too_large(dumps, tmp_path, monkeypatch):
+    import kvcanary_cupy.sim.replay as replay
+
+    case = load_case(dumps["kv-bitflip"])
+    path = _forge(case, tmp_path, padding=np.zeros(1 << 20, np.uint8))  # compresses to about a kilobyte
+    monkeypatch.setattr(replay, "MAX_MEMBER_BYTES", 1 << 19)
+    with pytest.raises(ValueError, match=r"forged\.npz: .*entry 'padding' unpacks to \d+ bytes"):
+        load_case(path)

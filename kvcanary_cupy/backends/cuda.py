@@ -84,6 +84,8 @@ def _gpu_shape() -> LaunchShape:
         write_block=64,
         scatter_grid_max=65535,
         scatter_block=256,
+        transfer_grid_max=sms * 4,
+        transfer_block=256,
     )
 
 

@@ -24,6 +24,8 @@ HOST_SHAPE = LaunchShape(
     write_block=32,
     scatter_grid_max=8,
     scatter_block=64,
+    transfer_grid_max=4,
+    transfer_block=64,
 )
 
 

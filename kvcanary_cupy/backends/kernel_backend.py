@@ -20,7 +20,7 @@ import numpy as np
 
 from ..constants import MAX_REAL_KV_SOURCES
 
-KERNEL_FILES = ("plan.cu", "verify.cu", "write.cu", "scatter.cu")
+KERNEL_FILES = ("plan.cu", "verify.cu", "write.cu", "scatter.cu", "transfer.cu")
 _I64, _I32 = np.int64, np.int32
 
 
@@ -62,6 +62,8 @@ class LaunchShape:
     write_block: int  # multiple of 32
     scatter_grid_max: int  # requests per launch along x (grid-strided beyond)
     scatter_block: int
+    transfer_grid_max: int = 64  # record gather/scatter: min(n, grid_max * block) threads, grid-strided
+    transfer_block: int = 256
 
 
 def _real_kv_args(ctx: Any) -> tuple[Any, ...]:
@@ -92,7 +94,7 @@ def _paged_args(paged: Any) -> tuple[Any, ...]:
 
 
 class KernelBackend:
-    """Plan / write / verify / scatter as kernel launches on modules from ``load_module(file)``.
+    """Plan / write / verify / scatter / record transfer as kernel launches on modules from ``load_module(file)``.
 
     ``null`` is what an absent pointer argument (``None`` below) becomes: CuPy turns ``None`` into a null
     *parameter* pointer rather than a null argument, so the CUDA backend passes an explicit 8-byte zero; the
@@ -196,4 +198,26 @@ class KernelBackend:
             grid, (block,),
             (launch.flat_in, _I64(total), launch.offsets, launch.req_pool_indices, _I64(bs), launch.pool_out,
              _I64(rows), _I64(width), launch.status),
+        )
+
+    def _transfer_grid(self, n: int) -> tuple[int, int]:
+        block = self.shape.transfer_block
+        return max(1, min(-(-n // block), self.shape.transfer_grid_max)), block
+
+    def gather_records(self, launch: Any) -> None:
+        n = launch.count
+        grid, block = self._transfer_grid(n)
+        self.function("transfer.cu", "kvc_gather_records")(
+            (grid,), (block,),
+            (launch.canary, _I64(launch.canary.shape[0]), _I64(launch.canary.shape[1]), launch.slots, _I64(n),
+             launch.records, launch.status),
+        )
+
+    def scatter_records(self, launch: Any) -> None:
+        n = launch.count
+        grid, block = self._transfer_grid(n)
+        self.function("transfer.cu", "kvc_scatter_records")(
+            (grid,), (block,),
+            (launch.records, _I64(n), launch.slots, launch.canary, _I64(launch.canary.shape[0]),
+             _I64(launch.canary.shape[1]), launch.status),
         )

@@ -114,9 +114,14 @@ def verify_reference(launch: Any, on_invalid: str) -> None:
     ctx.status[0] |= status
 
 
+# Requests are processed in chunks of about this many entries or more (never fewer than the token count):
+# overlapping token ranges (offsets such as [0, T, 0, T, ...]) make the entry count the sum of all ranges,
+# and the reference must stay within memory proportional to its buffers whatever the device values.
+_MIN_CHUNK_ENTRIES = 1 << 16
+
+
 def write_reference(launch: Any, on_invalid: str) -> None:
     ctx = launch.context
-    fields = ctx.canary
     num_slots = ctx.num_slots
     num_tokens = int(launch.input_ids.shape[0])
     active = min(max(int(launch.write_num_valid_reqs[0]), 0), launch.write_req_capacity)
@@ -125,21 +130,25 @@ def write_reference(launch: Any, on_invalid: str) -> None:
     has_entries = hi > lo  # compared, never subtracted: garbage offsets must not overflow
     range_bad = has_entries & ((lo < 0) | (hi > num_tokens))
     reqs = np.flatnonzero(has_entries & ~range_bad)
+    req_lo, req_hi = lo[reqs], hi[reqs]
     seeds = launch.write_seed_slot_indices[reqs]
     seed_outside = seeds >= num_slots
-
-    counts = hi[reqs] - lo[reqs]
-    entry_req = np.repeat(np.arange(reqs.shape[0]), counts)  # index into reqs
-    first_entry = np.zeros(reqs.shape[0] + 1, np.int64)
-    np.cumsum(counts, out=first_entry[1:])
-    flat = np.arange(first_entry[-1], dtype=np.int64) - np.repeat(first_entry[:-1] - lo[reqs], counts)
-    slot = launch.out_cache_loc[flat]
-    slot_outside = slot >= num_slots
+    counts = req_hi - req_lo
+    ends = np.cumsum(counts)
+    limit = max(num_tokens, reqs.shape[0], _MIN_CHUNK_ENTRIES)
+    if reqs.shape[0] == 0 or ends[-1] <= limit:  # one pass: the entries are small enough to list
+        entries = _entries(launch, req_lo, req_hi)
+        outside = entries[0][entries[2] >= num_slots]  # token indices of out-of-range slots
+    else:  # overlapping ranges: the tokens some request reads, found without listing the entries
+        edges = np.bincount(req_lo, minlength=num_tokens + 1) - np.bincount(req_hi, minlength=num_tokens + 1)
+        covered = np.cumsum(edges[:num_tokens]) > 0
+        outside = np.flatnonzero(covered & (launch.out_cache_loc >= num_slots))
+        entries = None
 
     status = 0
     if range_bad.any():
         status |= int(CanaryStatus.TOKEN_RANGE_OUT_OF_BOUNDS)
-    if seed_outside.any() or slot_outside.any():
+    if seed_outside.any() or outside.size:
         status |= int(CanaryStatus.SLOT_OUT_OF_RANGE)
     if status and on_invalid == "raise":
         if range_bad.any():
@@ -150,23 +159,53 @@ def write_reference(launch: Any, on_invalid: str) -> None:
             r = int(reqs[np.argmax(seed_outside)])
             fail(f"plan.write_seed_slot_indices[{r}]={int(launch.write_seed_slot_indices[r])} is outside "
                  f"canary_buf's {num_slots} slots")
-        i = int(flat[np.argmax(slot_outside)])
+        i = int(outside[0])
         fail(f"out_cache_loc[{i}]={int(launch.out_cache_loc[i])} is outside canary_buf's {num_slots} slots")
 
-    # Chain seeds: an out-of-range seed is treated as a chain head (anchor, no position check).
+    # Nothing raises from here on. An out-of-range seed is treated as a chain head (anchor, no position check).
     seeds = np.where(seed_outside, -1, seeds)
-    running = chain_hash(fields, seeds)
-    chain_check = (seeds >= 0) & (int(ctx.chain_assert[0]) != 0)
-    seed_pos = fields[np.maximum(seeds, 0), 1]
+    if entries is not None:
+        written = _write_requests(launch, entries, seeds)
+    else:
+        written = 0
+        first = 0
+        while first < reqs.shape[0]:
+            stop = max(int(np.searchsorted(ends, ends[first] - counts[first] + limit, side="right")), first + 1)
+            entries = _entries(launch, req_lo[first:stop], req_hi[first:stop])
+            written += _write_requests(launch, entries, seeds[first:stop])
+            first = stop
+    ctx.kernel_run_counter[0] += 1
+    ctx.slot_run_counter[0] += written
+    ctx.status[0] |= status
 
-    live = (slot >= 0) & ~slot_outside
-    live_idx = np.flatnonzero(live)
+
+def _entries(launch: Any, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(token index, request, slot) of every entry of requests with token ranges ``[lo, hi)``, in order."""
+    counts = hi - lo
+    entry_req = np.repeat(np.arange(lo.shape[0]), counts)
+    first_entry = np.zeros(lo.shape[0] + 1, np.int64)
+    np.cumsum(counts, out=first_entry[1:])
+    flat = np.arange(first_entry[-1], dtype=np.int64) - np.repeat(first_entry[:-1] - lo, counts)
+    return flat, entry_req, launch.out_cache_loc[flat]
+
+
+def _write_requests(launch: Any, entries: tuple[np.ndarray, np.ndarray, np.ndarray], seeds: np.ndarray) -> int:
+    """Write consecutive requests (their ``entries`` from :func:`_entries`, in-range ``seeds``) in batch order,
+    as SGLang's reference does: a request whose seed slot an earlier request of the launch wrote seeds from
+    that write. Appends the violation rows; returns the number of entries written."""
+    ctx = launch.context
+    fields = ctx.canary
+    num_slots = ctx.num_slots
+    flat, entry_req, slot = entries
+    live_idx = np.flatnonzero((slot >= 0) & (slot < num_slots))
     i = flat[live_idx]
     req = entry_req[live_idx]
     s = slot[live_idx]
     token = launch.input_ids[i]
     pos = launch.positions[i]
     n = live_idx.shape[0]
+    if n == 0:
+        return 0
 
     # Rank of each live entry among its request's live entries; live entries of one request are adjacent.
     new_req = np.ones(n, bool)
@@ -174,15 +213,34 @@ def write_reference(launch: Any, on_invalid: str) -> None:
     starts = np.flatnonzero(new_req)
     rank = np.arange(n, dtype=np.int64) - np.repeat(starts, np.diff(np.append(starts, n)))
 
-    # The serial part: the running hash before each live entry, all requests advancing together.
+    by_slot = np.argsort(s, kind="stable")  # entries of one slot stay in batch order
+    s_sorted = s[by_slot]
+    dependencies = _seed_dependencies(seeds, s_sorted, req[by_slot], by_slot)
+
+    # The serial part: the running hash before each live entry, all requests advancing together, one
+    # vector step per rank. A request that seeds from an earlier request's write in this launch (a double
+    # allocation; nearly never) waits for that request: requests run in levels, level 0 seeding from the
+    # canary as it was, level L + 1 from the writes of level L.
+    running = chain_hash(fields, seeds)
+    seed_pos = fields[np.maximum(seeds, 0), 1]
     prev_hash = np.empty(n, np.uint64)
-    order = np.argsort(rank, kind="stable")
-    step_bounds = np.searchsorted(rank[order], np.arange(int(rank.max()) + 2 if n else 1))
-    for step in range(step_bounds.shape[0] - 1):
-        sel = order[step_bounds[step]:step_bounds[step + 1]]
-        rows = req[sel]
-        prev_hash[sel] = running[rows]
-        running[rows] = mix3(running[rows], token[sel].view(np.uint64), pos[sel].view(np.uint64))
+    if dependencies is None:
+        _advance(np.argsort(rank, kind="stable"), rank, req, token, pos, running, prev_hash)
+    else:
+        level, dependency = dependencies
+        entry_level = level[req]
+        order = np.lexsort((rank, entry_level))
+        level_bounds = np.searchsorted(entry_level[order], np.arange(int(level.max()) + 2))
+        req_order = np.argsort(level, kind="stable")
+        req_bounds = np.searchsorted(level[req_order], np.arange(int(level.max()) + 2))
+        for lvl in range(level_bounds.shape[0] - 1):
+            if lvl:
+                waiting = req_order[req_bounds[lvl]:req_bounds[lvl + 1]]
+                source = dependency[waiting]  # the entry that last wrote the seed slot before the request
+                running[waiting] = mix3(prev_hash[source], token[source].view(np.uint64),
+                                        pos[source].view(np.uint64))
+                seed_pos[waiting] = pos[source]
+            _advance(order[level_bounds[lvl]:level_bounds[lvl + 1]], rank, req, token, pos, running, prev_hash)
     prev_hash_i64 = prev_hash.view(np.int64)
 
     rkv = fold_real_kv(s, ctx.sources, ctx.mode).view(np.int64)
@@ -198,7 +256,8 @@ def write_reference(launch: Any, on_invalid: str) -> None:
         keys.append(2 * bad)
         blocks.append(_rows([ctx.kernel_kind, s[bad], pos[bad], token[bad], expected_token[bad],
                              prev_hash_i64[bad], expected_pos[bad], bits[bad]], bad.shape[0]))
-    if n and chain_check.any():
+    chain_check = (seeds >= 0) & (int(ctx.chain_assert[0]) != 0)
+    if chain_check.any():
         before = np.empty(n, np.int64)
         before[1:] = pos[:-1]
         before[new_req] = seed_pos[req[new_req]]
@@ -213,14 +272,57 @@ def write_reference(launch: Any, on_invalid: str) -> None:
     else:
         rows = np.empty((0, 8), np.int64)
 
+    # A slot written twice keeps its last write (batch order); NumPy does not promise which of two
+    # assignments to one element of a fancy index wins, so only the last of each slot is assigned.
+    last = np.ones(n, bool)
+    last[:-1] = s_sorted[1:] != s_sorted[:-1]
+    if not last.all():
+        keep = by_slot[last]
+        s, token, pos, prev_hash_i64, rkv = s[keep], token[keep], pos[keep], prev_hash_i64[keep], rkv[keep]
     fields[s, 0] = token
     fields[s, 1] = pos
     fields[s, 2] = prev_hash_i64
     fields[s, 3] = rkv
-    ctx.kernel_run_counter[0] += 1
-    ctx.slot_run_counter[0] += n
     append_violations(ctx, rows)
-    ctx.status[0] |= status
+    return n
+
+
+def _advance(entries: np.ndarray, rank: np.ndarray, req: np.ndarray, token: np.ndarray, pos: np.ndarray,
+             running: np.ndarray, prev_hash: np.ndarray) -> None:
+    """Chain ``entries`` (sorted by rank) forward: ``prev_hash`` of each entry, ``running`` per request."""
+    if entries.size == 0:
+        return
+    step_bounds = np.searchsorted(rank[entries], np.arange(int(rank[entries[-1]]) + 2))
+    for step in range(step_bounds.shape[0] - 1):
+        sel = entries[step_bounds[step]:step_bounds[step + 1]]
+        r = req[sel]
+        prev_hash[sel] = running[r]
+        running[r] = mix3(running[r], token[sel].view(np.uint64), pos[sel].view(np.uint64))
+
+
+def _seed_dependencies(seeds: np.ndarray, s_sorted: np.ndarray, req_sorted: np.ndarray,
+                       by_slot: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """For requests in batch order: ``level`` (0 when no earlier request of the launch writes the request's
+    seed slot, else one more than the level of the last request that does) and ``dependency`` (that last
+    write's entry index, -1 at level 0); None when every request is at level 0. ``s_sorted`` and
+    ``req_sorted`` are the written slots and their requests sorted by slot, batch order kept within a slot;
+    ``by_slot`` maps them back to entry indices."""
+    nreq = seeds.shape[0]
+    at = np.searchsorted(s_sorted, seeds)
+    probe = np.minimum(at, s_sorted.shape[0] - 1)
+    # The first write of a slot is by its earliest writer: the seed is written earlier iff that one precedes.
+    earlier = (seeds >= 0) & (s_sorted[probe] == seeds) & (req_sorted[probe] < np.arange(nreq))
+    if not earlier.any():
+        return None
+    level = np.zeros(nreq, np.int64)
+    dependency = np.full(nreq, -1, np.int64)
+    for q in np.flatnonzero(earlier).tolist():  # rare: a double allocation, or a hostile plan
+        first = int(at[q])
+        stop = int(np.searchsorted(s_sorted, seeds[q], side="right"))
+        j = first + int(np.searchsorted(req_sorted[first:stop], q)) - 1  # the last write before request q
+        dependency[q] = by_slot[j]
+        level[q] = level[req_sorted[j]] + 1
+    return level, dependency
 
 
 def scatter_reference(launch: Any, on_invalid: str) -> None:
@@ -238,11 +340,28 @@ def scatter_reference(launch: Any, on_invalid: str) -> None:
              f"{int(end[r])}) lies outside pool_out {tuple(pool.shape)} or flat_in ({total} tokens)")
     good = np.flatnonzero(nonempty & ~bad)
     n = np.minimum(end[good] - start[good], width)
+    # Requests sharing a row overwrite each other in batch order: a request keeps only the columns no later
+    # request of its row rewrites, [max n of the later ones, n). The copy then touches each pool element at
+    # most once, so it stays within the pool's size whatever the offsets (they may overlap or repeat).
+    order = np.lexsort((-good, rp[good]))  # by row, later requests first
+    row_sorted = rp[good][order]
+    # Running max of n within each row, as one maximum.accumulate: rows are made disjoint by adding
+    # row * (width + 1), which stays below the pool's element count plus its row count.
+    key = row_sorted * (width + 1) + n[order]
+    later_max = np.empty_like(key)
+    if key.shape[0]:
+        later_max[0] = row_sorted[0] * (width + 1)
+        np.maximum.accumulate(key[:-1], out=later_max[1:])
+        later_max[1:] = np.maximum(later_max[1:], row_sorted[1:] * (width + 1))
+    kept_from = np.empty_like(n)
+    kept_from[order] = later_max - row_sorted * (width + 1)
+    begin = np.minimum(kept_from, n)
+    keep = n - begin
     first = np.zeros(good.shape[0] + 1, np.int64)
-    np.cumsum(n, out=first[1:])
-    within = np.arange(first[-1], dtype=np.int64) - np.repeat(first[:-1], n)
-    dest = np.repeat(rp[good] * width, n) + within
-    src = np.repeat(start[good], n) + within
+    np.cumsum(keep, out=first[1:])
+    within = np.arange(first[-1], dtype=np.int64) - np.repeat(first[:-1] - begin, keep)
+    dest = np.repeat(rp[good] * width, keep) + within
+    src = np.repeat(start[good], keep) + within
     # int64 -> int32 two's-complement truncation, spelled out so it never depends on cast rules.
     pool.reshape(-1)[dest] = (launch.flat_in[src] & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
     if bad.any() and launch.status is not None:

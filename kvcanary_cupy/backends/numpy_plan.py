@@ -90,10 +90,11 @@ def compute_plan(launch) -> _PlanResult:
 
     needs_seed = active & (extend > 0) & (prefix > 0)
     if launch.paged is not None:
-        seeds = numpy_paged.seeds(launch, needs_seed, flag)
-        entries = None
         if total <= capacity:
-            entries = numpy_paged.entries(launch, counts, window_start, verify_offsets, flag)
+            seeds, entries = numpy_paged.seeds_and_entries(launch, needs_seed, counts, window_start, verify_offsets,
+                                                           flag)
+        else:
+            seeds, entries = numpy_paged.seeds(launch, needs_seed, flag), None
     else:
         seeds, entries = _token_seeds_and_entries(launch, needs_seed, counts, window_start, verify_offsets,
                                                   flag)

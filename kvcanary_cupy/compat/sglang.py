@@ -34,7 +34,8 @@ import numpy as np
 
 from .. import context as _context
 from .. import plan as _plan
-from .._errors import fail
+from .._errors import CanaryArgumentError, fail
+from .._validate import bool_arg, int_arg
 from ..constants import (
     CANARY_SLOT_BYTES,
     MAX_REAL_KV_SOURCES,
@@ -80,7 +81,23 @@ def _positive(value: Any, name: str) -> int:
         fail(f"{name} must be an int, got {type(value).__name__}")
     if int(value) <= 0:
         fail(f"{name} must be positive, got {int(value)}")
-    return int(value)
+    return int_arg(value, name)
+
+
+def _device(device: Any) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        fail(f"device={device!r} is not a torch device ({exc})")
+
+
+def _allocating(what: str, device: torch.device, build: Any) -> Any:
+    """Run ``build()``; torch's refusals (a CUDA device in a CPU build, sizes beyond memory) become
+    argument errors naming ``device``."""
+    try:
+        return build()
+    except (RuntimeError, AssertionError, MemoryError, ValueError) as exc:
+        fail(f"{what} cannot be allocated on device={str(device)!r} ({type(exc).__name__}: {exc})")
 
 
 def _is_cuda(obj: Any) -> bool:
@@ -106,8 +123,7 @@ def _zeros_next_to(template: Any, length: int, dtype: torch.dtype, name: str) ->
         fail(f"{name} is required")
     if isinstance(template, np.ndarray):
         return np.zeros(length, dtype=str(dtype).removeprefix("torch."))
-    device = template.device if isinstance(template, torch.Tensor) else torch.from_dlpack(template).device
-    return torch.zeros(length, dtype=dtype, device=device)
+    return torch.zeros(length, dtype=dtype, device=_tensor(template, name).device)
 
 
 def _fill(arr: Any, value: int) -> None:
@@ -143,8 +159,8 @@ class VerifyPlan(_plan.VerifyPlan):
         """torch tensors on ``device``: entries and ``verify_num_valid`` uninitialised, ``enable`` = 1,
         ``status`` = 0 (as SGLang allocated them, plus ``status``)."""
         capacity = _positive(verify_capacity, "VerifyPlan verify_capacity")
-        device = torch.device(device)
-        return cls(
+        device = _device(device)
+        return _allocating("VerifyPlan", device, lambda: cls(
             verify_slot_indices=torch.empty(capacity, dtype=torch.int64, device=device),
             verify_expected_tokens=torch.empty(capacity, dtype=torch.int64, device=device),
             verify_expected_positions=torch.empty(capacity, dtype=torch.int64, device=device),
@@ -152,7 +168,7 @@ class VerifyPlan(_plan.VerifyPlan):
             verify_num_valid=torch.empty(1, dtype=torch.int32, device=device),
             enable=torch.ones(1, dtype=torch.int32, device=device),
             status=torch.zeros(1, dtype=torch.int32, device=device),
-        )
+        ))
 
     def zero_for_testing_(self) -> VerifyPlan:
         """Reset for plan-kernel tests, as SGLang's helper did (expected tokens to the -1 "skip" sentinel)."""
@@ -183,13 +199,13 @@ class WritePlan(_plan.WritePlan):
     def allocate(cls, *, write_req_capacity: int, device: torch.device | str = "cpu") -> WritePlan:
         """torch tensors on ``device``, uninitialised like SGLang's; the scratch is zeroed."""
         capacity = _positive(write_req_capacity, "WritePlan write_req_capacity")
-        device = torch.device(device)
-        return cls(
+        device = _device(device)
+        return _allocating("WritePlan", device, lambda: cls(
             write_offsets=torch.empty(capacity + 1, dtype=torch.int64, device=device),
             write_seed_slot_indices=torch.empty(capacity, dtype=torch.int64, device=device),
             write_num_valid_reqs=torch.empty(1, dtype=torch.int32, device=device),
             verify_offsets=torch.zeros(capacity + 1, dtype=torch.int64, device=device),
-        )
+        ))
 
     def zero_for_testing_(self) -> WritePlan:
         """Reset for plan-kernel tests, as SGLang's helper did."""
@@ -229,24 +245,27 @@ class VerifyOrWriteContext(_context.VerifyOrWriteContext):
         stride = _positive(slot_stride_bytes, "slot_stride_bytes")
         if stride < CANARY_SLOT_BYTES or stride % 8:
             fail(f"slot_stride_bytes must be a multiple of 8 and >= {CANARY_SLOT_BYTES}, got {stride}")
-        device = torch.device(device)
+        kind = int_arg(kernel_kind, "kernel_kind")
+        mode = _context.real_kv_mode_arg(real_kv_hash_mode, "real_kv_hash_mode")
+        sources = _context.real_kv_sources_arg(real_kv_sources, "real_kv_sources")
+        chain_assert = bool_arg(enable_chain_position_assert, "enable_chain_position_assert")
+        device = _device(device)
 
         def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
-        return cls(
+        return _allocating("VerifyOrWriteContext", device, lambda: cls(
             canary_buf=zeros(slots, stride, dtype=torch.uint8),
-            kernel_kind=int(kernel_kind),
+            kernel_kind=kind,
             violation_ring=zeros(capacity, VIOLATION_FIELDS, dtype=torch.int64),
             violation_write_index=zeros(1, dtype=torch.int32),
             slot_run_counter=zeros(1, dtype=torch.int64),
             kernel_run_counter=zeros(1, dtype=torch.int64),
-            real_kv_sources=tuple(real_kv_sources),
-            real_kv_hash_mode=RealKvHashMode(real_kv_hash_mode),
-            enable_chain_position_assert=torch.full((1,), int(bool(enable_chain_position_assert)),
-                                                    dtype=torch.int32, device=device),
+            real_kv_sources=sources,
+            real_kv_hash_mode=mode,
+            enable_chain_position_assert=torch.full((1,), int(chain_assert), dtype=torch.int32, device=device),
             status=zeros(1, dtype=torch.int32),
-        )
+        ))
 
 
 # --- launchers -------------------------------------------------------------------------------------------
@@ -312,7 +331,7 @@ def launch_canary_plan_kernels_torch_reference(
     _refuse_capture(_TORCH_REFERENCE)
     # SGLang's own words; the core launcher would name itself instead.
     if req_to_verify_expected_tokens is not None and req_to_verify_expected_tokens_valid_lens is None:
-        raise ValueError(
+        raise CanaryArgumentError(
             "kv-canary: launch_canary_plan_kernels_torch_reference requires "
             "req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set"
         )
@@ -348,6 +367,11 @@ def launch_canary_plan_kernels_torch_reference(
     write_fields = host_plan(write_plan_out, "write_plan_out", {
         "write_offsets": i64, "write_seed_slot_indices": i64, "write_num_valid_reqs": i32,
         "verify_offsets": i64})
+    # The results are copied back field by field at the end: every copy must be able to succeed, or a
+    # call would write some fields and then raise.
+    _check_copy_targets([(f"{p}.{f.name}", getattr(plan, f.name)) for p, plan in
+                         (("verify_plan_out", verify_plan_out), ("write_plan_out", write_plan_out))
+                         for f in dataclasses.fields(plan)])
 
     _plan.launch_canary_plan_kernels(
         verify_plan_out=_plan.VerifyPlan(**verify_fields),
@@ -369,6 +393,38 @@ def launch_canary_plan_kernels_torch_reference(
     for target, host in targets:
         if host is not target:  # converted or moved: write the result back where the caller keeps it
             target.copy_(host)
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
+    if t.numel() == 0:
+        return None
+    reach = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr(), t.data_ptr() + (reach + 1) * t.element_size()
+
+
+def _check_copy_targets(named: list[tuple[str, Any]]) -> None:
+    """Each output tensor must hold every element in its own memory (no stride-0 or self-overlapping view)
+    and share none with another output."""
+    spans = []
+    for name, obj in named:
+        t = _tensor(obj, name, writable=True)
+        dims = sorted((st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1)
+        extent = 1
+        for stride, size in dims:
+            if stride < extent:
+                fail(f"{name} has elements sharing memory (shape {tuple(t.shape)}, strides {t.stride()}, e.g. "
+                     "an expand()ed tensor); an output needs one memory location per element")
+            extent = stride * size
+        span = _byte_span(t)
+        if span is not None:
+            spans.append((*span, t.device, name))
+    spans.sort(key=lambda item: (str(item[2]), item[0]))
+    reach: tuple[Any, int, str] | None = None  # (device, furthest end so far, its owner)
+    for lo, hi, dev, name in spans:
+        if reach is not None and reach[0] == dev and lo < reach[1]:
+            fail(f"{name} overlaps {reach[2]} in memory; outputs of one launch must not share memory")
+        if reach is None or reach[0] != dev or hi > reach[1]:
+            reach = (dev, hi, name)
 
 
 def _host_layout(layout: Any, wide: Any, narrow: Any) -> Any:

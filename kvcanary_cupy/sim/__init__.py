@@ -13,7 +13,9 @@ cache), :mod:`.kvstore` (real KV), :mod:`.requests` (requests and batches), :mod
 req_to_token, SWA, EAGLE draft), :mod:`.faults` (one injector per fault kind, attribution), :mod:`.config`
 (presets and options), :mod:`.runner` (the step loop; the canary is installed through
 :mod:`kvcanary_cupy.runtime`, like in any engine), :mod:`.report` (JSON schema, terminal table, HTML) and
-:mod:`.replay` (dumping a failing launch and running it again on another backend).
+:mod:`.replay` (dumping a failing launch and running it again on another backend). :mod:`.disagg` runs
+prefill and decode in separate processes and checks the KV transfers between them (``kvcanary simulate
+--disaggregated``).
 """
 
 from __future__ import annotations

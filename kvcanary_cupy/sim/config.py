@@ -12,6 +12,8 @@ from ..backends import BACKEND_NAMES, available_backends, unavailable_reason
 from .faults import FAULT_KINDS
 from .workload import WorkloadShape
 
+LAYOUTS = ("token", "block", "csr")
+
 # ---- presets -----------------------------------------------------------------------------------------------
 
 
@@ -56,6 +58,12 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+MAX_STEPS = 100_000
+MAX_REQUESTS = 100_000
+MAX_RING_CAPACITY = 1 << 24
+MIN_RATE = 1e-6
+
+
 @dataclass(frozen=True)
 class SimConfig:
     """Everything a run depends on; the report is a deterministic function of it (timings aside)."""
@@ -74,6 +82,7 @@ class SimConfig:
     ring_capacity: int = 16384  # per canary group
     dump_dir: str | None = None
     canary_mode: str = "log"  # the runtime's mode: "log" (attribute every row) or "raise" (stop at the first)
+    layout: str = "token"  # the slot layout the plan reads: token (req_to_token), block (block table), csr
 
     @property
     def cooldown(self) -> int:
@@ -83,18 +92,25 @@ class SimConfig:
         """Raise ValueError with a message naming the option for anything that cannot run."""
         if self.preset not in PRESETS:
             raise ValueError(f"--preset {self.preset!r} is unknown; choose from {', '.join(PRESETS)}")
-        if self.steps < 1:
-            raise ValueError(f"--steps must be >= 1, got {self.steps}")
-        if self.requests < 1:
-            raise ValueError(f"--requests must be >= 1, got {self.requests}")
+        # Upper limits: far above any useful run, and below what would exhaust memory or run for days.
+        if not 1 <= self.steps <= MAX_STEPS:
+            raise ValueError(f"--steps must lie in [1, {MAX_STEPS}], got {self.steps}")
+        if not 1 <= self.requests <= MAX_REQUESTS:
+            raise ValueError(f"--requests must lie in [1, {MAX_REQUESTS}], got {self.requests}")
+        for kind, rate in self.inject.items():
+            if not MIN_RATE <= rate <= 1:  # NaN fails too
+                raise ValueError(f"--inject {kind}:{rate}: the rate must lie in [{MIN_RATE}, 1] (expected "
+                                 "injections per step)")
         if self.sweep_interval < 0:
             raise ValueError(f"--sweep-interval must be >= 0 (0 disables the sweep), got {self.sweep_interval}")
         if self.real_kv_hash not in ("all", "partial"):
             raise ValueError(f"--real-kv-hash must be 'all' or 'partial', got {self.real_kv_hash!r}")
         if self.warmup_steps < 0 or self.cooldown < 0:
             raise ValueError("--warmup and --cooldown must be >= 0")
-        if self.ring_capacity < 1:
-            raise ValueError(f"--ring-capacity must be >= 1, got {self.ring_capacity}")
+        if not 1 <= self.ring_capacity <= MAX_RING_CAPACITY:
+            raise ValueError(f"--ring-capacity must lie in [1, {MAX_RING_CAPACITY}], got {self.ring_capacity}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"--layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         if self.canary_mode not in ("log", "raise"):
             raise ValueError(f"canary_mode must be 'log' or 'raise', got {self.canary_mode!r}")
         if self.backend not in ("auto", *BACKEND_NAMES):

@@ -10,6 +10,12 @@ What it models (each piece is what the canary is meant to watch):
 * **req_to_token** — ``int32 [max_reqs, max_seq_len]``; row 0 is the padding row. Rows are recycled when requests
   finish and are never cleared, so the stale tail of the previous owner stays behind (the plan only reads
   positions below the prefix).
+* **slot layout** — what the plan reads: ``req_to_token`` itself ("token", SGLang), or, rebuilt on the device
+  before every plan from the requests' rows of it, a batch-row block table ("block", vLLM's persistent batch) or
+  CSR page lists in batch order ("csr", FlashInfer). Slots are allocated per token, so blocks and pages hold one
+  token (page size 1, as in SGLang's FlashInfer backend); corrupting a request's table entry reaches every
+  layout. The two batch-row layouts have no request rows: the expected-token pool is indexed by batch row (every
+  request's history is scattered into its row each step) and padding rows have zero lengths, as in vLLM.
 * **prefix cache** — :class:`RadixTree`, radix-style: a finished request donates its token sequence and slots;
   later requests whose prompt starts the same way reuse the donor's slots (their chain hashes are identical
   because the chain covers content only). With EAGLE the keys are token bigrams, as in SGLang, so that the
@@ -44,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from ..layouts import BlockTable, PageList
 from .allocator import SlotAllocator
 from .kvstore import KvStore
 from .radix import RadixTree
@@ -68,6 +75,7 @@ class EngineConfig:
     swa_slots: int = 0
     eagle: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+    layout: str = "token"  # the plan's slot layout: token, block or csr
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -78,12 +86,17 @@ class EngineConfig:
         fits = [b for b in self.cuda_graph_batch_sizes if b >= self.max_running]
         return max(self.max_running, min(fits) if fits else self.max_running)
 
+    @property
+    def max_batch_rows(self) -> int:
+        """Rows of the largest batch the canary is sized for (and of the batch-row layouts)."""
+        return max(self.max_reqs, self.max_padded_batch)
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "num_slots": self.num_slots, "max_reqs": self.max_reqs, "max_seq_len": self.max_seq_len,
             "max_running": self.max_running, "chunk_size": self.chunk_size, "page_size": self.page_size,
             "kv_bytes_per_token": self.kv_bytes_per_token, "num_layers": self.num_layers, "with_v": self.with_v,
-            "swa_window": self.swa_window, "swa_slots": self.swa_slots, "eagle": self.eagle,
+            "swa_window": self.swa_window, "swa_slots": self.swa_slots, "eagle": self.eagle, "layout": self.layout,
         }
 
 
@@ -121,7 +134,16 @@ class Engine:
         self.row_used = np.zeros(cfg.max_reqs, bool)
         self.rtt_host = np.zeros((cfg.max_reqs, cfg.max_seq_len), np.int32)
         self.req_to_token = xp.zeros((cfg.max_reqs, cfg.max_seq_len), np.int32)
-        self.pool_host = np.zeros((cfg.max_reqs, cfg.max_seq_len), np.int32)
+        self.row_less = cfg.layout != "token"  # the plan reads batch rows, not request rows
+        rows = cfg.max_batch_rows
+        self.pool_host = np.zeros((rows if self.row_less else cfg.max_reqs, cfg.max_seq_len), np.int32)
+        if cfg.layout == "block":
+            self.block_table = xp.zeros((rows, cfg.max_seq_len), np.int32)
+        elif cfg.layout == "csr":
+            self.kv_page_indptr = xp.zeros(rows + 1, np.int32)
+            self.kv_page_indices = xp.zeros(rows * cfg.max_seq_len, np.int32)
+        elif cfg.layout != "token":
+            raise ValueError(f"--layout must be token, block or csr, got {cfg.layout!r}")
         self.tree = RadixTree()
         self.swa = cfg.swa_window > 0
         self.lut_host = np.zeros(cfg.num_slots + 1, np.int64)
@@ -398,10 +420,11 @@ class Engine:
         self.stats["prefill_tokens"] += int(sum(e for r, e in zip(reqs, extend.tolist(), strict=True)
                                                 if r.prefilling))
         self.stats["decode_tokens"] += int(sum(1 for r in reqs if not r.prefilling))
-        garbage = np.full(padding, 7 + step % 89, np.int64)  # padding rows carry garbage lengths
+        # padding rows carry garbage lengths, except where no padding sentinel exists (batch-row layouts)
+        garbage = np.full(padding, 0 if self.row_less else 7 + step % 89, np.int64)
         rpi = np.concatenate([np.array([r.rp for r in reqs], np.int64), np.zeros(padding, np.int64)])
         prefix_all = np.concatenate([prefix, garbage])
-        extend_all = np.concatenate([extend, np.ones(padding, np.int64)])
+        extend_all = np.concatenate([extend, np.full(padding, 0 if self.row_less else 1, np.int64)])
         valid = np.concatenate([np.array([r.num_tokens for r in reqs], np.int64), np.zeros(padding, np.int64)])
         ids = np.concatenate([token_ids, np.zeros(padding, np.int64)])
         pos = np.concatenate([token_pos, np.zeros(padding, np.int64)])
@@ -423,10 +446,44 @@ class Engine:
             batch.swa_out_cache_loc = xp.take(self.lut, batch.out_cache_loc)  # the caller gathers through the LUT
         return batch
 
+    # -- slot layout ---------------------------------------------------------------------------------------
+
+    def slot_layout(self) -> BlockTable | PageList | None:
+        """The layout the plan reads (None: ``req_to_token`` itself). Its arrays are refilled in place."""
+        if self.cfg.layout == "block":
+            return BlockTable(self.block_table, 1, batch_rows=True, num_slots=self.cfg.num_slots)
+        if self.cfg.layout == "csr":
+            return PageList(self.kv_page_indptr, self.kv_page_indices, 1, num_slots=self.cfg.num_slots)
+        return None
+
+    def fill_layout(self, batch: Batch) -> None:
+        """Write ``batch``'s block table rows / page lists from the requests' device ``req_to_token`` rows (so a
+        corrupted entry is seen exactly as in the token layout). Device gathers only: no host synchronisation.
+        Padding rows get no pages; they are inactive (``req_pool_indices`` 0) and the plan reads nothing of them."""
+        if self.cfg.layout == "token" or not batch.reqs:
+            return
+        xp, width = self.xp, self.cfg.max_seq_len
+        rps = np.array([r.rp for r in batch.reqs], np.int64)
+        if self.cfg.layout == "block":
+            self.block_table[: rps.shape[0]] = self.req_to_token[xp.asarray(rps)]
+            return
+        lens = batch.prefix_h + batch.extend_h  # the pages a FlashInfer plan gets: cached and new tokens
+        indptr = np.zeros(self.kv_page_indptr.shape[0], np.int32)
+        np.cumsum(lens, out=indptr[1 : lens.shape[0] + 1])
+        indptr[lens.shape[0] + 1 :] = indptr[lens.shape[0]]
+        flat = np.concatenate([rp * width + np.arange(n, dtype=np.int64) for rp, n in zip(rps, lens.tolist(),
+                                                                                           strict=True)])
+        self.kv_page_indptr[...] = xp.asarray(indptr)
+        self.kv_page_indices[: flat.shape[0]] = self.req_to_token.reshape(-1)[xp.asarray(flat)]
+
     # -- expected-token pool -------------------------------------------------------------------------------
 
+    def pool_row(self, batch: Batch, req: Request) -> int:
+        """The expected-token pool row the plan reads for ``req``: its request row, or its batch row."""
+        return batch.row_of_req[req.rid] if self.row_less else req.rp
+
     def expected_token_inputs(self, batch: Batch) -> tuple[Any, Any, Any]:
-        """``(flat_in, offsets, req_pool_indices)`` for the scatter: each request's true token history
+        """``(flat_in, offsets, pool rows)`` for the scatter: each request's true token history
         (requests flagged ``skip_scatter`` are left out, so their row keeps whatever it held)."""
         xp = self.xp
         reqs = [r for r in batch.reqs if not r.skip_scatter]
@@ -435,9 +492,9 @@ class Engine:
         offsets = np.zeros(len(reqs) + 1, np.int64)
         np.cumsum(lens, out=offsets[1:])
         flat = np.concatenate(parts) if parts else np.empty(0, np.int64)
-        for r, p in zip(reqs, parts, strict=True):
-            self.pool_host[r.rp, : p.shape[0]] = p
-        rpi = np.array([r.rp for r in reqs], np.int64)
+        rpi = np.array([self.pool_row(batch, r) for r in reqs], np.int64)
+        for row, p in zip(rpi.tolist(), parts, strict=True):
+            self.pool_host[row, : p.shape[0]] = p
         return xp.asarray(flat), xp.asarray(offsets), xp.asarray(rpi)
 
     # -- the model -----------------------------------------------------------------------------------------

@@ -139,6 +139,21 @@ class FaultTracker:
         self._request_taint[req.rid].append((fault, groups))
         self.taint_full(fault, req.slots[: req.assigned], groups=groups)
 
+    def retire(self, fault: Fault) -> None:
+        """``fault``'s damage is gone (its request was dropped and its slots go back to be rewritten): from
+        now on it explains nothing, so a later owner of those slots is judged on its own."""
+        for group in GROUPS:
+            for s in fault.taint[group]:
+                if fault in self._taint[group].get(s, ()):
+                    self._taint[group][s].remove(fault)
+            for s in fault.sources[group]:
+                if fault in self._sources[group].get(s, ()):
+                    self._sources[group][s].remove(fault)
+            for fids in self._chain[group].values():
+                fids.discard(fault.fid)
+        for entries in self._request_taint.values():
+            entries[:] = [(f, groups) for f, groups in entries if f is not fault]
+
     def _origin(self, group: str, pred: int) -> set[int]:
         """Faults whose corruption a slot written right after ``pred`` descends from."""
         out = set(self._chain[group].get(pred, ()))
@@ -547,7 +562,7 @@ class StaleExpectedTokens(FaultKind):
         for req in batch.admitted:
             # the prompt is verified at the latest by the first decode step (which needs a second output token)
             if req.recycled and req.spec.output_len >= 2 and np.any(
-                    eng.pool_host[req.rp, : req.prompt_len] != req.tokens[: req.prompt_len]):
+                    eng.pool_host[eng.pool_row(batch, req), : req.prompt_len] != req.tokens[: req.prompt_len]):
                 options.append(req)
         if not options:
             return None
@@ -594,14 +609,17 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
 )}
 
 
-def parse_inject(specs: list[str], all_kinds: list[str] | None = None) -> dict[str, float]:
+def parse_inject(specs: list[str], all_kinds: list[str] | None = None, *, known: Any = None,
+                 default_rate: float = DEFAULT_RATE) -> dict[str, float]:
     """``["all", "kv-bitflip:0.1"]`` -> ``{kind: rate}``; raises ValueError with a readable message.
-    ``all`` stands for ``all_kinds`` (default: every kind)."""
+    ``all`` stands for ``all_kinds`` (default: every kind of ``known``, the engine's :data:`FAULT_KINDS`
+    unless another registry is given)."""
+    known = FAULT_KINDS if known is None else known
     rates: dict[str, float] = {}
     for spec in specs:
         name, _, rate_text = spec.partition(":")
         name = name.strip().lower().replace("_", "-")
-        rate = DEFAULT_RATE
+        rate = default_rate
         if rate_text:
             try:
                 rate = float(rate_text)
@@ -610,13 +628,13 @@ def parse_inject(specs: list[str], all_kinds: list[str] | None = None) -> dict[s
             if not 0 < rate <= 1:
                 raise ValueError(f"--inject {spec!r}: the rate must be in (0, 1], got {rate}")
         if name == "all":
-            for kind in FAULT_KINDS if all_kinds is None else all_kinds:
+            for kind in known if all_kinds is None else all_kinds:
                 rates[kind] = rate
-        elif name in FAULT_KINDS:
+        elif name in known:
             rates[name] = rate
         else:
             raise ValueError(f"--inject {spec!r}: unknown fault kind {name!r}; choose from all, "
-                             f"{', '.join(FAULT_KINDS)}")
+                             f"{', '.join(known)}")
     return rates
 
 

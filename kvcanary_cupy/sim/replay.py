@@ -14,8 +14,9 @@ violation explaining a fault kind is read, the launch that produced it is saved 
   ``plan_num_valid``, ``plan_enable``; write: ``write_offsets``, ``write_seeds``, ``write_num_valid_reqs``,
   ``input_ids``, ``positions``, ``out_cache_loc``, ``expected_input_tokens``, ``expected_input_positions``;
 * HEAD/TAIL launches: the plan inputs ``in_req_pool_indices``, ``in_prefix_lens``, ``in_extend_seq_lens``,
-  ``in_req_to_token``, ``in_expected_pool``, ``in_valid_lens`` (and ``in_lut`` for SWA), and the plan the
-  engine computed (``plan_*``/``write_*`` above), so a replay can also check the plan kernels;
+  ``in_req_to_token`` (or, for a block table / CSR layout, its arrays ``in_layout_<field>`` and its scalars in
+  the plan meta's ``layout``), ``in_expected_pool``, ``in_valid_lens`` (and ``in_lut`` for SWA), and the plan
+  the engine computed (``plan_*``/``write_*`` above), so a replay can also check the plan kernels;
 * ``expected_rows`` — the violation rows that launch produced (int64 ``[n, 8]``).
 
 :func:`replay_case` rebuilds a fresh context from those arrays, recomputes the plan when its inputs are there,
@@ -36,8 +37,10 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
-from ..constants import FailReason, RealKvHashMode
+from .._errors import CanaryArgumentError
+from ..constants import CANARY_SLOT_BYTES, MAX_REAL_KV_SOURCES, FailReason, RealKvHashMode
 from ..context import RealKvSource, VerifyOrWriteContext
+from ..layouts import BlockTable, PageList
 from ..plan import VerifyPlan, WritePlan, launch_canary_plan_kernels
 from ..verify import launch_canary_verify_kernel
 from ..violations import ViolationReport, read_violations, to_host
@@ -68,13 +71,17 @@ class LaunchRecorder:
         self._plans: dict[tuple[int, str], dict[str, Any]] = {}
         self._step = 0
         self._req_to_token: Any = None
+        self._layout: BlockTable | PageList | None = None
         self._expected_pool: Any = None
         self._check_tokens = False
         self.dumped: dict[str, Path] = {}
 
-    def attach(self, *, req_to_token: Any, expected_pool: Any, check_tokens: bool) -> None:
-        """The engine's slot table and the runtime's expected-token pool (plan inputs of every group)."""
+    def attach(self, *, req_to_token: Any, expected_pool: Any, check_tokens: bool,
+               layout: BlockTable | PageList | None = None) -> None:
+        """The engine's slot table (or the block table / page lists the plan reads instead) and the runtime's
+        expected-token pool (plan inputs of every group)."""
         self._req_to_token, self._expected_pool, self._check_tokens = req_to_token, expected_pool, check_tokens
+        self._layout = layout
 
     def begin_step(self, step: int) -> None:
         self._step = step
@@ -98,7 +105,7 @@ class LaunchRecorder:
         vp, wp, spec = group.verify_plan, group.write_plan, group.spec
         arrays = {
             "in_req_pool_indices": _h(stage.view("req_pool_indices")), "in_prefix_lens": _h(stage.view("prefix_lens")),
-            "in_extend_seq_lens": _h(stage.view("extend_seq_lens")), "in_req_to_token": _h(self._req_to_token),
+            "in_extend_seq_lens": _h(stage.view("extend_seq_lens")),
             "in_expected_pool": _h(self._expected_pool), "in_valid_lens": _h(stage.view("valid_lens")),
             "plan_slots": _h(vp.verify_slot_indices), "plan_expected_tokens": _h(vp.verify_expected_tokens),
             "plan_expected_positions": _h(vp.verify_expected_positions),
@@ -108,9 +115,20 @@ class LaunchRecorder:
         }
         if spec.full_to_swa_index_mapping is not None:
             arrays["in_lut"] = _h(spec.full_to_swa_index_mapping)
-        meta = {"swa_window": spec.swa_window, "offset": spec.kv_token_id_vs_position_offset,
-                "verify_capacity": int(vp.verify_slot_indices.shape[0]),
-                "write_req_capacity": int(wp.write_seed_slot_indices.shape[0])}
+        meta: dict[str, Any] = {"swa_window": spec.swa_window, "offset": spec.kv_token_id_vs_position_offset,
+                                "verify_capacity": int(vp.verify_slot_indices.shape[0]),
+                                "write_req_capacity": int(wp.write_seed_slot_indices.shape[0])}
+        layout = self._layout
+        if layout is None:
+            arrays["in_req_to_token"] = _h(self._req_to_token)
+        else:
+            scalars = {}
+            for name, value in vars(layout).items():
+                if isinstance(value, (int, bool)) or value is None:
+                    scalars[name] = value
+                else:
+                    arrays[f"in_layout_{name}"] = _h(value)
+            meta["layout"] = {"kind": type(layout).__name__, **scalars}
         self._plans[(step, group.name)] = {"arrays": arrays, "meta": meta}
 
     def _context(self, ctx: VerifyOrWriteContext) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -205,22 +223,141 @@ class ReplayCase:
         return f"{m['kind']}: {where} at step {m['step']}, recorded on {m['backend']}"
 
 
+# Limits of a file this tool agrees to load: far above any real dump, far below what would exhaust a laptop.
+MAX_MEMBER_BYTES = 1 << 30  # one array, uncompressed
+MAX_ROWS = 1 << 24  # ring capacity, plan capacities
+
+
 def load_case(path: str | Path) -> ReplayCase:
-    """Read a dump; ValueError with a readable message if it is not one."""
+    """Read a dump and check it completely (every meta key, every array's dtype and shape) before anything
+    runs; ValueError naming the file and the offending field if it is not a well-formed dump."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
     try:
         with np.load(path, allow_pickle=False) as data:
+            if not hasattr(data, "zip"):
+                raise ValueError("a single .npy array, not an .npz archive")
+            for name in data.files:
+                size = data.zip.getinfo(f"{name}.npy").file_size
+                if size > MAX_MEMBER_BYTES:
+                    raise ValueError(f"entry {name!r} unpacks to {size} bytes, over the {MAX_MEMBER_BYTES}-byte "
+                                     "limit of a replay file")
             arrays = {k: data[k] for k in data.files}
-    except Exception as exc:  # not a zip, truncated, ...
+    except Exception as exc:  # not a zip, truncated, a pickled member, too large...
         raise ValueError(f"{path}: not a kvcanary replay file ({type(exc).__name__}: {exc})") from None
     if "meta" not in arrays:
         raise ValueError(f"{path}: not a kvcanary replay file (no meta entry)")
-    meta = json.loads(str(arrays.pop("meta")))
+    meta_entry = arrays.pop("meta")
+    try:
+        meta = json.loads(str(meta_entry)) if meta_entry.ndim == 0 and meta_entry.dtype.kind == "U" else None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: entry 'meta' is not JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: entry 'meta' must be a JSON object (a 0-d string array)")
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: unsupported replay format {meta.get('format')!r} (expected {FORMAT})")
+    _check_case(path, meta, arrays)
     return ReplayCase(path, meta, arrays)
+
+
+def _check_case(path: Path, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    """The schema of a dump (see the module docstring), every field named in the error."""
+
+    def bad(field: str, why: str) -> ValueError:
+        return ValueError(f"{path}: {field} {why}")
+
+    def key(d: dict[str, Any], name: str, kind: type, where: str = "meta", low: int | None = None,
+            high: int | None = None) -> Any:
+        if name not in d:
+            raise bad(f"{where}.{name}", "is missing")
+        value = d[name]
+        # JSON true/false load as bool, a subclass of int: an int field takes no bool, a bool field no int.
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise bad(f"{where}.{name}", f"must be {'an object' if kind is dict else kind.__name__}, got {value!r}")
+        number: Any = value  # an int here whenever a bound is given
+        if (low is not None and number < low) or (high is not None and number > high):
+            raise bad(f"{where}.{name}", f"must lie in [{low}, {high}], got {value}")
+        return value
+
+    def array(name: str, dtype: type, ndim: int, shape: tuple[int | None, ...] | None = None) -> np.ndarray:
+        if name not in arrays:
+            raise bad(f"entry {name!r}", "is missing")
+        a = arrays[name]
+        if a.dtype != np.dtype(dtype) or a.ndim != ndim:
+            raise bad(f"entry {name!r}", f"must be a {ndim}-D {np.dtype(dtype).name} array, got {a.ndim}-D "
+                      f"{a.dtype}")
+        if shape is not None and any(w is not None and g != w for g, w in zip(a.shape, shape, strict=True)):
+            raise bad(f"entry {name!r}", f"must have shape {shape}, got {a.shape}")
+        return a
+
+    for name in ("kind", "model", "group", "tag_name", "role", "backend"):
+        key(meta, name, str)
+    key(meta, "step", int, low=0)
+    op = key(meta, "op", str)
+    if op not in ("verify", "write"):
+        raise bad("meta.op", f"must be 'verify' or 'write', got {op!r}")
+    key(meta, "tag", int, low=-(1 << 63), high=(1 << 63) - 1)
+    mode = key(meta, "real_kv_hash_mode", int)
+    if mode not in {int(m) for m in RealKvHashMode}:
+        raise bad("meta.real_kv_hash_mode", f"must be one of {[int(m) for m in RealKvHashMode]}, got {mode}")
+    chain_flag = meta.get("enable_chain_position_assert")
+    if chain_flag not in (0, 1):  # recorded as 0/1; true/false also read
+        raise bad("meta.enable_chain_position_assert", f"must be 0 or 1, got {chain_flag!r}")
+    key(meta, "ring_capacity", int, low=1, high=MAX_ROWS)
+    sources = key(meta, "sources", list)
+    if len(sources) > MAX_REAL_KV_SOURCES:
+        raise bad("meta.sources", f"lists {len(sources)} sources; at most {MAX_REAL_KV_SOURCES} are supported")
+    canary = array("canary_buf", np.uint8, 2)
+    if canary.shape[0] < 1 or canary.shape[1] < CANARY_SLOT_BYTES or canary.shape[1] % 8:
+        raise bad("entry 'canary_buf'", f"must be [slots >= 1, stride >= {CANARY_SLOT_BYTES}, a multiple of 8], "
+                  f"got {canary.shape}")
+    for i, source in enumerate(sources):
+        if not isinstance(source, dict):
+            raise bad(f"meta.sources[{i}]", f"must be an object, got {source!r}")
+        for name in ("page_size", "num_bytes_per_token", "read_bytes"):
+            key(source, name, int, f"meta.sources[{i}]", low=1, high=1 << 40)
+        array(f"source_{i}", np.uint8, 2)
+    if op == "verify":
+        key(meta, "check_verify_expected_token", bool)
+        slots = array("plan_slots", np.int64, 1)
+        for name in ("plan_expected_tokens", "plan_expected_positions", "plan_prev_slots"):
+            array(name, np.int64, 1, slots.shape)
+        for name in ("plan_num_valid", "plan_enable"):
+            array(name, np.int32, 1, (1,))
+    else:
+        assert_inputs = key(meta, "enable_write_input_assert", bool)
+        offsets = array("write_offsets", np.int64, 1)
+        if offsets.shape[0] < 2:
+            raise bad("entry 'write_offsets'", f"must hold at least 2 entries, got {offsets.shape[0]}")
+        array("write_seeds", np.int64, 1, (offsets.shape[0] - 1,))
+        array("write_num_valid_reqs", np.int32, 1, (1,))
+        ids = array("input_ids", np.int64, 1)
+        token_names = ["positions", "out_cache_loc"]
+        if assert_inputs:
+            token_names += ["expected_input_tokens", "expected_input_positions"]
+        for name in token_names:
+            array(name, np.int64, 1, ids.shape)
+    array("expected_rows", np.int64, 2, (None, 8))
+    if "in_req_to_token" in arrays:
+        plan = key(meta, "plan", dict)
+        key(plan, "swa_window", int, "meta.plan", low=0, high=(1 << 63) - 1)
+        key(plan, "offset", int, "meta.plan", low=-(1 << 31), high=(1 << 31) - 1)
+        key(plan, "verify_capacity", int, "meta.plan", low=1, high=MAX_ROWS)
+        key(plan, "write_req_capacity", int, "meta.plan", low=1, high=MAX_ROWS)
+        rpi = array("in_req_pool_indices", np.int64, 1)
+        for name in ("in_prefix_lens", "in_extend_seq_lens", "in_valid_lens"):
+            array(name, np.int64, 1, rpi.shape)
+        array("in_req_to_token", np.int32, 2)
+        array("in_expected_pool", np.int32, 2)
+        if "in_lut" in arrays:
+            array("in_lut", np.int64, 1)
+        for name in ("plan_slots", "plan_num_valid", "plan_enable"):
+            if name not in arrays:  # a write dump carries the plan's verify side for the plan check
+                raise bad(f"entry {name!r}", "is missing (the plan inputs are there, so the plan must be too)")
+        if op == "write" or "write_offsets" in arrays:
+            array("write_seeds", np.int64, 1)
+            array("write_offsets", np.int64, 1)
 
 
 def _aligned(a: np.ndarray, align: int = 64) -> np.ndarray:
@@ -245,13 +382,23 @@ class ReplayOutcome:
 
 def _recompute_plan(case: ReplayCase, backend: str) -> str | None:
     a, meta = case.arrays, case.meta.get("plan")
-    if meta is None or "in_req_to_token" not in a:
+    if meta is None or ("in_req_to_token" not in a and "layout" not in meta):
         return None
     vp = VerifyPlan.allocate(verify_capacity=meta["verify_capacity"])
     wp = WritePlan.allocate(write_req_capacity=meta["write_req_capacity"])
+    slots: dict[str, Any] = {"req_to_token": a.get("in_req_to_token")}
+    rows: np.ndarray | None = a["in_req_pool_indices"]
+    if "layout" in meta:
+        spec = dict(meta["layout"])
+        cls = {"BlockTable": BlockTable, "PageList": PageList}[spec.pop("kind")]
+        fields = {k.removeprefix("in_layout_"): v for k, v in a.items() if k.startswith("in_layout_")}
+        layout = cls(**fields, **spec)
+        slots = {"layout": layout}
+        if isinstance(layout, PageList) or layout.batch_rows:
+            rows = None  # a batch-row layout: the runtime launched it without request rows
     launch_canary_plan_kernels(
-        verify_plan_out=vp, write_plan_out=wp, req_pool_indices=a["in_req_pool_indices"],
-        prefix_lens=a["in_prefix_lens"], extend_seq_lens=a["in_extend_seq_lens"], req_to_token=a["in_req_to_token"],
+        verify_plan_out=vp, write_plan_out=wp, req_pool_indices=rows,
+        prefix_lens=a["in_prefix_lens"], extend_seq_lens=a["in_extend_seq_lens"], **slots,
         swa_window_size=meta["swa_window"], full_to_swa_index_mapping=a.get("in_lut"),
         verify_capacity=meta["verify_capacity"], req_to_verify_expected_tokens=a["in_expected_pool"],
         req_to_verify_expected_tokens_valid_lens=a["in_valid_lens"],
@@ -345,7 +492,11 @@ def run_replay(path: str | Path, backend: str = "host", *, sanitize: bool = Fals
     print(f"  {case.title}", file=out)
     under = " under AddressSanitizer + UBSan" if sanitize else ""
     print(f"  backend: {backend}{under}", file=out)
-    outcome = replay_case(case, backend)
+    try:
+        outcome = replay_case(case, backend)
+    except CanaryArgumentError as exc:  # a dump that passed the schema but that a launcher refuses
+        print(f"kvcanary replay: {case.path}: {exc}", file=sys.stderr)
+        return 2
     if outcome.plan_check:
         print(outcome.plan_check, file=out)
     print(outcome.report.table(), file=out)

@@ -12,7 +12,8 @@ deterministic function of the run's arguments (same seed, same report).
   per step}), ``sweep_interval``, ``warmup_steps``, ``cooldown_steps``, ``with_v``, ``real_kv_hash``
   ("all"/"partial"), ``ring_capacity``, ``engine`` (pool and model sizes: ``num_slots``, ``max_reqs``,
   ``max_seq_len``, ``max_running``, ``chunk_size``, ``page_size``, ``kv_bytes_per_token``, ``num_layers``,
-  ``with_v``, ``swa_window``, ``swa_slots``, ``eagle``).
+  ``with_v``, ``swa_window``, ``swa_slots``, ``eagle``, ``layout``: the slot layout the plan read, token / block
+  / csr).
 * ``workload``: what the engine did — ``steps_run``, ``requests_admitted``, ``requests_finished``,
   ``prefill_tokens``, ``decode_tokens``, ``prefix_tokens_reused``, ``rows_recycled``, ``padding_rows``,
   ``tree_evicted_slots``, ``swa_evicted_slots``, ``peak_running``, ``peak_slots_used``, ``sweeps``.
@@ -96,6 +97,7 @@ SCHEMA: dict[str, Any] = _obj({
             "num_slots": _INT, "max_reqs": _INT, "max_seq_len": _INT, "max_running": _INT, "chunk_size": _INT,
             "page_size": _INT, "kv_bytes_per_token": _INT, "num_layers": _INT, "with_v": _BOOL,
             "swa_window": _INT, "swa_slots": _INT, "eagle": _BOOL,
+            "layout": {"type": "string", "enum": ["token", "block", "csr"]},
         }),
     }),
     "workload": _obj({k: _INT for k in (
@@ -304,8 +306,10 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
 
 def headline(report: dict[str, Any]) -> str:
     c = report["config"]
+    layout = c["engine"].get("layout", "token")  # reports that embed this one (disaggregated) nest their engines
     return (f"kv-canary: preset {c['preset']}, {report['workload']['steps_run']} steps, "
-            f"{c['requests']} requests, seed {c['seed']}, backend {report['cost']['backend']}")
+            f"{c['requests']} requests, seed {c['seed']}, backend {report['cost']['backend']}"
+            + ("" if layout == "token" else f", {layout} layout"))
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:

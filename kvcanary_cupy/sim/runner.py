@@ -108,7 +108,8 @@ class Simulation:
                                       np.random.default_rng([cfg.seed, 0]))
         self.engine_cfg = size_engine(self.workload, max_running=self.preset.max_running,
                                       chunk_size=self.preset.chunk_size, page_size=self.preset.page_size,
-                                      swa_window=self.preset.swa_window, eagle=self.preset.eagle, with_v=cfg.with_v)
+                                      swa_window=self.preset.swa_window, eagle=self.preset.eagle, with_v=cfg.with_v,
+                                      layout=cfg.layout)
         self.engine = Engine(self.engine_cfg, self.workload, self.xp)
         self.tracker = FaultTracker(self.engine)
         self.engine.on_assign = self.tracker.on_assign
@@ -123,7 +124,7 @@ class Simulation:
             self.recorder = LaunchRecorder(cfg.dump_dir, preset=cfg.preset, seed=cfg.seed, backend=self.backend)
         self.runtime = self._install_canary()
         if self.recorder is not None:
-            self.recorder.attach(req_to_token=self.engine.req_to_token,
+            self.recorder.attach(req_to_token=self.engine.req_to_token, layout=self.engine.slot_layout(),
                                  expected_pool=self.runtime.expected_token_pool,
                                  check_tokens=self.runtime.config.verify_token_assert)
         steps = cfg.steps + 1
@@ -154,11 +155,15 @@ class Simulation:
                               write_input_assert=True, verify_token_assert=True, backend=self.backend,
                               logger=CANARY_LOGGER)
         capacities = Capacities(
-            max_batch_size=max(ecfg.max_reqs, ecfg.max_padded_batch),
+            max_batch_size=ecfg.max_batch_rows,
             max_tokens=ecfg.chunk_size + ecfg.max_padded_batch,  # a prefill budget plus one token per decode row
             verify_capacity=3 * ecfg.num_slots,  # radix sharing can make the sum of prefixes exceed the pool
-            max_sweep_slots=ecfg.num_slots)
-        return CanaryRuntime.create(config, KvPools(tuple(groups), req_to_token=eng.req_to_token), capacities,
+            max_sweep_slots=ecfg.num_slots, pool_rows=self.engine.pool_host.shape[0],
+            max_context_len=ecfg.max_seq_len)
+        layout = eng.slot_layout()
+        pools = (KvPools(tuple(groups), req_to_token=eng.req_to_token) if layout is None
+                 else KvPools(tuple(groups), layout=layout))
+        return CanaryRuntime.create(config, pools, capacities,
                                     device=self.device, sweep_source=eng.tree.walk,
                                     observer=None if self.recorder is None else self.recorder.observe,
                                     timer=self.timer)
@@ -169,20 +174,23 @@ class Simulation:
     # -- batches as the runtime takes them -----------------------------------------------------------------
 
     def _target_batch(self, batch: Batch) -> StepBatch:
+        with self.timer("engine"):
+            self.engine.fill_layout(batch)  # after the step's "batch" faults, right before the plan reads it
         with self.timer("scatter"):
             flat, offsets, rows = self.engine.expected_token_inputs(batch)
         return StepBatch(
-            req_pool_indices=batch.req_pool_indices, prefix_lens=batch.prefix_lens,
+            req_pool_indices=None if self.engine.row_less else batch.req_pool_indices, prefix_lens=batch.prefix_lens,
             extend_seq_lens=batch.extend_seq_lens, input_ids=batch.input_ids, positions=batch.positions,
             out_cache_loc=batch.out_cache_loc, expected_input_ids=batch.expected_tokens,
             expected_positions=batch.expected_positions, valid_lens=batch.valid_lens, history_ids=flat,
             history_offsets=offsets, history_req_pool_indices=rows)
 
-    @staticmethod
-    def _draft_batch(batch: Batch) -> StepBatch:
+    def _draft_batch(self, batch: Batch) -> StepBatch:
         # the input rotation: the draft's slot at position p takes token p + 1 (it is also the oracle)
+        with self.timer("engine"):
+            self.engine.fill_layout(batch)
         return StepBatch(
-            req_pool_indices=batch.req_pool_indices, prefix_lens=batch.prefix_lens,
+            req_pool_indices=None if self.engine.row_less else batch.req_pool_indices, prefix_lens=batch.prefix_lens,
             extend_seq_lens=batch.extend_seq_lens, input_ids=batch.draft_input_ids,
             positions=batch.expected_positions, out_cache_loc=batch.out_cache_loc,
             expected_input_ids=batch.draft_input_ids, expected_positions=batch.expected_positions,

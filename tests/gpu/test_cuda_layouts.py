@@ -79,7 +79,7 @@ def test_block_table_plan_captures_and_replays_in_a_cuda_graph():
         bound()
         graph = stream.end_capture()
         prefix[:] = cp.asarray(rng.integers(0, blocks * size + 1, size=bs).astype(np.int64))
-        graph.launch()
+        graph.launch(stream)
     stream.synchronize()
     host = {k: cp.asnumpy(v) for k, v in (("prefix", prefix), ("table", table))}
     n = int(vp.verify_num_valid.get()[0])

@@ -429,6 +429,7 @@ def _fp_lines(report: dict[str, Any], limit: int = 10) -> list[str]:
 
 
 def print_report(report: dict[str, Any], stream: TextIO | None = None, *, plain: bool = False) -> None:
+    """The synthetic engine's table with this engine's headline, per-workload lines and verdict."""
     from ...sim.report import HEADERS, table_rows
 
     stream = stream or sys.stdout
@@ -505,8 +506,8 @@ th, td {{ border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; }} th
     return path
 
 
-def run_cli(args: Any) -> int:
-    """The ``simulate --engine transformers`` command: run, print, write files, return the exit status."""
+def config_from_args(args: Any) -> TransformersSimConfig:
+    """The run's configuration from ``kvcanary simulate --engine transformers`` arguments (ValueError if bad)."""
     inject: list[str] = []
     for item in args.inject:
         for name in item.split(","):
@@ -516,17 +517,21 @@ def run_cli(args: Any) -> int:
             elif name and name not in inject:
                 inject.append(name)
     cfg = TransformersSimConfig(model_size=args.model_size, inject=tuple(inject), seed=args.seed,
-                                backend=args.backend, real_kv_hash=args.real_kv_hash,
-                                with_v=True, sweep_interval=args.sweep_interval)
+                                backend=args.backend, real_kv_hash=args.real_kv_hash, with_v=True,
+                                sweep_interval=args.sweep_interval)
     cfg.validate()
+    return cfg
 
-    def progress(done: int, total: int, what: str) -> None:
-        if not args.quiet:
-            print(f"run {done}/{total}: {what}", file=sys.stderr, flush=True)
 
+def run_quietly(cfg: TransformersSimConfig, *, progress: bool = True) -> dict[str, Any]:
+    """Run and return the report; one progress line per ``generate_batch`` on standard error when asked."""
     import logging
 
     import transformers
+
+    def show(done: int, total: int, what: str) -> None:
+        if progress:
+            print(f"run {done}/{total}: {what}", file=sys.stderr, flush=True)
 
     # The report carries every violation; one log record per row would bury the table (the engine's own
     # CPU-sizing notices too).
@@ -535,18 +540,7 @@ def run_cli(args: Any) -> int:
     canary_logger.setLevel(logging.ERROR)
     transformers.logging.set_verbosity_error()
     try:
-        report = TransformersSimulation(cfg).run(progress)
+        return TransformersSimulation(cfg).run(show)
     finally:
         canary_logger.setLevel(level)
         transformers.logging.set_verbosity(tf_level)
-    # With --json -, standard output carries the JSON alone (as for the synthetic engine).
-    json_to_stdout = args.json == "-"
-    human = sys.stderr if json_to_stdout else sys.stdout
-    print_report(report, human, plain=args.plain)
-    if json_to_stdout:
-        json.dump(report, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    for path, writer in ((None if json_to_stdout else args.json, write_json), (args.html, write_html)):
-        if path:
-            print(f"wrote {writer(report, path)}", file=human)
-    return int(report["exit_code"])

@@ -1,0 +1,170 @@
+"""Canary records that travel with KV pages between processes (disaggregated prefill -> decode).
+
+A canary record (token, position, prev_hash, real_kv_hash: 32 bytes) names no slot: the chain hashes
+content and position only, and the real-KV fingerprint covers the bytes of one token. So the records of a
+request can be shipped next to its KV pages and checked on the receiving side against the receiver's own
+slot table. Three calls sit around any transport (Mooncake, NIXL, NCCL, a socket):
+
+1. sender: :func:`gather_canary_records` copies the records of the request's slots into one contiguous
+   ``int64 [n, 4]`` buffer, shipped with the pages;
+2. receiver, once the pages have landed: :func:`scatter_canary_records` copies the records into the
+   receiver's own slots;
+3. receiver, before the request's first decode step: :meth:`ReceivedPrefixVerifier.verify` plans and
+   verifies the whole received prefix (chain, positions, expected tokens and the real-KV fingerprints of the
+   received bytes) with the receiver's ``req_to_token``.
+
+Gather and scatter validate every host-visible fact once, for every backend (``numpy`` reference, ``cuda``
+and ``host`` kernels from ``kernels/transfer.cu``); slots are device values, so a slot outside the canary
+buffer is never followed but reported in ``status`` (:class:`~kvcanary_cupy.constants.CanaryStatus`).
+Neither allocates, so both can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._errors import fail
+from ._validate import array_arg, int_arg, optional_array_arg, same_device
+from .backends import resolve_backend
+from .constants import CANARY_FIELDS_PER_SLOT, CANARY_SLOT_BYTES
+from .context import VerifyOrWriteContext
+from .dlpack import Device, device_scope, stream_scope
+from .plan import OnInvalid, VerifyPlan, WritePlan, _allocate, launch_canary_plan_kernels
+from .verify import launch_canary_verify_kernel
+
+RECORD_BYTES = CANARY_SLOT_BYTES  # one record on the wire: 4 little-endian int64 fields
+
+
+@dataclass(frozen=True)
+class RecordTransferLaunch:
+    """A validated gather or scatter: ``canary`` int64 [num_slots, stride // 8], ``records`` int64 [n, 4],
+    ``slots`` int64 [n], optional ``status`` int32 [1]."""
+
+    canary: Any
+    records: Any
+    slots: Any
+    status: Any | None
+    device: Device
+
+    @property
+    def count(self) -> int:
+        return int(self.slots.shape[0])
+
+
+def _byte_range(arr: Any) -> tuple[int, int]:
+    ptr = int(arr.ctypes.data) if isinstance(arr, np.ndarray) else int(arr.data.ptr)
+    return ptr, ptr + int(arr.nbytes)
+
+
+def prepare_record_transfer(*, canary_buf: Any, records: Any, slots: Any, status: Any | None,
+                            records_written: bool) -> RecordTransferLaunch:
+    """Every host-visible check of a gather (``records_written``) or scatter, for all backends."""
+    buf = array_arg(canary_buf, "canary_buf", dtype=np.uint8, ndim=2, writable=not records_written)
+    stride = int(buf.shape[1])
+    if stride < CANARY_SLOT_BYTES or stride % 8:
+        fail(f"canary_buf slot stride must be a multiple of 8 holding at least {CANARY_FIELDS_PER_SLOT} int64 "
+             f"fields, got {stride} bytes")
+    if buf.shape[0] < 1:
+        fail("canary_buf must hold at least one slot")
+    if _byte_range(buf)[0] % 8:
+        fail("canary_buf must start at an 8-byte aligned address (its fields are read as int64)")
+    slot_arr = array_arg(slots, "slots", dtype=np.int64, ndim=1)
+    n = int(slot_arr.shape[0])
+    rec = array_arg(records, "records", dtype=np.int64, ndim=2, shape=(n, CANARY_FIELDS_PER_SLOT),
+                    writable=records_written)
+    status_arr = optional_array_arg(status, "status", dtype=np.int32, ndim=1, shape=(1,), writable=True)
+    device = same_device([("canary_buf", buf), ("records", rec), ("slots", slot_arr), ("status", status_arr)])
+    written, written_name = (rec, "records") if records_written else (buf, "canary_buf")
+    others = [("canary_buf", buf), ("records", rec), ("slots", slot_arr), ("status", status_arr)]
+    lo, hi = _byte_range(written)
+    for name, arr in others:
+        if arr is None or name == written_name or arr.nbytes == 0 or written.nbytes == 0:
+            continue
+        a, b = _byte_range(arr)
+        if a < hi and lo < b:
+            fail(f"{written_name} overlaps {name}; the call writes {written_name} while it reads {name}")
+    return RecordTransferLaunch(buf.view(np.int64), rec, slot_arr, status_arr, device)
+
+
+def gather_canary_records(*, canary_buf: Any, slots: Any, records_out: Any, status: Any | None = None,
+                          backend: str = "auto", on_invalid: str | None = None) -> None:
+    """``records_out[i] = canary_buf[slots[i]]`` (the 4 fields, 32 bytes), for every i.
+
+    ``canary_buf`` uint8 [num_slots, stride >= 32] (the sender's canary buffer), ``slots`` int64 [n] (the
+    request's slots in position order), ``records_out`` int64 [n, 4], contiguous: the buffer to ship. A slot
+    outside the buffer gives a zero record (which never verifies) and sets SLOT_OUT_OF_RANGE in ``status``
+    (int32 [1]); the NumPy reference raises for it unless ``on_invalid="flag"``.
+    """
+    with stream_scope(canary_buf, slots, records_out, status):
+        launch = prepare_record_transfer(canary_buf=canary_buf, records=records_out, slots=slots, status=status,
+                                         records_written=True)
+        impl = resolve_backend(backend, launch.device, on_invalid)
+        with device_scope(launch.device):
+            impl.gather_records(launch)
+
+
+def scatter_canary_records(*, records: Any, slots: Any, canary_buf: Any, status: Any | None = None,
+                           backend: str = "auto", on_invalid: str | None = None) -> None:
+    """``canary_buf[slots[i]] = records[i]`` (the 4 fields; bytes past them are untouched), for every i.
+
+    ``records`` int64 [n, 4] as received, ``slots`` int64 [n] the receiver's slots for the same positions,
+    ``canary_buf`` the receiver's canary buffer. The slots must be distinct. A slot outside the buffer is
+    skipped and sets SLOT_OUT_OF_RANGE in ``status``; the NumPy reference raises unless ``on_invalid="flag"``.
+    """
+    with stream_scope(records, slots, canary_buf, status):
+        launch = prepare_record_transfer(canary_buf=canary_buf, records=records, slots=slots, status=status,
+                                         records_written=False)
+        impl = resolve_backend(backend, launch.device, on_invalid)
+        with device_scope(launch.device):
+            impl.scatter_records(launch)
+
+
+class ReceivedPrefixVerifier:
+    """Plan + verify of whole received prefixes on the receiver, with scratch allocated once.
+
+    A received request has a prefix of ``received_lens[r]`` positions and nothing new to write, so the plan
+    runs with extend 0 and every position becomes a verify entry: its slot from the receiver's
+    ``req_to_token``, its predecessor, its expected token from the receiver's expected-token pool (the
+    request's token ids, which the receiver gets with the request anyway) and its position. The verify then
+    recomputes each predecessor's chain hash and the real-KV fingerprint of the received bytes through
+    ``context``'s sources (the receiver's KV; its page size may differ from the sender's, the bytes per
+    token may not). Violations land in ``context``'s ring; ``plan.status`` reports hostile table values.
+    """
+
+    def __init__(self, *, verify_capacity: int, max_requests: int, device: Any = "cpu") -> None:
+        capacity = int_arg(verify_capacity, "verify_capacity", minimum=1)
+        self.max_requests = int_arg(max_requests, "max_requests", minimum=1)
+        self.verify_capacity = capacity
+        self.plan = VerifyPlan.allocate(verify_capacity=capacity, device=device)
+        self._write_plan = WritePlan.allocate(write_req_capacity=self.max_requests, device=device)
+        self._no_extend = _allocate(device, self.max_requests, np.int64, fill=0)
+
+    def verify(self, *, context: VerifyOrWriteContext, req_pool_indices: Any, received_lens: Any,
+               req_to_token: Any, req_to_verify_expected_tokens: Any | None = None,
+               req_to_verify_expected_tokens_valid_lens: Any | None = None,
+               kv_token_id_vs_position_offset: int = 0, swa_window_size: int = 0,
+               full_to_swa_index_mapping: Any | None = None, backend: str = "auto",
+               on_invalid: OnInvalid | None = None) -> None:
+        """Verify positions ``[0, received_lens[r])`` of every request row ``req_pool_indices[r]``.
+
+        Arguments as for :func:`~kvcanary_cupy.launch_canary_plan_kernels` (``received_lens`` takes the place
+        of ``prefix_lens``); the expected-token check runs when an expected-token pool is given.
+        """
+        rpi = array_arg(req_pool_indices, "req_pool_indices", dtype=np.int64, ndim=1)
+        bs = int(rpi.shape[0])
+        if bs > self.max_requests:
+            fail(f"req_pool_indices holds {bs} requests, more than this verifier's max_requests="
+                 f"{self.max_requests}")
+        launch_canary_plan_kernels(
+            verify_plan_out=self.plan, write_plan_out=self._write_plan, req_pool_indices=req_pool_indices,
+            prefix_lens=received_lens, extend_seq_lens=self._no_extend[:bs], req_to_token=req_to_token,
+            swa_window_size=swa_window_size, full_to_swa_index_mapping=full_to_swa_index_mapping,
+            verify_capacity=self.verify_capacity, req_to_verify_expected_tokens=req_to_verify_expected_tokens,
+            req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
+            kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, backend=backend, on_invalid=on_invalid)
+        launch_canary_verify_kernel(context=context, plan=self.plan,
+                                    check_verify_expected_token=req_to_verify_expected_tokens is not None,
+                                    backend=backend, on_invalid=on_invalid)

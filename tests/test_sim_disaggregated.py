@@ -1,0 +1,132 @@
+"""``kvcanary simulate --disaggregated``: one prefill process and two decode workers (gloo on CPU, loopback),
+every transfer fault kind caught before its request's first decode step, no false positive; a decode worker
+killed mid-run ends the run with a clear error and a non-zero status, quickly.
+
+The two end-to-end runs are separate processes (each starts three more); the rest runs in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvcanary_cupy.cli import main
+from kvcanary_cupy.sim.disagg.faults import (
+    TRANSFER_KINDS,
+    FaultSchedule,
+    differing_positions,
+    flip_kv_bit,
+    flip_record_bit,
+    swap_pages,
+)
+from kvcanary_cupy.sim.disagg.report import validate
+
+pytest.importorskip("torch.distributed", reason="torch is not installed")
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--steps", "30", "--requests", "12", "--seed", "0", "--backend", "numpy", "--plain"]
+
+
+def kvcanary(*argv: str, timeout: float) -> tuple[subprocess.CompletedProcess[str], float]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "kvcanary_cupy", *argv], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+    return done, time.monotonic() - start
+
+
+def test_two_decode_workers_catch_every_transfer_fault_before_the_first_decode_step(tmp_path):
+    done, _ = kvcanary("simulate", "--disaggregated", "--decode-workers", "2", "--inject", "all", *SMALL,
+                       "--json", str(tmp_path / "r.json"), "--html", str(tmp_path / "r.html"), timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert validate(report) == []
+    assert report["passed"]
+    assert [k["kind"] for k in report["kinds"]] == list(TRANSFER_KINDS)
+    for kind in report["kinds"]:
+        assert kind["injected"] >= 1 and kind["status"] == "detected", kind
+        assert kind["caught_at"] == {"transfer verify": kind["injected"]}, kind
+    for fault in report["faults"]:
+        assert fault["detected"] and fault["latency_steps"] == 0, fault
+        assert fault["side"] == TRANSFER_KINDS[fault["kind"]].side
+    assert {f["side"] for f in report["faults"]} == {"sender", "receiver"}
+    v = report["violations"]
+    assert v["false_positives"] == 0 and v["explained"] == v["total"] > 0 and not v["status"]
+    workers = report["disaggregated"]["workers"]
+    assert [w["worker"] for w in workers] == [1, 2]
+    prefill = report["disaggregated"]["prefill"]
+    assert sum(w["requests"] for w in workers) == prefill["requests"] == 12
+    assert sum(w["kv_bytes"] for w in workers) == prefill["kv_bytes"]
+    for w in workers:
+        assert w["requests"] == 6  # round robin
+        assert w["accepted"] + w["rejected"] == w["requests"]
+        assert w["canary_share"] == pytest.approx(w["canary_bytes"] / w["kv_bytes"])
+    # Clean transfers went through: accepted requests were decoded, and none of that raised a violation.
+    assert report["workload"]["decode_tokens"] > 0
+    assert sum(w["finished"] for w in workers) >= 1
+    assert "caught at" in done.stdout and "decode worker 2:" in done.stdout and "PASS" in done.stdout
+    assert "Transfers per decode worker" in (tmp_path / "r.html").read_text()
+
+
+def test_a_killed_decode_worker_is_reported_and_the_run_fails_fast():
+    done, seconds = kvcanary("simulate", "--disaggregated", "--decode-workers", "2", *SMALL, "--quiet",
+                             "--kill-decode-worker", "2@3", "--transfer-timeout", "20", timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "decode worker 2 died (killed by SIGKILL)" in done.stderr
+    assert "lost decode worker 2" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert seconds < 60  # a dead peer is seen at once, not after the transfer timeout (20 s)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--preset", "mixed"], "has an SWA or EAGLE group"),
+    (["--inject", "kv-bitflip"], "unknown fault kind 'kv-bitflip'"),
+    (["--inject", "page-swap:3"], "the rate must be in (0, 1]"),
+    (["--kill-decode-worker", "3@1"], "the worker must be in 1..2"),
+    (["--kill-decode-worker", "soon"], "expected WORKER@STEP"),
+    (["--dump-failures", "x"], "--dump-failures does not apply to --disaggregated"),
+])
+def test_bad_disaggregated_arguments_give_a_message_and_status_2(argv, message, capsys):
+    assert main(["simulate", "--disaggregated", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_the_kill_drill_needs_disaggregated(capsys):
+    assert main(["simulate", "--kill-decode-worker", "1@1"]) == 2
+    assert "--kill-decode-worker needs --disaggregated" in capsys.readouterr().err
+
+
+def test_schedule_places_every_kind_once_after_the_warmup_and_retries_what_could_not_be_placed_last():
+    schedule = FaultSchedule({"page-drop": 1e-9, "page-swap": 1e-9, "slot-owned": 1e-9}, warmup=2,
+                             rng=np.random.default_rng(0))
+    assert [schedule.next() for _ in range(3)] == [None, None, "page-drop"]
+    schedule.retry("page-drop")  # could not be placed: the other kinds go first
+    assert [schedule.next() for _ in range(3)] == ["page-swap", "slot-owned", "page-drop"]
+    assert schedule.next() is None
+
+
+def test_sender_side_damage_changes_exactly_what_it_reports():
+    rng = np.random.default_rng(3)
+    kv = rng.integers(-(1 << 62), 1 << 62, size=(40, 8), dtype=np.int64)
+    records = rng.integers(-(1 << 62), 1 << 62, size=(2, 40, 4), dtype=np.int64)
+    swapped = kv.copy()
+    i, j = swap_pages(swapped, 16, rng)
+    assert sorted(differing_positions(kv, swapped).tolist()) == sorted([*range(16 * i, 16 * i + 16),
+                                                                          *range(16 * j, 16 * j + 16)])
+    assert swap_pages(kv[:20].copy(), 16, rng) is None  # one whole page: nothing to swap with
+    flipped = kv.copy()
+    position, word, bit = flip_kv_bit(flipped, 4, partial=True, rng=rng)
+    assert differing_positions(kv, flipped).tolist() == [position] and word % 4 < 2  # PARTIAL reads 16 bytes
+    assert (kv ^ flipped).view(np.uint64)[position, word] == np.uint64(1 << bit)
+    damaged = records.copy()
+    buffer, position, field, bit = flip_record_bit(damaged, rng)
+    assert differing_positions(records, damaged, axis=1).tolist() == [position]
+    assert (records ^ damaged).view(np.uint64)[buffer, position, field] == np.uint64(1 << bit)
