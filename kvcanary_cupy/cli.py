@@ -296,13 +296,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 def _cmd_simulate_transformers(args: argparse.Namespace) -> int:
     try:
-        from .integrations.transformers.simulate import (
-            config_from_args,
-            print_report,
-            run_quietly,
-            write_html,
-            write_json,
-        )
+        from .integrations.transformers.report import print_report, write_html, write_json
+        from .integrations.transformers.simulate import config_from_args, run_quietly
     except ImportError as exc:
         raise BadArguments(f"--engine transformers needs torch and transformers: {exc}") from None
     try:
