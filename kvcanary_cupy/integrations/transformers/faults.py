@@ -304,6 +304,8 @@ class CopyCorrupt(Injector):
     kind = "copy-corrupt"
 
     def on_block_copy(self, canary: Any, step: int, allocator: Any, sources: list[int], dests: list[int]) -> None:
+        import torch
+
         if not self.armed or step < self.at or not dests:
             return
         dest = int(dests[0])
@@ -313,7 +315,7 @@ class CopyCorrupt(Injector):
         kv = int(self.rng.integers(2))
         slot = dest * stride  # the block's first token: written by the parent, read by the child
         byte = (slot + (2 * layer + kv) * ps) * row_bytes + int(self.rng.integers(16))
-        flat = allocator._copy_view.view(-1)
+        flat = allocator.cache_tensor.view(-1).view(torch.uint8)  # the whole flat cache, from its first byte
         flat[byte] = int(flat[byte]) ^ (1 << int(self.rng.integers(8)))
         self.fault = InjectedFault(self.kind, step, "SWA" if getattr(allocator, "sliding_window", 0) else "FULL",
                                    "-", None, slot, f"copy of block {int(sources[0])} into block {dest} came out "
