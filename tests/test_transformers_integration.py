@@ -189,6 +189,25 @@ def test_each_fault_kind_is_detected_with_reason_and_step(models, workload, kind
         assert first.violation.slot == fault.slot and first.violation.position == fault.position
 
 
+def test_bitflip_in_a_sliding_window_layer_is_found_by_the_swa_group(models):
+    w = WORKLOADS["sliding-window"]
+    model = models[w.arch]
+    canary = install(model)
+    injector = make_injector("kv-bitflip", at=4, seed=1)  # this seed picks the sliding-window group
+    canary.observers.append(injector)
+    w.run(model)
+    canary.finish()
+    canary.remove()
+    fault = injector.fault
+    assert fault is not None and fault.group == "SWA"
+    assert [v for v in canary.violations if v.step < fault.step] == []
+    first = next(v for v in canary.violations if v.step >= fault.step)
+    assert first.step == fault.step and first.group == "SWA"
+    assert first.violation.launch_tag.startswith("TAIL_") and first.violation.launch_tag.endswith("_SWA")
+    assert (first.violation.slot, first.violation.position) == (fault.slot, fault.position)
+    assert first.violation.reasons == ("VERIFY_REAL_KV_HASH_MISMATCH",)
+
+
 def test_sweep_verifies_cached_blocks_cleanly_and_finds_a_flipped_bit_in_one(models):
     """The blocks the engine keeps for prefix reuse are swept; a bit flipped in one is found there."""
     w = WORKLOADS["shared-prefix"]

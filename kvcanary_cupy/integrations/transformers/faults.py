@@ -100,12 +100,14 @@ class KvBitflip(Injector):
     def after_forward(self, canary: Any, step: int, batch: Any, cache: Any) -> None:
         if not self.armed or step < self.at:
             return
-        geo = self._target_group(canary, cache)
+        geos = canary.states[id(cache)].geos
+        geo = geos[int(self.rng.integers(len(geos)))]  # any attention group, sliding windows included
         for i, future in enumerate(self._requests):
             total = int(batch.prefix_lens[i] + batch.extend_lens[i])
             if not _continuing(future) or total < 2:
                 continue
-            first_live = max(0, total - geo.window) if geo.window else 0
+            # a position the next step still verifies (a sliding window drops one more position per step)
+            first_live = max(0, total + 1 - geo.window) if geo.window else 0
             pos = int(self.rng.integers(first_live, total - 1))
             slot = batch.slot(geo, i, pos)
             layer = int(self.rng.integers(len(geo.layer_indices)))
