@@ -6,6 +6,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 # torch pinned: that CPU build lies on this image's disk; a bare `torch` would pull a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
+# The transformers integration is tested against this minor release (see the transformers extra).
+TRANSFORMERS := transformers==5.24.*
 
 .PHONY: demo test bench lint typecheck gpu-check clean
 
@@ -17,7 +19,7 @@ $(VENV)/.base: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.test: pyproject.toml $(VENV)/.base
-	$(BIN)/python -m pip install -q -e '.[report,test,dev,nvrtc12]' $(TORCH_CPU)
+	$(BIN)/python -m pip install -q -e '.[report,test,dev,nvrtc12]' $(TORCH_CPU) '$(TRANSFORMERS)'
 	touch $@
 
 demo: $(VENV)/.base

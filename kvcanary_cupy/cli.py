@@ -103,6 +103,7 @@ examples:
   {PROG} simulate --preset decode --steps 100             (a clean run must show no violation)
   {PROG} simulate --preset swa --inject swa-early-evict:0.1 --inject kv-bitflip
   {PROG} simulate --inject all --seed 7 --json report/run.json --html report/run.html --dump-failures report/dumps
+  {PROG} simulate --engine transformers --inject all   (the canary inside transformers' continuous batching)
   {PROG} replay report/dumps/kv-bitflip-seed7-step7-TAIL_K_FULL-verify.npz --backend host --sanitize
   {PROG} simulate --disaggregated --decode-workers 2 --inject all --steps 60 --requests 16
 
@@ -157,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "faults, and report per fault kind what was detected, how fast, the false positives and "
                          "the canary's cost.", epilog=_simulate_epilog(),
                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    sim.add_argument("--engine", choices=["synthetic", "transformers"], default="synthetic",
+                     help="synthetic (this project's engine) or transformers (Hugging Face continuous batching with "
+                     "a random-weight model; needs the transformers extra; --preset/--steps/--requests/"
+                     "--warmup/--cooldown/--dump-failures/--layout do not apply)")
+    sim.add_argument("--model-size", choices=["small", "medium"], default="small",
+                     help="--engine transformers: small (hidden 64, 2 layers) or medium (~58M params)")
     sim.add_argument("--preset", choices=list(PRESETS), default=None,
                      help="scenario (default: mixed; decode with --disaggregated)")
     sim.add_argument("--steps", type=_positive, default=200, help="engine steps to run (default: 200)")
@@ -278,6 +285,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from .sim.report import ProgressDisplay, print_report, write_html, write_json
     from .sim.runner import SimConfig, Simulation, applicable_kinds
 
+    if args.engine == "transformers":
+        return _cmd_simulate_transformers(args)
     if args.disaggregated:
         return _cmd_simulate_disaggregated(args)
     if args.kill_decode_worker is not None:
@@ -304,6 +313,24 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         if sim.recorder.dumped:
             first = next(iter(sim.recorder.dumped.values()))
             print(f"replay one on the CPU with: {PROG} replay {first} --backend host --sanitize", file=human)
+    return int(report["exit_code"])
+
+
+def _cmd_simulate_transformers(args: argparse.Namespace) -> int:
+    try:
+        from .integrations.transformers.report import print_report, write_html, write_json
+        from .integrations.transformers.simulate import config_from_args, run_quietly
+    except ImportError as exc:
+        raise BadArguments(f"--engine transformers needs torch and transformers: {exc}") from None
+    try:
+        if args.disaggregated:
+            raise ValueError("--disaggregated does not apply to --engine transformers")
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        raise BadArguments(str(exc)) from None
+    _check_outputs(args)
+    report = run_quietly(cfg, progress=not args.quiet)
+    _emit(args, report, print_report, write_json, write_html)
     return int(report["exit_code"])
 
 

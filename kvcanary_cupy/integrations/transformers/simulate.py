@@ -1,0 +1,233 @@
+"""``kvcanary simulate --engine transformers``: the canary inside Hugging Face transformers' continuous batching,
+clean runs and runs with faults injected into the real KV cache, reported like the synthetic engine's runs.
+
+For every workload (see :mod:`.workloads`): one ``generate_batch`` without the canary (the reference tokens),
+one with it (the tokens must be identical and no violation may be read: any is a false positive), then one run
+per requested fault kind with that single fault armed at ``inject_at`` (it fires at the first step from there
+that has a target). In a fault run, violations from launches before the fault took effect are false positives;
+those from its step on are attributed to it. The first one read is its detection (the canary reads its ring one
+step after the launch, as an engine must), and its latency is counted from the step the fault took effect.
+Steps are numbered globally across runs for the timeline. Exit status as for the synthetic engine: 0 when every
+run is token-exact without faults, every requested kind was injected and detected in every run that injected it,
+and nothing else was flagged; 1 when anything failed; 4 (inconclusive) when nothing failed but a requested kind
+found no target in any workload.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from .canary import CanaryOptions, StepViolation
+from .faults import FAULT_KINDS, Injector, make_injector
+from .hooks import TransformersCanary, install
+from .workloads import MODEL_SIZES, Workload, build_model, workloads
+
+
+@dataclass(frozen=True)
+class TransformersSimConfig:
+    model_size: str = "small"
+    inject: tuple[str, ...] = ()
+    seed: int = 0
+    backend: str = "auto"
+    real_kv_hash: str = "partial"
+    with_v: bool = True
+    inject_at: int = 4
+    sweep_interval: int = 8
+    workloads: tuple[str, ...] = ()  # empty: all
+
+    def validate(self) -> None:
+        from ..._errors import fail
+        from ._version import check_version
+
+        check_version()
+        if self.model_size not in MODEL_SIZES:
+            fail(f"--model-size must be one of {', '.join(MODEL_SIZES)}, got {self.model_size!r}")
+        for kind in self.inject:
+            if kind not in FAULT_KINDS:
+                fail(f"unknown fault kind {kind!r} for --engine transformers; choose from {', '.join(FAULT_KINDS)}")
+        if self.backend not in ("auto", "numpy", "host"):
+            fail(f"--backend {self.backend} is not available with --engine transformers on a CPU model "
+                 "(use auto, numpy or host)")
+        known = workloads()
+        for name in self.workloads:
+            if name not in known:
+                fail(f"unknown workload {name!r}; choose from {', '.join(known)}")
+
+
+class WorkloadStats:
+    """Counts what the engine did in a run, from the canary's batch hook (no engine internals beyond it)."""
+
+    def __init__(self) -> None:
+        self.prefill_tokens = 0
+        self.decode_tokens = 0
+        self.prefix_tokens_reused = 0
+        self.soft_resets = 0
+        self.peak_batch = 0
+        self._seen: dict[str, int] = {}
+
+    def before_batch(self, canary: Any, step: int, kwargs: dict[str, Any], requests: list[Any], cache: Any) -> None:
+        self.peak_batch = max(self.peak_batch, len(requests))
+        for future in requests:
+            state, q = future.state, int(future.query_length)
+            past = int(state.position_offset) - q
+            rid = state.request_id
+            if rid not in self._seen:
+                self.prefix_tokens_reused += past
+            elif past == 0 and self._seen[rid] > 0:
+                self.soft_resets += 1
+            self._seen[rid] = past + q
+            prompt = max(0, min(past + q, len(state.initial_tokens)) - past)
+            self.prefill_tokens += prompt
+            self.decode_tokens += q - prompt
+
+    def on_layer_write(self, canary: Any, step: int, allocator: Any, layer_idx: int, write_index: Any) -> Any:
+        return write_index
+
+    def after_forward(self, canary: Any, step: int, batch: Any, cache: Any) -> None:
+        return None
+
+
+@dataclass
+class RunResult:
+    workload: str
+    kind: str | None
+    steps: int
+    step_offset: int
+    tokens: dict[str, list[int]]
+    errors: dict[str, str]
+    violations: list[StepViolation]
+    fault: Any
+    stats: WorkloadStats
+    seconds: dict[str, float]
+    wall: float
+    counters: dict[str, int]
+    status_bits: int
+    dropped: int
+    health_problems: list[tuple[int, str]]
+
+
+@dataclass
+class TransformersSimulation:
+    cfg: TransformersSimConfig
+    runs: list[RunResult] = field(default_factory=list)
+    token_exact: dict[str, bool] = field(default_factory=dict)
+    reference_wall: dict[str, float] = field(default_factory=dict)
+    model_params: int = 0
+
+    def _run(self, model: Any, w: Workload, kind: str | None, offset: int, injector: Injector | None) -> RunResult:
+        opts = CanaryOptions(mode="log", real_kv_hash=self.cfg.real_kv_hash, with_v=self.cfg.with_v,
+                             backend=self.cfg.backend, sweep_interval=self.cfg.sweep_interval)
+        canary: TransformersCanary = install(model, opts)
+        stats = WorkloadStats()
+        canary.observers.append(stats)
+        if injector is not None:
+            canary.observers.append(injector)
+        start = time.perf_counter()
+        try:
+            out = w.run(model)
+            wall = time.perf_counter() - start
+            canary.finish()
+        finally:
+            canary.remove()
+            if injector is not None:
+                injector.close()
+        seconds: Counter[str] = Counter()
+        counters: Counter[str] = Counter()
+        status = dropped = 0
+        health: list[tuple[int, str]] = []
+        for st in canary.states.values():
+            health += st.health_problems
+            seconds.update(st.seconds)
+            counters.update(st.counters())
+            status |= st.status_bits
+            dropped += st.dropped
+        return RunResult(w.name, kind, canary.steps, offset, {rid: list(r.generated_tokens) for rid, r in out.items()},
+                         {rid: str(r.error) for rid, r in out.items() if r.error is not None}, canary.violations,
+                         None if injector is None else injector.fault, stats, dict(seconds), wall, dict(counters),
+                         status, dropped, health)
+
+    def run(self, progress: Any = None) -> dict[str, Any]:
+        self.cfg.validate()
+        start = time.perf_counter()
+        chosen = workloads(seed=self.cfg.seed)
+        names = list(self.cfg.workloads) or list(chosen)
+        models: dict[str, Any] = {}
+        offset = 0
+        total = len(names) * (2 + len(self.cfg.inject))
+        done = 0
+        for name in names:
+            w = chosen[name]
+            if w.arch not in models:
+                models[w.arch] = build_model(w.arch, self.cfg.model_size, self.cfg.seed)
+            model = models[w.arch]
+            self.model_params = max(self.model_params, sum(p.numel() for p in model.parameters()))
+            t = time.perf_counter()
+            reference = w.run(model)
+            self.reference_wall[name] = time.perf_counter() - t
+            ref_tokens = {rid: list(r.generated_tokens) for rid, r in reference.items()}
+            done += 1
+            clean = self._run(model, w, None, offset, None)
+            offset += clean.steps + 1
+            self.runs.append(clean)
+            self.token_exact[name] = clean.tokens == ref_tokens and not clean.errors
+            done += 1
+            if progress is not None:
+                progress(done, total, f"{name}: clean run, {len(clean.violations)} violation(s)")
+            for i, kind in enumerate(self.cfg.inject):
+                injector = make_injector(kind, self.cfg.inject_at, seed=self.cfg.seed * 100 + i,
+                                         vocab_size=int(model.config.vocab_size))
+                result = self._run(model, w, kind, offset, injector)
+                offset += result.steps + 1
+                self.runs.append(result)
+                done += 1
+                if progress is not None:
+                    progress(done, total, f"{name}: {kind}")
+        self.wall = time.perf_counter() - start
+        self.total_steps = offset
+        from .report import build_report
+
+        return build_report(self)
+
+
+def config_from_args(args: Any) -> TransformersSimConfig:
+    """The run's configuration from ``kvcanary simulate --engine transformers`` arguments (ValueError if bad)."""
+    inject: list[str] = []
+    for item in args.inject:
+        for name in item.split(","):
+            name = name.split(":", 1)[0].strip()
+            if name == "all":
+                inject.extend(k for k in FAULT_KINDS if k not in inject)
+            elif name and name not in inject:
+                inject.append(name)
+    cfg = TransformersSimConfig(model_size=args.model_size, inject=tuple(inject), seed=args.seed,
+                                backend=args.backend, real_kv_hash=args.real_kv_hash, with_v=True,
+                                sweep_interval=args.sweep_interval)
+    cfg.validate()
+    return cfg
+
+
+def run_quietly(cfg: TransformersSimConfig, *, progress: bool = True) -> dict[str, Any]:
+    """Run and return the report; one progress line per ``generate_batch`` on standard error when asked."""
+    import logging
+
+    import transformers
+
+    def show(done: int, total: int, what: str) -> None:
+        if progress:
+            print(f"run {done}/{total}: {what}", file=sys.stderr, flush=True)
+
+    # The report carries every violation; one log record per row would bury the table (the engine's own
+    # CPU-sizing notices too).
+    canary_logger = logging.getLogger("kvcanary_cupy.transformers")
+    level, tf_level = canary_logger.level, transformers.logging.get_verbosity()
+    canary_logger.setLevel(logging.ERROR)
+    transformers.logging.set_verbosity_error()
+    try:
+        return TransformersSimulation(cfg).run(show)
+    finally:
+        canary_logger.setLevel(level)
+        transformers.logging.set_verbosity(tf_level)

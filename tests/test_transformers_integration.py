@@ -1,0 +1,381 @@
+"""The canary installed in Hugging Face transformers' continuous batching (CPU torch, random-weight models).
+
+Oracles: the tokens ``generate_batch`` returns without the canary; the engine's own per-layer K/V views
+(``allocator._kv_token_views``) hashed by the scalar oracle in ``tests/oracle.py``; the fault's own record of
+where and when it struck.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from oracle import fold_source_bytes, splitmix64
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from transformers.generation.continuous_batching.cache_allocators.cache_allocator import CacheAllocator
+from transformers.generation.continuous_batching.cache_allocators.cache_pool import CachePool
+from transformers.generation.continuous_batching.cache_allocators.full_attention import FullAttentionCacheAllocator
+from transformers.generation.continuous_batching.cache_allocators.sliding_attention import (
+    SlidingAttentionCacheAllocator,
+)
+from transformers.generation.continuous_batching.requests import FutureRequestState, RequestState
+
+from kvcanary_cupy import CanaryArgumentError
+from kvcanary_cupy.cli import main
+from kvcanary_cupy.integrations.transformers import CanaryOptions, check_version, install
+from kvcanary_cupy.integrations.transformers.faults import FAULT_KINDS, make_injector
+from kvcanary_cupy.integrations.transformers.simulate import WorkloadStats
+from kvcanary_cupy.integrations.transformers.workloads import (
+    build_model,
+    cb_config,
+    generate,
+    generation_config,
+    workloads,
+)
+
+WORKLOADS = workloads()
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {arch: build_model(arch) for arch in ("llama", "gemma3")}
+
+
+def _generate_raw(model, w):
+    return w.run(model)
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_generation_is_token_exact_and_clean_with_the_canary(models, name):
+    w = WORKLOADS[name]
+    model = models[w.arch]
+    reference = generate(model, w)
+    canary = install(model)
+    stats = WorkloadStats()
+    canary.observers.append(stats)
+    with_canary = generate(model, w)
+    canary.finish()
+    canary.remove()
+    assert with_canary == reference
+    assert canary.violations == []
+    # The canary really ran: every token the engine processed was stamped into the HEAD buffer of the full
+    # group, and every endpoint of every group verified something; the runtime's health check agrees.
+    (state,) = canary.states.values()
+    groups = state.rt.groups
+    tokens = stats.prefill_tokens + stats.decode_tokens
+    assert int(groups["FULL"].endpoints["HEAD"][0].write_ctx.slot_run_counter[0]) == tokens
+    for g in groups.values():
+        assert all(int(ep.verify_ctx.slot_run_counter[0]) > 0 for ep in g.endpoints["HEAD"] + g.endpoints["TAIL"])
+    assert ("SWA" in groups) == (w.arch == "gemma3")
+    assert state.health_problems == [] and state.status_bits == 0
+    # The workload exercised what it is named after.
+    if name == "shared-prefix":
+        assert stats.prefix_tokens_reused >= 2 * 24 - 8
+    if name == "queueing":
+        assert stats.soft_resets > 0 and stats.peak_batch < len(w.prompts)
+    if name == "mixed-lengths":
+        assert stats.peak_batch > 1
+    if name == "forks":
+        assert len(with_canary) == w.num_results and any("__child#" in rid for rid in with_canary)
+
+
+def test_mode_off_launches_nothing_and_changes_nothing(models):
+    w = WORKLOADS["mixed-lengths"]
+    model = models[w.arch]
+    reference = generate(model, w)
+    canary = install(model, mode="off")
+    assert generate(model, w) == reference
+    canary.finish()
+    canary.remove()
+    (state,) = canary.states.values()
+    assert state.rt.groups == {} and canary.violations == [] and canary.steps > 0
+
+
+def test_real_kv_fingerprints_are_the_engine_memory(models):
+    """TAIL records hold the fingerprint of the bytes the engine's own per-layer views show for that slot."""
+    w = WORKLOADS["sliding-window"]
+    model = models[w.arch]
+    canary = install(model, CanaryOptions(real_kv_hash="all"))
+    checked = []
+
+    class Check:
+        def before_batch(self, canary, step, kwargs, requests, cache):
+            pass
+
+        def on_layer_write(self, canary, step, allocator, layer_idx, write_index):
+            return write_index
+
+        def after_forward(self, canary, step, batch, cache):
+            state = canary.states[id(cache)]
+            for geo in state.geos:
+                alloc = geo.allocator
+                groups = [g for g in state.rt.groups.values() if g.model == alloc.layer_type]
+                for slot in {int(s) for s in batch.head_locs[geo.index] if s >= 0}:
+                    for ep in (ep for g in groups for ep in g.endpoints["TAIL"]):
+                        total = 0
+                        for src in ep.write_ctx.real_kv_sources:
+                            layer, kind = _engine_view_of(src, alloc)
+                            row = alloc._kv_token_views[layer][kind][slot].contiguous().view(torch.uint8)
+                            data = row.numpy().tobytes()
+                            total = splitmix64(total ^ fold_source_bytes(data, len(data)))
+                        stored = int(np.asarray(ep.write_ctx.canary_buf[slot]).view(np.uint64)[3])
+                        assert stored == total, (step, geo.name, slot)
+                        checked.append(slot)
+
+    canary.observers.append(Check())
+    generate(model, w)
+    canary.remove()
+    assert len(checked) > 100
+
+
+def _engine_view_of(src, alloc):
+    """(layer, 0 for K / 1 for V) of the engine's own per-layer view starting where the source starts."""
+    base = src.byte_rows.ctypes.data
+    for layer, views in alloc._kv_token_views.items():
+        for kind in (0, 1):
+            if views[kind].data_ptr() == base:
+                return layer, kind
+    raise AssertionError("a real-KV source does not start at any of the engine's K/V views")
+
+
+EXPECTED_REASONS = {
+    "kv-bitflip": {"VERIFY_REAL_KV_HASH_MISMATCH"},
+    "block-table": {"VERIFY_TOKEN_MISMATCH", "VERIFY_CHAIN_HASH_MISMATCH", "VERIFY_POSITION_MISMATCH"},
+    "kv-write-skip": {"VERIFY_POSITION_MISMATCH", "VERIFY_TOKEN_MISMATCH", "VERIFY_CHAIN_HASH_MISMATCH",
+                      "VERIFY_REAL_KV_HASH_MISMATCH"},
+    "kv-misdirect": {"VERIFY_REAL_KV_HASH_MISMATCH"},
+    "wrong-token": {"WRITE_TOKEN_MISMATCH"},
+    "double-alloc": {"VERIFY_POSITION_MISMATCH", "VERIFY_TOKEN_MISMATCH", "VERIFY_REAL_KV_HASH_MISMATCH",
+                     "VERIFY_CHAIN_HASH_MISMATCH"},
+    "copy-corrupt": {"VERIFY_REAL_KV_HASH_MISMATCH"},
+}
+
+
+@pytest.mark.parametrize("workload,kind", [("mixed-lengths", k) for k in FAULT_KINDS if k != "copy-corrupt"]
+                         + [("sliding-window", k) for k in ("kv-bitflip", "wrong-token", "kv-write-skip")]
+                         + [("forks", "copy-corrupt")])
+def test_each_fault_kind_is_detected_with_reason_and_step(models, workload, kind):
+    w = WORKLOADS[workload]
+    model = models[w.arch]
+    canary = install(model)
+    injector = make_injector(kind, at=4, seed=3, vocab_size=int(model.config.vocab_size))
+    canary.observers.append(injector)
+    _generate_raw(model, w)
+    canary.finish()
+    canary.remove()
+    injector.close()
+    fault = injector.fault
+    assert fault is not None, f"{kind}: no target found"
+    assert fault.step >= 4
+    before = [v for v in canary.violations if v.step < fault.step]
+    after = [v for v in canary.violations if v.step >= fault.step]
+    assert before == []
+    assert after, f"{kind} injected at step {fault.step} ({fault.detail}) was not detected"
+    first = after[0]
+    if kind == "copy-corrupt":  # found when the forked child is first scheduled, at the copied slot
+        assert first.violation.slot == fault.slot and first.step <= fault.step + 3
+    else:  # found by the launches of the step it struck or the next one
+        assert first.step <= fault.step + 1
+    assert set(first.violation.reasons) & EXPECTED_REASONS[kind]
+    if kind == "wrong-token":
+        assert first.step == fault.step and first.violation.launch_tag.startswith("HEAD_K")
+        assert first.violation.position == fault.position
+    if kind == "kv-bitflip":
+        assert first.violation.slot == fault.slot and first.violation.position == fault.position
+
+
+def test_bitflip_in_a_sliding_window_layer_is_found_by_the_swa_group(models):
+    w = WORKLOADS["sliding-window"]
+    model = models[w.arch]
+    canary = install(model)
+    injector = make_injector("kv-bitflip", at=4, seed=1)  # this seed picks the sliding-window group
+    canary.observers.append(injector)
+    w.run(model)
+    canary.finish()
+    canary.remove()
+    fault = injector.fault
+    assert fault is not None and fault.group == "SWA"
+    assert [v for v in canary.violations if v.step < fault.step] == []
+    first = next(v for v in canary.violations if v.step >= fault.step)
+    assert first.step == fault.step and first.group == "SWA"
+    assert first.violation.launch_tag.startswith("TAIL_") and first.violation.launch_tag.endswith("_SWA")
+    assert (first.violation.slot, first.violation.position) == (fault.slot, fault.position)
+    assert first.violation.reasons == ("VERIFY_REAL_KV_HASH_MISMATCH",)
+
+
+def test_sweep_verifies_cached_blocks_cleanly_and_finds_a_flipped_bit_in_one(models):
+    """The blocks the engine keeps for prefix reuse are swept; a bit flipped in one is found there."""
+    w = WORKLOADS["shared-prefix"]
+    model = models[w.arch]
+    canary = install(model, CanaryOptions(sweep_interval=1))
+    generate(model, w)
+    canary.finish()
+    canary.remove()
+    (state,) = canary.states.values()
+    assert canary.violations == [] and state.rt.stats()["swept_slots"] > 0
+
+    flipped = {}
+
+    class FlipCachedBlock:
+        def before_batch(self, canary, step, kwargs, requests, cache):
+            pass
+
+        def on_layer_write(self, canary, step, allocator, layer_idx, write_index):
+            return write_index
+
+        def after_forward(self, canary, step, batch, cache):
+            state = canary.states[id(cache)]
+            geo = state.geos[0]
+            cached = [b for b in geo.allocator.ledger.cached_blocks if b in state.block_index]
+            if flipped or not cached:
+                return
+            slot = cached[0] * geo.stride + 1
+            byte = slot * geo.row_bytes  # K of the group's first layer, first byte of the row
+            cache.cache_tensor[byte] ^= 4
+            flipped.update(step=step, slot=slot)
+
+    w = WORKLOADS["mixed-lengths"]
+    canary = install(model, CanaryOptions(sweep_interval=1))
+    canary.observers.append(FlipCachedBlock())
+    generate(model, w)
+    canary.finish()
+    canary.remove()
+    assert flipped, "no block was ever cached"
+    assert [v for v in canary.violations if v.step <= flipped["step"]] == []
+    hits = [v for v in canary.violations if v.violation.slot == flipped["slot"]]
+    assert hits and hits[0].violation.launch_tag == "SWEEP_K_FULL"
+    assert hits[0].violation.reasons == ("VERIFY_REAL_KV_HASH_MISMATCH",)
+    assert hits[0].step == flipped["step"] + 1
+
+
+def test_raise_mode_stops_the_engine_loop_with_the_violation(models):
+    w = WORKLOADS["mixed-lengths"]
+    model = models[w.arch]
+    canary = install(model, mode="raise")
+    canary.observers.append(make_injector("kv-bitflip", at=3, seed=1))
+    out = _generate_raw(model, w)
+    canary.remove()
+    errors = [str(r.error) for r in out.values() if r.error is not None]
+    assert errors and all("new violation(s)" in e for e in errors)
+    assert "reasons=verify_real_kv_hash" in errors[0]
+
+
+def test_remove_restores_the_engine_methods(models):
+    model = models["llama"]
+    w = WORKLOADS["mixed-lengths"]
+    reference = generate(model, w)
+    canary = install(model)
+    assert "init_continuous_batching" in vars(model)
+    with pytest.raises(CanaryArgumentError, match="already installed"):
+        install(model)
+    generate(model, w)
+    (state,) = canary.states.values()
+    allocators = [geo.allocator for geo in state.geos]
+    assert all("update" in vars(a) for a in allocators)
+    canary.remove()
+    assert generate(model, w) == reference  # the engine runs as before
+    assert "init_continuous_batching" not in vars(model) and "_kvcanary" not in vars(model)
+    assert model.init_continuous_batching.__func__ is type(model).init_continuous_batching
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    for a in allocators:
+        assert "update" not in vars(a)
+        assert a.update.__func__ is type(a).update
+
+
+def test_install_on_a_manager(models):
+    w = WORKLOADS["mixed-lengths"]
+    model = models["llama"]
+    reference = generate(model, w)
+    manager = model.init_continuous_batching(generation_config(w.max_new_tokens), cb_config(**w.cb))
+    canary = install(manager)
+    manager.warmup()
+    manager.start()
+    try:
+        ids = manager.add_requests(inputs=[list(p) for p in w.prompts], max_new_tokens=w.max_new_tokens)
+        results = {}
+        while len(results) < len(ids):
+            r = manager.get_result(timeout=30)
+            assert r is not None
+            if r.is_finished():
+                results[r.request_id] = list(r.generated_tokens)
+    finally:
+        manager.stop(block=True, timeout=10)
+        manager.destroy()
+    canary.finish()
+    canary.remove()
+    assert results == reference
+    assert canary.steps > 0 and canary.violations == []
+
+
+# Internal transformers methods the integration patches or calls: a change in any of them must fail here,
+# loudly, before it silently breaks the hooks (see the README section on transformers).
+INTERNAL_SIGNATURES = {
+    FullAttentionCacheAllocator.update: ["self", "key_states", "value_states", "layer_idx", "read_index",
+                                         "write_index"],
+    SlidingAttentionCacheAllocator.update: ["self", "key_states", "value_states", "layer_idx", "read_index",
+                                            "write_index"],
+    CachePool.get_free_blocks: ["self", "index", "num_blocks"],
+    CacheAllocator.copy_blocks: ["self", "source_block_ids", "dest_block_ids"],
+    PagedAttentionCache.update: ["self", "key_states", "value_states", "layer_idx", "kwargs"],
+}
+
+
+def test_internal_transformers_api_is_the_one_the_hooks_were_written_for(models):
+    for fn, params in INTERNAL_SIGNATURES.items():
+        assert list(inspect.signature(fn).parameters) == params, fn.__qualname__
+    assert FutureRequestState.__slots__ == ("state", "has_new_token", "complete_blocks", "query_length")
+    fields = set(RequestState.__dataclass_fields__)
+    assert {"request_id", "initial_tokens", "generated_tokens", "position_offset", "max_new_tokens"} <= fields
+    w = WORKLOADS["sliding-window"]
+    manager = models["gemma3"].init_continuous_batching(generation_config(4), cb_config(**w.cb))
+    manager.warmup()  # builds the batch processor and its cache in this thread, runs no forward on CPU
+    try:
+        processor = manager.batch_processor
+        assert isinstance(processor.cache, PagedAttentionCache)
+        assert isinstance(processor.inputs_and_outputs.requests_in_batch, list)
+        cache = processor.cache
+        assert cache.cache_tensor.dtype == torch.uint8 and cache.cache_tensor.dim() == 1
+        assert [type(a) for a in cache.cache_allocators.values()] == [SlidingAttentionCacheAllocator,
+                                                                      FullAttentionCacheAllocator]
+        for a in cache.cache_allocators.values():
+            for attr in ("tokens_per_page", "block_physical_stride", "layer_indices", "num_key_value_heads",
+                         "head_dim", "bytes_per_block", "write_trash_index", "block_table", "pool", "index"):
+                assert hasattr(a, attr), attr
+        assert cache.cache_allocators["sliding_attention"].sliding_window == 8
+        assert isinstance(cache.cache_allocators["full_attention"].ledger.cached_blocks, dict)
+    finally:
+        manager.destroy()
+
+
+def test_unsupported_transformers_versions_are_refused_naming_the_range():
+    assert check_version() == transformers.__version__
+    assert check_version("5.24.7") == "5.24.7"
+    for bad in ("5.23.0", "5.25.0", "4.57.1", "6.0"):
+        with pytest.raises(CanaryArgumentError, match=r"supported: transformers>=5\.24,<5\.25"):
+            check_version(bad)
+
+
+def test_simulate_engine_transformers_reports_and_exits_zero(tmp_path, capsys):
+    path = tmp_path / "tf.json"
+    status = main(["simulate", "--engine", "transformers", "--inject", "kv-bitflip", "--quiet", "--plain", "--json",
+                   str(path)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    report = json.loads(path.read_text())
+    assert report["passed"] and report["violations"]["false_positives"] == 0
+    assert [k["kind"] for k in report["kinds"]] == ["kv-bitflip"]
+    assert all(k["detected"] == k["injected"] >= len(WORKLOADS) - 1 for k in report["kinds"])
+    assert all(w["token_exact"] for w in report["workloads"]) and len(report["workloads"]) == len(WORKLOADS)
+    assert "fault kind" in out and "PASS" in out
+
+
+def test_simulate_engine_transformers_refuses_what_it_cannot_run(capsys):
+    assert main(["simulate", "--engine", "transformers", "--backend", "cuda", "--quiet"]) == 2
+    assert "not available with --engine transformers" in capsys.readouterr().err
+    assert main(["simulate", "--engine", "transformers", "--inject", "swa-early-evict", "--quiet"]) == 2
+    assert "unknown fault kind 'swa-early-evict' for --engine transformers" in capsys.readouterr().err
