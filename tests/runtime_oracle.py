@@ -79,11 +79,11 @@ class ProtocolOracle:
         self._collect(g, state, step, before)
 
     def _write(self, g: OracleGroup, state: o.CanaryState, role: str, kv: str, step: int, sources: list[Any],
-               mode: int) -> None:
+               mode: int, out_cache_loc: Any = None) -> None:
         b, plan = self.batches[g.model], g.plan
         assert plan is not None
         before = len(state.rows)
-        locs = g.translate([int(x) for x in b["out_cache_loc"]])
+        locs = g.translate([int(x) for x in (b["out_cache_loc"] if out_cache_loc is None else out_cache_loc)])
         o.write_oracle(
             state, kernel_kind=g.tag(role, kv), write_offsets=plan.write_offsets, write_seed_slot_indices=plan.seeds,
             write_num_valid_reqs=plan.write_num_valid_reqs, input_ids=b["input_ids"], positions=b["positions"],
@@ -107,13 +107,26 @@ class ProtocolOracle:
                 self._verify(g, g.head[kv], "HEAD", kv, step, g.plan.entries or [], self.check_tokens, [], o.MODE_NONE)
                 self._write(g, g.head[kv], "HEAD", kv, step, [], o.MODE_NONE)
 
-    def post_forward(self, step: int, model: str = "target") -> None:
+    def post_forward(self, step: int, model: str = "target", out_cache_loc: Any = None) -> None:
+        """``out_cache_loc``: the slots the forward really wrote, which the TAIL writes stamp (default: the
+        batch's)."""
         for g in (g for g in self.groups if g.model == model):
             assert g.plan is not None
             for kv in g.kvs:
                 self._verify(g, g.tail[kv], "TAIL", kv, step, g.plan.entries or [], self.check_tokens,
                              g.sources[kv], self.mode)
-                self._write(g, g.tail[kv], "TAIL", kv, step, g.sources[kv], self.mode)
+                self._write(g, g.tail[kv], "TAIL", kv, step, g.sources[kv], self.mode, out_cache_loc)
+
+    def copy_slots(self, src: list[int], dst: list[int], model: str = "target") -> None:
+        """Every HEAD and TAIL record of ``src[i]`` copied to ``dst[i]`` (all read before any is written)."""
+        for g in (g for g in self.groups if g.model == model):
+            pairs = list(zip(g.translate(list(src)), g.translate(list(dst)), strict=True))
+            for states in (g.head, g.tail):
+                for kv in g.kvs:
+                    fields = states[kv].fields
+                    records = [list(fields[s]) for s, _ in pairs]
+                    for (_, d), record in zip(pairs, records, strict=True):
+                        fields[d] = record
 
     def sweep(self, step: int, held: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
         slots, positions, prevs = ([int(x) for x in a] for a in held)

@@ -150,6 +150,8 @@ class ToyEngine:
         """The model writes every new token's KV (bytes derived from token, position, slot) into ``group``."""
         ids = batch["input_ids"] if ids is None else ids
         for t, p, s in zip(ids.tolist(), batch["positions"].tolist(), batch["out_cache_loc"].tolist(), strict=True):
+            if s < 0:  # a write the model lost
+                continue
             slot = int(self.lut[s]) if group == "SWA" else s
             for kv in ("K", "V"):
                 self.kv[group][kv][slot // PAGE, slot % PAGE] = self.kv_bytes(t, p, slot, group, kv)
@@ -167,6 +169,15 @@ class ToyEngine:
             for held in self.slots.values():
                 for s in held[: max(0, len(held) - WINDOW)]:
                     self.lut[s] = 0
+
+    def copy_kv(self, src: list[int], dst: list[int]) -> None:
+        """The engine's own copy of the KV of slots ``src`` to ``dst`` in every group (SWA through the LUT)."""
+        for group, pools in self.kv.items():
+            lut = (lambda s: int(self.lut[s])) if group == "SWA" else (lambda s: s)
+            for pool in pools.values():
+                rows = [pool[lut(s) // PAGE, lut(s) % PAGE].copy() for s in src]
+                for d, row in zip(dst, rows, strict=True):
+                    pool[lut(d) // PAGE, lut(d) % PAGE] = row
 
     def flip_kv_bit(self, group: str, slot: int, kv: str = "K") -> None:
         self.kv[group][kv][slot // PAGE, slot % PAGE, 3] ^= 0x10

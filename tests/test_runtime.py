@@ -57,9 +57,11 @@ def as_dict(batch: StepBatch) -> dict[str, np.ndarray]:
     return {k: v for k, v in vars(batch).items() if v is not None}
 
 
-def drive(engine, rt, oracle=None, *, steps=None, hooks=None, skip=(), init_after=0):
+def drive(engine, rt, oracle=None, *, steps=None, hooks=None, skip=(), init_after=0, tell_written=True):
     """Run the protocol for ``steps`` steps (plus a flush); ``hooks[(step, phase)](batch)`` injects faults,
-    ``skip`` names (step, phase) pairs the engine forgets. Returns the StepReports."""
+    ``skip`` names (step, phase) pairs the engine forgets. ``hooks[(step, "written")](batch)`` returns the
+    slots the target's forward really writes that step, which ``post_forward(out_cache_loc=...)`` hands over
+    when ``tell_written``. Returns the StepReports."""
     hooks = hooks or {}
     steps = len(sc.SCHEDULE) if steps is None else steps
     cfg = rt.config
@@ -76,17 +78,20 @@ def drive(engine, rt, oracle=None, *, steps=None, hooks=None, skip=(), init_afte
         rt.prepare(sb)
         if (t, "pre") not in skip:
             rt.pre_forward()
-        engine.forward(batch, "FULL", ids=sb.input_ids)
+        written = hooks[(t, "written")](batch) if (t, "written") in hooks else None
+        wrote = batch if written is None else {**batch, "out_cache_loc": written}
+        engine.forward(wrote, "FULL", ids=sb.input_ids)
         if engine.swa:
-            engine.forward(batch, "SWA", ids=sb.input_ids)
+            engine.forward(wrote, "SWA", ids=sb.input_ids)
         if (t, "after_forward") in hooks:
             hooks[(t, "after_forward")](batch)
+        told = written if tell_written else None
         if (t, "post") not in skip:
-            rt.post_forward()
+            rt.post_forward(out_cache_loc=told)
         if oracle is not None:
             oracle.prepare(as_dict(sb))
             oracle.pre_forward(t)
-            oracle.post_forward(t)
+            oracle.post_forward(t, out_cache_loc=told)
         if engine.draft:
             db = engine.step_batch(batch, oracle=cfg.write_input_assert, tokens=cfg.verify_token_assert, draft=True)
             rt.prepare(db, model="draft")
@@ -476,3 +481,163 @@ def test_creation_validates_the_description():
         CanaryRuntime.create(CanaryConfig(), type(pools)(
             (type(pools.groups[0])("FULL", sc.NUM_SLOTS * 2, pools.groups[0].k_sources),),
             req_to_token=engine.req_to_token), Capacities(max_batch_size=2, max_tokens=2))
+
+
+def lost_and_misdirected_writes(engine: sc.ToyEngine, step: int = 2) -> tuple[dict, dict[str, int]]:
+    """At ``step`` row 3's prefill (tokens 2..5) loses the write of token 3 and sends token 4 to a slot nobody
+    scheduled. Returns the hooks and, once the step ran, the scheduled slots of tokens 3, 4 and 5 and the stray
+    one."""
+    stray = sc.NUM_SLOTS - 2
+    seen: dict[str, int] = {}
+
+    def written(batch):
+        loc = batch["out_cache_loc"].copy()
+        seen.update(lost=int(loc[3]), moved=int(loc[4]), next=int(loc[5]), stray=stray)
+        loc[3], loc[4] = -1, stray
+        engine.lut[stray] = stray  # an SWA slot no request holds
+        return loc
+    return {(step, "written"): written}, seen
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["full", "swa-draft-v-tokens"])
+def test_the_tail_write_stamps_the_slots_the_forward_says_it_wrote(backend, name):
+    """post_forward(out_cache_loc=...): the TAIL records follow the forward's real writes, so a lost and a
+    misdirected write are found by the next TAIL verify of their scheduled slots; told nothing, the runtime
+    fingerprints the untouched scheduled slots and the next verify agrees with them."""
+    found = {}
+    for tell in (True, False):
+        engine = sc.ToyEngine(**CONFIGS[name]["engine"])
+        rt = make(engine, backend, **CONFIGS[name]["config"])
+        oracle = oracle_for(engine, rt)
+        hooks, seen = lost_and_misdirected_writes(engine)
+        reports = drive(engine, rt, oracle, hooks=hooks, tell_written=tell)
+        want = {k: sorted(tuple(r) for r in v) for k, v in oracle.rows.items() if v}
+        assert {k: sorted(v) for k, v in rows_by_launch(reports).items()} == want
+        found[tell] = [(r.launch_step, v) for r in reports for g, v in r.new_violations
+                       if g == "FULL" and v.launch_tag.startswith("TAIL_")]
+        health = {r.launch_step: r.health_problems for r in reports if r.health_problems}
+        if tell:  # one TAIL write stamped one slot fewer than HEAD_K's: reported once, for that step
+            assert list(health) == [2]
+            assert health[2] and all("TAIL_" in p and "write slot count vs HEAD_K" in p for p in health[2])
+        else:
+            assert health == {}
+    assert found[False] == []
+    # row 3's next step verifies its prefix: the lost and the moved token's slots hold no TAIL record, and the
+    # token after them was chained (by the TAIL write) onto the stray slot's record
+    assert {step for step, _ in found[True]} == {3}
+    assert {v.slot for _, v in found[True]} == {seen["lost"], seen["moved"], seen["next"]}
+
+
+def test_written_slots_that_do_not_fit_the_staged_batch_are_refused_before_anything_is_written(monkeypatch):
+    engine = sc.ToyEngine(swa=True)
+    rt = make(engine)
+    drive(engine, rt, steps=2)
+    sb = engine.step_batch(engine.schedule(2))
+    rt.prepare(sb)
+    rt.pre_forward()
+    before = runtime_arrays(rt)
+    loc = sb.out_cache_loc
+    bad = [(loc[:-1], "out_cache_loc has 5 entries but this step's prepare() staged 6 tokens for model 'target'"),
+           (loc.astype(np.int32), "out_cache_loc must have dtype int64"),
+           (loc.reshape(2, 3), "out_cache_loc must be 1-D")]
+    for arr, message in bad:
+        with pytest.raises(CanaryArgumentError, match=re.escape(message)) as info:
+            rt.post_forward(out_cache_loc=arr)
+        assert str(info.value).startswith("kv-canary: ")
+    monkeypatch.setattr(rt.space, "capturing", lambda: True)
+    with pytest.raises(CanaryArgumentError, match=re.escape("post_forward(out_cache_loc=...) runs outside")):
+        rt.post_forward(out_cache_loc=loc)
+    after = runtime_arrays(rt)
+    assert [k for k in before if not np.array_equal(before[k], after[k])] == []
+
+
+def canary_records(rt: CanaryRuntime, oracle: ProtocolOracle) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """(buffer, runtime records, oracle records) for every HEAD and TAIL buffer, as uint64 [num_slots, 4]."""
+    out = []
+    for g in oracle.groups:
+        state = rt.groups[g.name]
+        for ep in state.endpoints["HEAD"] + state.endpoints["TAIL"]:
+            kv = ep.kv
+            fields = (g.head if ep.role == "HEAD" else g.tail)[kv].fields
+            want = np.array([[x & (2**64 - 1) for x in f] for f in fields], np.uint64)
+            got = np.asarray(ep.verify_ctx.canary_buf).view(np.uint64)[:, :4]
+            out.append((f"{g.name}.{ep.tag.name}", got, want))
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_copied_slots_carry_their_records_and_verify_like_their_source(backend):
+    """copy_slots after the engine copied KV (a fork): every HEAD and TAIL buffer of every group equals the
+    oracle's with the same copy (SWA through the LUT); the sweep then verifies the copies clean, and finds
+    them when only the KV was copied."""
+    def fork(copy_records):
+        engine = sc.ToyEngine(swa=True, with_v=True)
+        rt = make(engine, backend)
+        oracle = oracle_for(engine, rt)
+        drive(engine, rt, oracle)
+        src = engine.cached[0]  # request 2's four slots, held by the prefix cache
+        dst = [sc.NUM_SLOTS - 8 + i for i in range(len(src))]
+        for i, d in enumerate(dst):
+            engine.lut[d] = sc.NUM_SLOTS - 8 + i
+        engine.copy_kv(src, dst)
+        if copy_records:
+            rt.copy_slots(np.array(src), np.array(dst))
+            oracle.copy_slots(src, dst)
+        engine.cached.append(dst)
+        return rt, oracle, dst
+
+    rt, oracle, dst = fork(copy_records=True)
+    for name, got, want in canary_records(rt, oracle):
+        assert np.array_equal(got, want), name
+    assert rt.sweep() == 4 + 5 + 4
+    report = rt.flush()
+    assert report.new_violations == [] and report.status_bits == 0
+
+    rt, _, dst = fork(copy_records=False)
+    rt.sweep()
+    report = rt.flush()
+    assert {v.slot for g, v in report.new_violations if g == "FULL"} == set(dst)
+
+
+def test_copy_slots_refuses_what_names_no_copy_before_anything_is_written():
+    engine = sc.ToyEngine(swa=True)
+    rt = make(engine)
+    drive(engine, rt, steps=2)
+    before = runtime_arrays(rt)
+    for src, dst, message in [([1, 2], [40], "src has 2 slots but dst has 1"),
+                              ([1, 2], [40, 40], "dst must name distinct slots"),
+                              ([1, 2], [2, 40], "src and dst must be disjoint"),
+                              (np.array([1.0]), [40], "src must be a 1-D integer host array"),
+                              ([1], [[40]], "dst must be a 1-D integer host array")]:
+        with pytest.raises(CanaryArgumentError, match=re.escape(message)):
+            rt.copy_slots(src, dst)
+    with pytest.raises(CanaryArgumentError, match="model must be one of target"):
+        rt.copy_slots([1], [40], model="draft")
+    after = runtime_arrays(rt)
+    assert [k for k in before if not np.array_equal(before[k], after[k])] == []
+
+
+def test_a_copy_beyond_the_canary_is_skipped_and_reported_as_a_status_bit():
+    engine = sc.ToyEngine()
+    rt = make(engine)
+    drive(engine, rt, steps=2)
+    rt.copy_slots([1, 2], [40, sc.NUM_SLOTS + 3])
+    report = rt.flush()
+    assert report.status_bits == int(CanaryStatus.SLOT_OUT_OF_RANGE)
+    state = rt.groups["FULL"]
+    head = np.asarray(state.endpoints["HEAD"][0].verify_ctx.canary_buf)
+    assert np.array_equal(head[40], head[1])  # the in-range pair was copied
+
+
+def test_the_chain_position_assert_can_be_switched_on_per_group():
+    engine = sc.ToyEngine(swa=True)
+    rt = make(engine)
+    rt.mark_init_finished(groups=["FULL"])
+    flags = {name: int(rt.scalars.view(f"{name}.chain_assert")[0]) for name in rt.groups}
+    assert flags == {"FULL": 1, "SWA": 0} and rt.stats()["init_finished"]
+    for bad, message in [("FULL", "groups must be a list of group names"),
+                         (["FULL", "DRAFT"], "groups must name groups of this runtime (FULL, SWA), got ['DRAFT']")]:
+        with pytest.raises(CanaryArgumentError, match=re.escape(message)):
+            rt.mark_init_finished(groups=bad)
+    assert int(rt.scalars.view("SWA.chain_assert")[0]) == 0

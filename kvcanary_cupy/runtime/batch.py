@@ -93,6 +93,10 @@ class StagedBatch:
     def view(self, name: str) -> Any:
         return self.buffers[name].view
 
+    def staged_tokens(self, name: str) -> int:
+        """Entries of ``name`` the last :meth:`stage` wrote (the rest of the buffer is padding)."""
+        return self._used.get(name, 0)
+
     def validate(self, batch: StepBatch) -> dict[str, Any]:
         """Views of the batch's arrays after every host-visible check (nothing is written here)."""
         if not isinstance(batch, StepBatch):

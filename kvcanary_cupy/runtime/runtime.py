@@ -27,8 +27,9 @@ import numpy as np
 from .._errors import fail
 from .._validate import INT64_MAX, array_arg
 from ..bind import BoundLaunch, bind_scatter
-from ..constants import CanaryStatus
-from ..dlpack import first_torch_cuda_tensor
+from ..constants import CANARY_FIELDS_PER_SLOT, CanaryStatus
+from ..dlpack import device_of, first_torch_cuda_tensor
+from ..transfer import gather_canary_records, scatter_canary_records
 from ..violations import ViolationReport, decode_row
 from .batch import Buffer, StagedBatch, StagedHistory, StepBatch
 from .config import CanaryConfig, Capacities
@@ -46,24 +47,28 @@ class SweepSource(Protocol):
     def __call__(self) -> tuple[Any, Any, Any]: ...
 
 
+def _host_slots(value: Any, name: str) -> np.ndarray:
+    """An int64 copy of a 1-D integer host array. Refused rather than converted: a float or 2-D array would
+    otherwise be truncated or flattened into slots the engine never named."""
+    try:
+        arr = np.asarray(value)
+    except Exception as exc:  # a device array, a ragged list...
+        fail(f"{name} must be a host array ({type(exc).__name__}: {exc})")
+    # ints beyond int64 make an object array; bools and floats are not slots
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        fail(f"{name} must be a 1-D integer host array, got {arr.dtype.name} {arr.shape}")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > INT64_MAX:
+        fail(f"{name} must hold integers within int64")
+    return arr.astype(np.int64, copy=False)
+
+
 def _sweep_entries(answer: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A sweep source's answer as three int64 host vectors of one length. Refused rather than converted: a
     float or 2-D array would otherwise be truncated or flattened into slots the engine never named."""
     if not isinstance(answer, (tuple, list)) or len(answer) != 3:
         fail(f"sweep_source must return (slots, positions, prev_slots), got {type(answer).__name__}")
-    out = []
-    for name, value in zip(("slots", "positions", "prev_slots"), answer, strict=True):
-        try:
-            arr = np.asarray(value)
-        except Exception as exc:  # a device array, a ragged list...
-            fail(f"sweep_source's {name} must be a host array ({type(exc).__name__}: {exc})")
-        # ints beyond int64 make an object array; bools and floats are not slots
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-            fail(f"sweep_source's {name} must be a 1-D integer host array, got {arr.dtype.name} {arr.shape}")
-        if arr.dtype == np.uint64 and arr.size and int(arr.max()) > INT64_MAX:
-            fail(f"sweep_source's {name} must hold integers within int64")
-        out.append(arr.astype(np.int64, copy=False))
-    slots, positions, prevs = out
+    slots, positions, prevs = (_host_slots(value, f"sweep_source's {name}")
+                               for name, value in zip(("slots", "positions", "prev_slots"), answer, strict=True))
     if not slots.shape[0] == positions.shape[0] == prevs.shape[0]:
         fail(f"sweep_source returned {slots.shape[0]} slots but {positions.shape[0]} positions and "
              f"{prevs.shape[0]} prev slots")
@@ -226,6 +231,12 @@ class CanaryRuntime:
         self._sweep_capacity = sweep_cap
         self._sweep_host = {k: space.host(sweep_cap, np.int64) for k in ("slots", "positions", "prevs")}
         self._sweep_in = {k: Buffer(*space.alloc(sweep_cap, np.int64)) for k in ("slots", "positions", "prevs")}
+        # copy_slots: host staging, the slots on the device, their LUT gathers and the records in flight, in
+        # chunks of max_tokens
+        self._copy_host = {k: space.host(caps.max_tokens, np.int64) for k in ("src", "dst")}
+        self._copy_in = {k: Buffer(*space.alloc(caps.max_tokens, np.int64)) for k in ("src", "dst")}
+        self._copy_lut = {k: Buffer(*space.alloc(caps.max_tokens, np.int64)) for k in ("src", "dst")}
+        self._copy_records = Buffer(*space.alloc((caps.max_tokens, CANARY_FIELDS_PER_SLOT), np.int64))
         self._ring_host = {name: space.host((cfg.ring_capacity, 8), np.int64) for name in self.groups}
         self._snap_host = [self.scalars.host_buffers(space) for _ in range(2)]
         self._side = space.side_stream()
@@ -261,15 +272,26 @@ class CanaryRuntime:
     def enabled(self) -> bool:
         return self.config.enabled
 
-    def mark_init_finished(self) -> None:
+    def mark_init_finished(self, *, groups: Any = None) -> None:
         """Warm-up and graph capture are over: switch the write's chain-position assert on (a device flag,
-        read by every later launch and replay). Synthetic warm-up positions would trip it before."""
+        read by every later launch and replay). Synthetic warm-up positions would trip it before.
+
+        ``groups``: a list of the names of the groups whose assert goes on (default: every group), for an engine in
+        which some group's write legitimately breaks the "+1 after the seed" rule (see the README's
+        transformers section: a sliding-window ring that overwrites a chunk's own predecessor)."""
+        names = list(self.groups) if groups is None else groups
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            fail(f"groups must be a list of group names, got {groups!r}")
+        if self.enabled:
+            unknown = [n for n in names if n not in self.groups]
+            if unknown:
+                fail(f"groups must name groups of this runtime ({', '.join(self.groups)}), got {unknown}")
         self._init_finished = True
         if not self.enabled:
             return
         with self.space.scope():
-            for state in self.groups.values():
-                self.scalars.view(f"{state.name}.chain_assert").fill(1)
+            for name in names:
+                self.scalars.view(f"{name}.chain_assert").fill(1)
 
     # -- phase 1 -------------------------------------------------------------------------------------------
 
@@ -312,19 +334,100 @@ class CanaryRuntime:
             self._launch(state.plan, "plan", model, state)
             self._run_endpoints(state, "HEAD", model)
 
-    def post_forward(self, *, model: str = "target") -> None:
+    def post_forward(self, *, model: str = "target", out_cache_loc: Any = None) -> None:
         """Phase 3 (after the forward; capture-safe): per group of ``model``, TAIL verify (re-hashing the real
-        KV of the prefix) and TAIL write (fingerprinting the KV the forward just wrote)."""
+        KV of the prefix) and TAIL write (fingerprinting the KV the forward just wrote).
+
+        ``out_cache_loc``: where the forward really wrote each token, when the engine observed it (its
+        attention layers' write indices): int64 ``[T]`` on the runtime's device, ``T`` the tokens this step's
+        :meth:`prepare` staged for ``model``, in the full pool's slot space (< 0: the token was not written;
+        SWA groups gather it through their LUT, as :meth:`prepare` does). The TAIL write then stamps those
+        slots instead of the scheduled ones, so a write that went elsewhere or nowhere leaves the scheduled
+        slot's stale TAIL record for the next verify to flag (the HEAD records keep the schedule). Eager
+        engines only: it is validated on the host and refused under CUDA-graph capture. No allocation; a
+        refused array leaves every buffer as it was."""
         if not self.enabled:
             return
-        for state in self._groups_of(model):
+        groups = self._groups_of(model)
+        if out_cache_loc is not None:
+            self._restage_written_slots(model, groups, out_cache_loc)
+        for state in groups:
             self._run_endpoints(state, "TAIL", model)
+
+    def _restage_written_slots(self, model: str, groups: list[GroupState], out_cache_loc: Any) -> None:
+        if self.space.capturing():
+            fail("post_forward(out_cache_loc=...) runs outside CUDA-graph capture (the written slots are "
+                 "validated on the host); capture post_forward() without it")
+        stage = self.stages[model]
+        loc = array_arg(out_cache_loc, "out_cache_loc", dtype=np.int64, ndim=1)
+        if device_of(loc) != self.space.device:
+            fail(f"out_cache_loc is on {device_of(loc)} but the runtime is on {self.space.device}")
+        n = stage.staged_tokens("out_cache_loc")
+        if int(loc.shape[0]) != n:
+            fail(f"out_cache_loc has {loc.shape[0]} entries but this step's prepare() staged {n} tokens for "
+                 f"model {model!r}")
+        with self.space.scope(), self._timed("stage"):
+            if n:
+                stage.view("out_cache_loc")[:n] = loc
+            for state in groups:
+                if state.swa_out_cache_loc is not None:
+                    gather_lut(state, self.space.xp, stage.view("out_cache_loc"), state.swa_out_cache_loc.view)
 
     def _run_endpoints(self, state: GroupState, role: str, model: str) -> None:
         for ep in state.endpoints[role]:
             assert ep.verify is not None and ep.write is not None
             self._launch(ep.verify, "verify", model, state, ep)
             self._launch(ep.write, "write", model, state, ep)
+
+    # -- between steps -------------------------------------------------------------------------------------
+
+    def copy_slots(self, src: Any, dst: Any, *, model: str = "target") -> None:
+        """The engine copied the KV of slots ``src[i]`` to ``dst[i]`` (a forked request, copy-on-write): copy
+        their canary records too, in every canary buffer (HEAD and TAIL, K and V) of every group of ``model``,
+        so that the copies verify as what they are (the TAIL fingerprints then check the engine's byte copy).
+
+        ``src``, ``dst``: 1-D integer host arrays of one length in the full pool's slot space (SWA groups
+        gather both through their LUT); ``dst`` distinct and disjoint from ``src``. Outside any graph, between
+        steps (after the engine's copy, before the next :meth:`prepare`). A slot outside a group's buffer is
+        skipped (its destination gets a zero record, which never verifies) and sets SLOT_OUT_OF_RANGE in
+        the group's status, reported by the next :meth:`finish_step`. No allocation."""
+        if not self.enabled:
+            return
+        self._outside_capture("copy_slots")
+        groups = self._groups_of(model)
+        src_arr, dst_arr = _host_slots(src, "src"), _host_slots(dst, "dst")
+        n = int(src_arr.shape[0])
+        if int(dst_arr.shape[0]) != n:
+            fail(f"src has {n} slots but dst has {dst_arr.shape[0]}")
+        if np.unique(dst_arr).shape[0] != n:
+            fail("dst must name distinct slots (two copies into one slot)")
+        if np.intersect1d(src_arr, dst_arr).size:
+            fail("src and dst must be disjoint (a slot both copied and overwritten)")
+        space, cap = self.space, self.capacities.max_tokens
+        buffers = [(state, {id(ep.verify_ctx.canary_buf): ep.verify_ctx.canary_buf
+                            for ep in state.all_endpoints()}) for state in groups]
+        with self._timed("copy"), space.scope():
+            for start in range(0, n, cap):
+                m = min(cap, n - start)
+                for key, arr in (("src", src_arr), ("dst", dst_arr)):
+                    host = self._copy_host[key]
+                    host[:m] = arr[start : start + m]
+                    space.upload(self._copy_in[key].view[:m], host[:m])
+                for state, bufs in buffers:
+                    slots = {}
+                    for key in ("src", "dst"):
+                        if state.lut_view is None:
+                            slots[key] = self._copy_in[key].owner[:m]
+                        else:
+                            gather_lut(state, space.xp, self._copy_in[key].view[:m], self._copy_lut[key].view[:m])
+                            slots[key] = self._copy_lut[key].owner[:m]
+                    status = self.scalars.owner(f"{state.name}.status")
+                    records = self._copy_records.owner[:m]
+                    for buf in bufs.values():
+                        gather_canary_records(canary_buf=buf, slots=slots["src"], records_out=records,
+                                              status=status, backend=self.config.backend, on_invalid="flag")
+                        scatter_canary_records(records=records, slots=slots["dst"], canary_buf=buf, status=status,
+                                               backend=self.config.backend, on_invalid="flag")
 
     # -- phase 4 -------------------------------------------------------------------------------------------
 
