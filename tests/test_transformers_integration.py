@@ -208,6 +208,78 @@ def test_bitflip_in_a_sliding_window_layer_is_found_by_the_swa_group(models):
     assert first.violation.reasons == ("VERIFY_REAL_KV_HASH_MISMATCH",)
 
 
+def test_the_chain_position_assert_is_on_in_full_attention_groups_only(models):
+    """A decode token handed to the forward one position too far: every write flags it against the request
+    state (input assert); the full-attention group's writes flag it a second time against the seed slot's
+    stored position (chain-position assert), the sliding-window group's, whose assert stays off, do not."""
+    w = WORKLOADS["sliding-window"]
+    model = models[w.arch]
+    canary = install(model)
+    hit = {}
+
+    class ShiftPosition:
+        def before_batch(self, canary, step, kwargs, requests, cache):
+            if hit or step < 4:
+                return
+            cu = kwargs["cu_seq_lens_q"]
+            for i, future in enumerate(requests):
+                if int(future.query_length) == 1 and int(future.state.position_offset) > 1:
+                    kwargs["position_ids"].view(-1)[int(cu[i])] += 1
+                    hit.update(step=step, position=int(future.state.position_offset))  # the true one + 1
+                    return
+
+        def on_layer_write(self, canary, step, allocator, layer_idx, write_index):
+            return write_index
+
+        def after_forward(self, canary, step, batch, cache):
+            pass
+
+    canary.observers.append(ShiftPosition())
+    _generate_raw(model, w)
+    canary.finish()
+    canary.remove()
+    assert hit
+    rows = [v for v in canary.violations if v.step == hit["step"] and v.violation.launch_tag.startswith("HEAD_K")]
+    assert all(v.violation.reasons == ("WRITE_POSITION_MISMATCH",) and v.violation.position == hit["position"]
+               for v in rows)
+    assert sorted(v.violation.launch_tag for v in rows) == ["HEAD_K_FULL", "HEAD_K_FULL", "HEAD_K_SWA"]
+    assert [v for v in canary.violations if v.step < hit["step"]] == []
+
+
+def test_the_sliding_window_chain_assert_stays_off_because_long_chunks_overwrite_their_seed(models):
+    """Why the sliding-window groups keep the assert off: switched on, a clean run trips it, and only in the
+    steps where a request writes a chunk of at least ``window`` tokens (its predecessor's ring slot is
+    overwritten or skipped within the chunk, so the write seeds from slot 0)."""
+    w = WORKLOADS["sliding-window"]
+    model = models[w.arch]
+    window = int(model.config.sliding_window)
+    reference = generate(model, w)
+    canary = install(model)
+    long_chunks = set()
+
+    class EverythingOn:
+        def before_batch(self, canary, step, kwargs, requests, cache):
+            if step == 0:
+                canary.states[id(cache)].rt.mark_init_finished()
+            if any(int(f.query_length) >= window and int(f.state.position_offset) > int(f.query_length)
+                   for f in requests):
+                long_chunks.add(step)
+
+        def on_layer_write(self, canary, step, allocator, layer_idx, write_index):
+            return write_index
+
+        def after_forward(self, canary, step, batch, cache):
+            pass
+
+    canary.observers.append(EverythingOn())
+    assert generate(model, w) == reference
+    canary.finish()
+    canary.remove()
+    assert canary.violations and long_chunks
+    assert {v.step for v in canary.violations} <= long_chunks
+    assert all(v.group == "SWA" and v.violation.reasons == ("WRITE_POSITION_MISMATCH",) for v in canary.violations)
+
+
 def test_sweep_verifies_cached_blocks_cleanly_and_finds_a_flipped_bit_in_one(models):
     """The blocks the engine keeps for prefix reuse are swept; a bit flipped in one is found there."""
     w = WORKLOADS["shared-prefix"]
