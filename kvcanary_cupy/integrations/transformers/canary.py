@@ -186,8 +186,8 @@ class TransformersCanaryState:
         self.block_index: dict[int, int] = {}
         self.rt = CanaryRuntime.create(opts.config(), KvPools(tuple(groups), layout=None), caps, device=device,
                                        framework="torch", timer=self._timer, sweep_source=self._cached_slots)
-        # No warm-up forward runs before this (none on CPU; a compile warm-up sends real requests through the
-        # same scheduler), so the write's chain-position assert goes on at once, for full-attention groups only:
+        # The default engine runs no warm-up forward (a compile warm-up's fake requests would come through here
+        # and were not checked), so the write's chain-position assert goes on at once, for full-attention groups only:
         # a sliding-window chunk of q >= window tokens overwrites its own predecessor's ring slot (and sends its
         # first q - window tokens to trash), so its seed is slot 0 and the "+1 after the seed" rule would fail
         # on every such chunk of a clean run.
