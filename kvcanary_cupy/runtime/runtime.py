@@ -10,6 +10,9 @@ capacities, then driven by four calls per step (SPEC §7.2).
    of the device words (one step late: an event recorded then, never a wait on the current step), read and
    drain the rings, log or raise, check health, log stats, sweep when due, snapshot this step.
 
+Between steps, :meth:`CanaryRuntime.copy_slots` follows a KV copy of the engine (fork, copy-on-write) with the
+canary records of the copied slots.
+
 Everything is allocated and every launch bound (:mod:`kvcanary_cupy.bind`) at creation; a step allocates no
 device memory and never synchronises with the work it enqueued.
 """
@@ -48,7 +51,7 @@ class SweepSource(Protocol):
 
 
 def _host_slots(value: Any, name: str) -> np.ndarray:
-    """An int64 copy of a 1-D integer host array. Refused rather than converted: a float or 2-D array would
+    """A 1-D integer host array as int64. Refused rather than converted: a float or 2-D array would
     otherwise be truncated or flattened into slots the engine never named."""
     try:
         arr = np.asarray(value)
@@ -344,7 +347,7 @@ class CanaryRuntime:
         SWA groups gather it through their LUT, as :meth:`prepare` does). The TAIL write then stamps those
         slots instead of the scheduled ones, so a write that went elsewhere or nowhere leaves the scheduled
         slot's stale TAIL record for the next verify to flag (the HEAD records keep the schedule). Eager
-        engines only: it is validated on the host and refused under CUDA-graph capture. No allocation; a
+        engines only: it is validated on the host and refused under CUDA-graph capture. No device allocation; a
         refused array leaves every buffer as it was."""
         if not self.enabled:
             return
@@ -390,7 +393,7 @@ class CanaryRuntime:
         gather both through their LUT); ``dst`` distinct and disjoint from ``src``. Outside any graph, between
         steps (after the engine's copy, before the next :meth:`prepare`). A slot outside a group's buffer is
         skipped (its destination gets a zero record, which never verifies) and sets SLOT_OUT_OF_RANGE in
-        the group's status, reported by the next :meth:`finish_step`. No allocation."""
+        the group's status, reported by the next :meth:`finish_step`. No device allocation."""
         if not self.enabled:
             return
         self._outside_capture("copy_slots")
