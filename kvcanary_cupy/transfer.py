@@ -11,7 +11,8 @@ slot table. Three calls sit around any transport (Mooncake, NIXL, NCCL, a socket
    receiver's own slots;
 3. receiver, before the request's first decode step: :meth:`ReceivedPrefixVerifier.verify` plans and
    verifies the whole received prefix (chain, positions, expected tokens and the real-KV fingerprints of the
-   received bytes) with the receiver's ``req_to_token``.
+   received bytes) with the receiver's slot layout: SGLang's ``req_to_token``, or ``layout=`` a
+   :class:`~kvcanary_cupy.layouts.BlockTable` (vLLM) or :class:`~kvcanary_cupy.layouts.PageList` (FlashInfer).
 
 Gather and scatter validate every host-visible fact once, for every backend (``numpy`` reference, ``cuda``
 and ``host`` kernels from ``kernels/transfer.cu``); slots are device values, so a slot outside the canary
@@ -32,6 +33,7 @@ from .backends import resolve_backend
 from .constants import CANARY_FIELDS_PER_SLOT, CANARY_SLOT_BYTES
 from .context import VerifyOrWriteContext
 from .dlpack import Device, device_scope, stream_scope
+from .layouts import SlotLayout
 from .plan import OnInvalid, VerifyPlan, WritePlan, _allocate, launch_canary_plan_kernels
 from .verify import prepare_verify_launch
 
@@ -118,8 +120,8 @@ class ReceivedPrefixVerifier:
     """Plan + verify of whole received prefixes on the receiver, with scratch allocated once.
 
     A received request has a prefix of ``received_lens[r]`` positions and nothing new to write, so the plan
-    runs with extend 0 and every position becomes a verify entry: its slot from the receiver's
-    ``req_to_token``, its predecessor, its expected token from the receiver's expected-token pool (the
+    runs with extend 0 and every position becomes a verify entry: its slot from the receiver's slot layout
+    (``req_to_token`` or ``layout``), its predecessor, its expected token from the receiver's expected-token pool (the
     request's token ids, which the receiver gets with the request anyway) and its position. The verify then
     recomputes each predecessor's chain hash and the real-KV fingerprint of the received bytes through
     ``context``'s sources (the receiver's KV; its page size may differ from the sender's, the bytes per
@@ -134,24 +136,32 @@ class ReceivedPrefixVerifier:
         self._write_plan = WritePlan.allocate(write_req_capacity=self.max_requests, device=device)
         self._no_extend = _allocate(device, self.max_requests, np.int64, fill=0)
 
-    def verify(self, *, context: VerifyOrWriteContext, req_pool_indices: Any, received_lens: Any,
-               req_to_token: Any, req_to_verify_expected_tokens: Any | None = None,
+    def verify(self, *, context: VerifyOrWriteContext, req_pool_indices: Any | None = None, received_lens: Any,
+               req_to_token: Any | None = None, req_to_verify_expected_tokens: Any | None = None,
                req_to_verify_expected_tokens_valid_lens: Any | None = None,
                kv_token_id_vs_position_offset: int = 0, swa_window_size: int = 0,
-               full_to_swa_index_mapping: Any | None = None, backend: str = "auto",
-               on_invalid: OnInvalid | None = None) -> None:
-        """Verify positions ``[0, received_lens[r])`` of every request row ``req_pool_indices[r]``.
+               full_to_swa_index_mapping: Any | None = None, layout: SlotLayout | None = None,
+               backend: str = "auto", on_invalid: OnInvalid | None = None) -> None:
+        """Verify positions ``[0, received_lens[r])`` of every request of the batch.
 
         Arguments as for :func:`~kvcanary_cupy.launch_canary_plan_kernels` (``received_lens`` takes the place
-        of ``prefix_lens``); the expected-token check runs when an expected-token pool is given.
+        of ``prefix_lens``); the expected-token check runs when an expected-token pool is given. The slots
+        come from exactly one of ``req_to_token`` (rows ``req_pool_indices[r]``) or ``layout``: a
+        :class:`~kvcanary_cupy.layouts.BlockTable` for a vLLM-style receiver, a
+        :class:`~kvcanary_cupy.layouts.PageList` for a FlashInfer-style one; ``req_pool_indices`` may be None
+        when the layout reads batch rows directly.
         """
-        rpi = array_arg(req_pool_indices, "req_pool_indices", dtype=np.int64, ndim=1)
-        bs = int(rpi.shape[0])
+        # The batch size sizes the extend-0 slice below, so it is checked here; the plan launch checks the rest.
+        rows = optional_array_arg(req_pool_indices, "req_pool_indices", dtype=np.int64, ndim=1)
+        name = "req_pool_indices"
+        if rows is None:  # a layout that reads batch rows directly
+            rows, name = array_arg(received_lens, "received_lens", dtype=np.int64, ndim=1), "received_lens"
+        bs = int(rows.shape[0])
         if bs > self.max_requests:
-            fail(f"req_pool_indices holds {bs} requests, more than this verifier's max_requests="
-                 f"{self.max_requests}")
+            fail(f"{name} holds {bs} requests, more than this verifier's max_requests={self.max_requests}")
         with stream_scope(context, self.plan):
-            # The verify is validated before the plan launch fills self.plan: a refused call writes nothing.
+            # The verify is validated before the plan launch fills self.plan, and the plan launch validates
+            # everything it reads (the layout included) before it writes: a refused call writes nothing.
             verify = prepare_verify_launch(context=context, plan=self.plan,
                                            check_verify_expected_token=req_to_verify_expected_tokens is not None)
             impl = resolve_backend(backend, verify.device, on_invalid)
@@ -161,7 +171,7 @@ class ReceivedPrefixVerifier:
                 swa_window_size=swa_window_size, full_to_swa_index_mapping=full_to_swa_index_mapping,
                 verify_capacity=self.verify_capacity, req_to_verify_expected_tokens=req_to_verify_expected_tokens,
                 req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
-                kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, backend=backend,
+                kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, layout=layout, backend=backend,
                 on_invalid=on_invalid)
             with device_scope(verify.device):
                 impl.verify(verify)

@@ -73,6 +73,18 @@ class _Rows:
         return 0, ids[j] * self.stride + pos % self.size
 
 
+def layout_slots(layout: Any, req_pool_indices: list[int] | None, bs: int, r: int, n: int) -> list[int]:
+    """The slots of positions ``[0, n)`` of batch row ``r``, which must all be valid."""
+    rows = _Rows(layout, req_pool_indices, bs)
+    slots = []
+    for pos in range(n):
+        bit, slot = rows.slot(r, pos)
+        if bit:
+            raise ValueError(f"position {pos} of batch row {r} has no slot (status bit {bit})")
+        slots.append(slot)
+    return slots
+
+
 def layout_plan_oracle(
     *,
     layout: Any,

@@ -6,7 +6,7 @@ construction (a wrong dtype, rank, length, type, alignment, contiguity, writabil
 out-of-range scalar, a NumPy subclass, a DLPack producer that fails...). Launchers are called through the
 NumPy and host backends and through ``bind_*``; the allocators, ``from_tensors``, ``RealKvSource``,
 ``for_endpoint``, ``read_violations``, the DLPack bridge and the SGLang compat layer get their own catalogues.
-The plan runs under each slot layout (``kvcanary_cupy.layouts``), the record transfer
+The plan and the received-prefix verify run under each slot layout (``kvcanary_cupy.layouts``), the record transfer
 (``kvcanary_cupy.transfer``) like a launcher, and the engine runtime (``kvcanary_cupy.runtime``) is created
 from broken configurations and pools and fed broken batches. Thousands of cases per run, drawn from a fixed
 seed.
@@ -221,6 +221,22 @@ def _received_call() -> dict[str, Any]:
             "kv_token_id_vs_position_offset": 0, "swa_window_size": 0, "full_to_swa_index_mapping": None}
 
 
+def _received_blocks_call() -> dict[str, Any]:
+    call = _received_call()
+    del call["req_to_token"]
+    table = np.array([[0, 0, 0, 0], [3, 1, 0, 0], [2, 5, 4, 0], [0, 0, 0, 0]], np.int32)
+    call["layout"] = BlockTable(table, block_size=2, block_stride=3, num_slots=32)
+    return call
+
+
+def _received_pages_call() -> dict[str, Any]:
+    call = _received_call()
+    del call["req_to_token"], call["req_pool_indices"]  # CSR pages are in batch order
+    call["layout"] = PageList(np.array([0, 2, 3], np.int32), np.array([3, 1, 5], np.int32), page_size=2,
+                              num_slots=32)
+    return call
+
+
 def _received_verify(verifier: ReceivedPrefixVerifier, **kwargs: Any) -> None:
     verifier.verify(**kwargs)
 
@@ -247,17 +263,24 @@ LAUNCHERS = {
     "gather-records": (_gather_call, gather_canary_records, None),
     "scatter-records": (_scatter_records_call, scatter_canary_records, None),
     "received": (_received_call, _received_verify, None),
+    "received-blocks": (_received_blocks_call, _received_verify, None),
+    "received-pages": (_received_pages_call, _received_verify, None),
 }
 # Cases per launcher: the layouts and the transfer add about as many as one core launcher.
 CASES = {"plan": 1500, "verify": 1500, "write": 1500, "scatter": 1500, "plan-blocks": 700, "plan-pages": 700,
-         "gather-records": 500, "scatter-records": 500, "received": 500}
+         "gather-records": 500, "scatter-records": 500, "received": 500, "received-blocks": 400,
+         "received-pages": 400}
 # Fields a launch neither reads nor writes (SPEC §0.7: only what is read is checked).
 NOT_READ = {"verify": (("context", "enable_chain_position_assert"), ("plan", "status")),
-            "write": (("plan", "verify_offsets"),), "received": (("context", "enable_chain_position_assert"),)}
+            "write": (("plan", "verify_offsets"),),
+            **{step: (("context", "enable_chain_position_assert"),)
+               for step in ("received", "received-blocks", "received-pages")}}
 OPTIONAL_ARRAYS = {"plan": ("req_to_verify_expected_tokens",), "plan-blocks": ("req_to_verify_expected_tokens",),
                    "plan-pages": ("req_to_verify_expected_tokens", "req_pool_indices"), "scatter": ("status",),
                    "gather-records": ("status",), "scatter-records": ("status",),
-                   "received": ("req_to_verify_expected_tokens",)}
+                   "received": ("req_to_verify_expected_tokens",),
+                   "received-blocks": ("req_to_verify_expected_tokens",),
+                   "received-pages": ("req_to_verify_expected_tokens", "req_pool_indices")}
 SCALARS = {"swa_window_size", "verify_capacity", "check_verify_expected_token", "enable_write_input_assert",
            "kv_token_id_vs_position_offset"}
 OUTPUT_FIELDS = {"verify_plan_out", "write_plan_out", "pool_out", "status"}
@@ -321,7 +344,7 @@ def _mutate_launch(step: str, call: dict[str, Any], rng: random.Random) -> str:
                   and _get(call, *s[:2]).nbytes >= target.nbytes and _get(call, *s[:2]).flags.c_contiguous
                   # the received-prefix verify runs two launches in turn: the verify's context may share
                   # memory with what the plan launch read before it (no race); within the verify it may not
-                  and (step != "received" or s[0] == arg)]
+                  and (not step.startswith("received") or s[0] == arg)]
         if others:
             o_arg, o_field, _ = rng.choice(others)
             _set(call, arg, field, _alias(target, _get(call, o_arg, o_field)))
@@ -351,7 +374,7 @@ def _mutate_launch(step: str, call: dict[str, Any], rng: random.Random) -> str:
         if call["expected_input_tokens"] is not None:
             call["enable_write_input_assert"] = False
         return "input assert and expected tensors disagree"
-    if choice < 0.3 and step == "received":
+    if choice < 0.3 and step.startswith("received"):
         call["req_pool_indices"] = np.ones(5, np.int64)  # more requests than the verifier was sized for
         call["received_lens"] = np.ones(5, np.int64)
         return "more requests than max_requests"

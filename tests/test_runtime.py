@@ -25,6 +25,7 @@ from kvcanary_cupy.runtime import (
     KvPools,
     StepBatch,
 )
+from kvcanary_cupy.runtime.space import ArraySpace
 
 BACKENDS = ["numpy", pytest.param("host", marks=pytest.mark.skipif(unavailable_reason("host") is not None,
                                                                    reason=str(unavailable_reason("host"))))]
@@ -346,6 +347,45 @@ def test_check_health_passes_on_a_complete_step_and_fails_on_a_half_one():
     rt.pre_forward()
     problems = rt.check_health()
     assert problems and all("TAIL" in p for p in problems)
+
+
+def test_the_snapshot_events_are_created_once_and_the_pending_one_is_never_recorded_over(monkeypatch):
+    """On CUDA each snapshot records an event that the next step waits on; the CPU space has none, so stand-in
+    events pin what a GPU run does with them: two created with the runtime, none in a step, and a snapshot never
+    re-records the event of the snapshot still waiting to be read."""
+    created: list[_StandInEvent] = []
+
+    def event(space):
+        created.append(_StandInEvent(lambda: rt._pending))
+        return created[-1]
+
+    monkeypatch.setattr(ArraySpace, "event", event)
+    engine = sc.ToyEngine()
+    rt = make(engine)
+    assert len(created) == 2
+    # a health check mid-step snapshots while step 0's snapshot is still pending
+    drive(engine, rt, steps=4, hooks={(1, "after_step"): lambda batch: rt.check_health()})
+    assert len(created) == 2
+    # 4 finish_step snapshots, the health check's and the flush's; each event used in turn
+    assert sum(e.records for e in created) == 6 and min(e.records for e in created) >= 2
+    # every consume of a pending snapshot: finish_step of steps 1-3 and the flush's two reads
+    assert sum(e.waits for e in created) == 5
+
+
+class _StandInEvent:
+    """Counts records and waits; recording it while the pending snapshot still holds it would lose that step."""
+
+    def __init__(self, pending) -> None:
+        self.pending, self.records, self.waits = pending, 0, 0
+
+    def record(self) -> None:
+        snap = self.pending()
+        assert snap is None or snap.event is not self, "re-recorded the event of the snapshot still to be read"
+        self.records += 1
+
+    def synchronize(self) -> None:
+        assert self.records, "waited on an event never recorded"
+        self.waits += 1
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

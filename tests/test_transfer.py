@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from layout_oracle import layout_slots
 from transfer_cases import TransferCase, transfer_cases
 from transfer_oracle import gather_records_oracle, scatter_records_oracle
 
@@ -250,6 +251,35 @@ def test_received_verify_after_the_kv_tensor_moved_leaves_the_verifier_plan_unch
     _refused_verify_keeps_the_plan(backend, kv, move)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("slot_args, message", [
+    ({"req_pool_indices": np.array([1], np.int64)}, "one of req_to_token or layout is required"),
+    ({"req_pool_indices": np.array([1], np.int64), "req_to_token": np.ones((2, 8), np.int32),
+      "layout": kc.PageList(np.array([0, 1], np.int32), np.array([1], np.int32), 4)}, "both given"),
+    ({"layout": kc.TokenTable(np.ones((2, 8), np.int32))}, "req_pool_indices is required with the token table"),
+    ({"layout": kc.BlockTable(np.ones((2, 8), np.int32), 4)}, r"req_pool_indices is required with BlockTable"),
+    ({"layout": kc.BlockTable(np.ones((2, 8), np.int32), 4, block_stride=3)}, "layout.block_stride"),
+    ({"layout": kc.PageList(np.array([0, 1, 1], np.int32), np.array([1], np.int32), 4)}, "kv_page_indptr"),
+    ({"layout": kc.PageList(np.array([0, 0, 0, 1], np.int32), np.array([1], np.int32), 4)},
+     "received_lens holds 3 requests, more than this verifier's max_requests=2"),
+])
+def test_received_verify_takes_exactly_one_slot_layout_and_a_refused_one_writes_nothing(backend, slot_args, message):
+    verifier = ReceivedPrefixVerifier(verify_capacity=8, max_requests=2)
+    source = kc.RealKvSource(np.zeros((32, 32), np.uint8), page_size=1, num_bytes_per_token=32, read_bytes=32)
+    ctx = kc.VerifyOrWriteContext.allocate(num_slots=32, ring_capacity=64, real_kv_sources=(source,),
+                                           real_kv_hash_mode=kc.RealKvHashMode.ALL)
+    layout = kc.PageList(np.array([0, 1], np.int32), np.array([2], np.int32), 4, num_slots=32)
+    verifier.verify(context=ctx, received_lens=np.array([3], np.int64), layout=layout, backend=backend,
+                    on_invalid="flag")
+    assert verifier.plan.verify_slot_indices[:3].tolist() == [8, 9, 10]  # page 2 of 4 slots
+    before, canary = _plan_bytes(verifier), ctx.canary_buf.copy()
+    lens = np.array([5] * (3 if "max_requests" in message else 1), np.int64)
+    with pytest.raises(kc.CanaryArgumentError, match=f"^kv-canary: .*{message}"):
+        verifier.verify(context=ctx, received_lens=lens, backend=backend, on_invalid="flag", **slot_args)
+    assert _plan_bytes(verifier) == before
+    np.testing.assert_array_equal(ctx.canary_buf, canary)
+
+
 PAGE_SENDER, PAGE_RECEIVER, WORDS = 4, 8, 4  # the two sides page their KV differently
 
 
@@ -290,17 +320,45 @@ def _prefill(side: Side, slots: np.ndarray, tokens: np.ndarray, backend: str) ->
                                   out_cache_loc=slots, enable_write_input_assert=False, backend=backend)
 
 
-def _transfer(backend: str, fault: str | None) -> list[tuple[int, int]]:
-    """Prefill 24 tokens on a sender, ship KV and records to a receiver with other slot numbers, verify there.
-    Returns the (receiver slot, reason bits) of every violation."""
+RECEIVER_SLOTS = 96
+BLOCK, BLOCK_STRIDE, PAGE = 4, 6, 4  # the receiver's block table (gaps between blocks) and CSR pages
+
+
+def _receiver_layout(kind: str, rng: np.random.Generator, n: int) -> tuple[np.ndarray, dict, int, int]:
+    """Where a receiver with slot layout ``kind`` keeps positions ``[0, n)`` of the received request: (the slots,
+    from the layout oracle; the verify's slot arguments; the request's batch row; its expected-token row)."""
+    if kind == "token":
+        slots = (rng.permutation(RECEIVER_SLOTS - 1)[:n] + 1).astype(np.int64)
+        table = np.zeros((4, 64), np.int32)
+        table[2, :n] = slots
+        return slots, {"req_pool_indices": np.array([2], np.int64), "req_to_token": table}, 0, 2
+    if kind == "blocks":  # vLLM-style: rows picked by req_pool_indices, ids b with b * 6 + 4 <= 96
+        ids = rng.permutation((RECEIVER_SLOTS - BLOCK) // BLOCK_STRIDE)[: -(-n // BLOCK)] + 1
+        table = np.zeros((4, 8), np.int32)
+        table[2, : ids.shape[0]] = ids
+        layout = kc.BlockTable(table, BLOCK, block_stride=BLOCK_STRIDE, num_slots=RECEIVER_SLOTS)
+        rows, r, pool_row, bs, args = [2], 0, 2, 1, {"req_pool_indices": np.array([2], np.int64)}
+    else:  # FlashInfer-style CSR pages in batch order, behind an empty request, no req_pool_indices
+        ids = rng.permutation(RECEIVER_SLOTS // PAGE - 1)[: -(-n // PAGE)] + 1
+        layout = kc.PageList(np.array([0, 0, ids.shape[0]], np.int32), ids.astype(np.int32), PAGE,
+                             num_slots=RECEIVER_SLOTS)
+        rows, r, pool_row, bs, args = None, 1, 1, 2, {}  # the pool row is the batch row
+    slots = np.array(layout_slots(layout, rows, bs, r, n), np.int64)
+    return slots, {**args, "layout": layout}, r, pool_row
+
+
+def _transfer(backend: str, fault: str | None, layout: str = "token") -> list[tuple[int, int]]:
+    """Prefill 24 tokens on a sender, ship KV and records to a receiver with other slot numbers and another slot
+    layout, verify there. Returns the (position in the request, reason bits) of every violation."""
     n = 24
     rng = np.random.default_rng(7)
     tokens = rng.integers(1, 32000, size=n).astype(np.int64)
-    sender, receiver = Side.make(64, PAGE_SENDER), Side.make(96, PAGE_RECEIVER)
+    sender, receiver = Side.make(64, PAGE_SENDER), Side.make(RECEIVER_SLOTS, PAGE_RECEIVER)
     src_slots = (rng.permutation(63)[:n] + 1).astype(np.int64)
-    dst_slots = (rng.permutation(95)[:n] + 1).astype(np.int64)
+    dst_slots, slot_args, row, pool_row = _receiver_layout(layout, rng, n)
     _prefill(sender, src_slots, tokens, backend)
-    receiver.set_kv(np.arange(1, 96), rng.integers(0, 1 << 63, size=(95, WORDS)).astype(np.uint64))  # old contents
+    receiver.set_kv(np.arange(1, RECEIVER_SLOTS), rng.integers(0, 1 << 63, size=(RECEIVER_SLOTS - 1, WORDS))
+                    .astype(np.uint64))  # old contents
 
     records = np.empty((n, 4), np.int64)
     kc.gather_canary_records(canary_buf=sender.ctx.canary_buf, slots=src_slots, records_out=records, backend=backend)
@@ -312,22 +370,29 @@ def _transfer(backend: str, fault: str | None) -> list[tuple[int, int]]:
     if fault == "swapped":
         pages[[3, 4]] = pages[[4, 3]]
         records[[3, 4]] = records[[4, 3]]
+    if fault == "swapped_page":  # the second and third 4-token pages land in each other's place
+        order = np.r_[0:4, 8:12, 4:8, 12:n]
+        pages, records = pages[order], records[order]
     landed = np.ones(n, bool)
     if fault == "dropped":
         landed[11] = False
+    if fault == "dropped_page":
+        landed[12:16] = False
     if fault == "short":
         landed[20:] = False
     receiver.set_kv(dst_slots[landed], pages[landed])
     kc.scatter_canary_records(records=records[landed], slots=dst_slots[landed], canary_buf=receiver.ctx.canary_buf,
                               backend=backend)
-    receiver.req_to_token[2, :n] = dst_slots
-    receiver.pool[2, :n] = tokens
+    pool = np.zeros((4, 64), np.int32)
+    pool[pool_row, :n] = tokens
+    received = np.zeros(row + 1, np.int64)
+    received[row] = n
     verifier = kc.ReceivedPrefixVerifier(verify_capacity=128, max_requests=2)
-    verifier.verify(context=receiver.ctx, req_pool_indices=np.array([2], np.int64),
-                    received_lens=np.array([n], np.int64), req_to_token=receiver.req_to_token,
-                    req_to_verify_expected_tokens=receiver.pool,
-                    req_to_verify_expected_tokens_valid_lens=np.array([n], np.int64), backend=backend)
+    verifier.verify(context=receiver.ctx, received_lens=received, req_to_verify_expected_tokens=pool,
+                    req_to_verify_expected_tokens_valid_lens=received, backend=backend, **slot_args)
     assert int(verifier.plan.enable[0]) == 1 and int(verifier.plan.verify_num_valid[0]) == n
+    assert int(verifier.plan.status[0]) == 0
+    np.testing.assert_array_equal(verifier.plan.verify_slot_indices[:n], dst_slots)
     report = kc.read_violations(receiver.ctx)
     slot_at = {int(s): p for p, s in enumerate(dst_slots)}
     return sorted((slot_at[v.slot], v.reason_bits) for v in report.rows)
@@ -359,6 +424,23 @@ def test_clean_transfer_verifies_clean_under_other_slot_numbers_and_page_size(ba
 ])
 def test_each_transfer_fault_is_caught_at_the_positions_it_damaged(backend, fault, want):
     assert _transfer(backend, fault) == want
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["blocks", "pages"])
+@pytest.mark.parametrize("fault, want", [
+    (None, []),
+    # Each page travels with its records, so inside a misplaced page the chain holds; its first token breaks
+    # it (its predecessor is the other page's last token), as does the first token after the pair.
+    ("swapped_page", [(4, CHAIN | POSITION | TOKEN), *[(p, POSITION | TOKEN) for p in (5, 6, 7)],
+                      (8, CHAIN | POSITION | TOKEN), *[(p, POSITION | TOKEN) for p in (9, 10, 11)], (12, CHAIN)]),
+    # A page that never landed keeps zero records (chained to each other) and old KV; its successor breaks.
+    ("dropped_page", [(12, CHAIN | POSITION | REAL_KV | TOKEN),
+                      *[(p, POSITION | REAL_KV | TOKEN) for p in (13, 14, 15)], (16, CHAIN)]),
+])
+def test_a_prefix_received_into_blocks_or_csr_pages_verifies_clean_and_page_faults_are_caught(backend, layout,
+                                                                                                fault, want):
+    assert _transfer(backend, fault, layout) == want
 
 
 # ---- sanitizers ---------------------------------------------------------------------------------------------

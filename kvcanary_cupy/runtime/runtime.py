@@ -241,7 +241,10 @@ class CanaryRuntime:
         self._copy_lut = {k: Buffer(*space.alloc(caps.max_tokens, np.int64)) for k in ("src", "dst")}
         self._copy_records = Buffer(*space.alloc((caps.max_tokens, CANARY_FIELDS_PER_SLOT), np.int64))
         self._ring_host = {name: space.host((cfg.ring_capacity, 8), np.int64) for name in self.groups}
+        # Two snapshot slots, each a host buffer and its event, alternated between the snapshot being read (one
+        # step late) and the one being taken, so no step allocates either.
         self._snap_host = [self.scalars.host_buffers(space) for _ in range(2)]
+        self._snap_events = [space.event() for _ in range(2)]
         self._side = space.side_stream()
 
     # -- helpers -------------------------------------------------------------------------------------------
@@ -480,12 +483,13 @@ class CanaryRuntime:
 
     def _take_snapshot(self, step: int, *, clear: bool = True) -> None:
         space = self.space
-        host = self._snap_host[step % 2]
-        if self._pending is not None and self._pending.host is host:
-            host = self._snap_host[(step + 1) % 2]
+        slot = step % 2
+        if self._pending is not None and self._pending.host is self._snap_host[slot]:
+            slot = 1 - slot  # never the pending snapshot's buffer and event, which are still to be read
+        host = self._snap_host[slot]
         with space.scope():
             self.scalars.copy_to(space, host)
-            event = space.record()
+            event = space.record(self._snap_events[slot])
             if clear:  # status words accumulate: clear them behind the copy (stream order), each bit is seen once
                 for state in self.groups.values():
                     self.scalars.view(f"{state.name}.status").fill(0)

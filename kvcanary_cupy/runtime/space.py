@@ -116,12 +116,20 @@ class ArraySpace:
             return
         view.set(host, stream=self.xp.cuda.get_current_stream())
 
-    def record(self) -> Any:
-        """An event after everything enqueued so far on the current stream (None on the CPU)."""
+    def event(self) -> Any:
+        """A new event for :meth:`record` (None on the CPU). Creation time only: a step records the same events
+        again and again, since creating one per step would allocate inside the step."""
         if not self.is_cuda:
             return None
-        event = self.xp.cuda.Event(disable_timing=True)
-        event.record()
+        with self.xp.cuda.Device(self.device.index):
+            return self.xp.cuda.Event(disable_timing=True)
+
+    def record(self, event: Any) -> Any:
+        """Record ``event`` (from :meth:`event`) after everything enqueued so far on the current stream and
+        return it. A wait already enqueued on its earlier record is unaffected (CUDA takes the record current
+        at the time of the wait), but the host must be done waiting on that earlier record."""
+        if event is not None:
+            event.record()
         return event
 
     @staticmethod
