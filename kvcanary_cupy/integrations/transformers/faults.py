@@ -23,6 +23,7 @@ fault vocabulary where the bug is the same:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,7 +177,7 @@ class BlockTableRedirect(Injector):
         return None
 
 
-class _WriteFault(Injector):
+class _WriteFault(Injector, ABC):
     """Changes where one layer writes one token; ``_destination`` picks the slot."""
 
     def on_layer_write(self, canary: Any, step: int, allocator: Any, layer_idx: int, write_index: Any) -> Any:
@@ -201,8 +202,9 @@ class _WriteFault(Injector):
             return changed
         return write_index
 
+    @abstractmethod
     def _destination(self, canary: Any, allocator: Any, future: Any, i: int) -> int | None:
-        raise NotImplementedError
+        """The slot the layer writes instead of the scheduled one (None: leave this request alone)."""
 
 
 class KvWriteSkip(_WriteFault):
