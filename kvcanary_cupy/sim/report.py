@@ -55,6 +55,8 @@ import socket
 import statistics
 import sys
 import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -384,33 +386,6 @@ def _wrap_cells(row: tuple[str, ...], widths: list[int]) -> list[tuple[str, ...]
     return [tuple(c[j] if j < len(c) else "" for c in cells) for j in range(height)]
 
 
-def render_text(report: dict[str, Any], width: int = DEFAULT_WIDTH) -> str:
-    """The plain-text rendering (no optional dependency), at most ``width`` columns wide where the words allow."""
-    out = [*_wrap(headline(report), width), ""]
-    rows = table_rows(report)
-    if rows:
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
-        # Narrow the wrapping columns (the longest first) until the table fits, but not below 12 columns.
-        while sum(widths) + 2 * (len(widths) - 1) > width:
-            i = max(_WRAPPED, key=lambda c: widths[c])
-            if widths[i] <= 12:
-                break
-            widths[i] -= 1
-        fmt = "  ".join(f"{{:>{w}}}" if i in _NUMERIC else f"{{:<{w}}}" for i, w in enumerate(widths))
-        for cells in _wrap_cells(HEADERS, widths):
-            out.append(fmt.format(*cells).rstrip())
-        out.append("  ".join("-" * w for w in widths))
-        for row in rows:
-            out.extend(fmt.format(*cells).rstrip() for cells in _wrap_cells(row, widths))
-        out.append("")
-    else:
-        out.append("(clean run: no fault injected)")
-        out.append("")
-    for line in summary_lines(report) + _fp_lines(report) + warnings(report) + [verdict(report)]:
-        out.extend(_wrap(line, width))
-    return "\n".join(out)
-
-
 def _fp_lines(report: dict[str, Any], limit: int = 10) -> list[str]:
     fps = report["false_positives"]
     if not fps:
@@ -437,40 +412,91 @@ _STYLES = {"detected": "green", "missed": "bold red", "not injected": "yellow"}
 _VERDICT_STYLES = {"passed": "bold green", "failed": "bold red", "inconclusive": "bold yellow"}
 
 
+@dataclass(frozen=True)
+class ReportView:
+    """What a run's text report puts around the shared fault table, each a function of the report dict: the
+    synthetic engine's (:data:`SIMULATE_VIEW`), the disaggregated run's and the transformers run's differ
+    only here, so the table layout, the 80-column fit and the wrapping are written once."""
+
+    headline: Callable[[dict[str, Any]], str]
+    headers: tuple[str, ...]
+    rows: Callable[[dict[str, Any]], list[tuple[str, ...]]]
+    lines: Callable[[dict[str, Any]], list[str]]  # summary, figures, false positives, warnings
+    verdict: Callable[[dict[str, Any]], str]
+    styles: dict[str, str] = field(default_factory=lambda: dict(_STYLES))
+    empty: str = "(clean run: no fault injected)"
+
+
+def _simulate_lines(report: dict[str, Any]) -> list[str]:
+    return summary_lines(report) + _fp_lines(report) + warnings(report)
+
+
+def render_text(report: dict[str, Any], width: int = DEFAULT_WIDTH, view: ReportView | None = None) -> str:
+    """The plain-text rendering (no optional dependency), at most ``width`` columns wide where the words allow."""
+    view = view or SIMULATE_VIEW
+    out = [*_wrap(view.headline(report), width), ""]
+    rows = view.rows(report)
+    if rows:
+        headers = view.headers
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+        # Narrow the wrapping columns (the longest first) until the table fits, but not below 12 columns.
+        while sum(widths) + 2 * (len(widths) - 1) > width:
+            i = max(_WRAPPED, key=lambda c: widths[c])
+            if widths[i] <= 12:
+                break
+            widths[i] -= 1
+        fmt = "  ".join(f"{{:>{w}}}" if i in _NUMERIC else f"{{:<{w}}}" for i, w in enumerate(widths))
+        for cells in _wrap_cells(headers, widths):
+            out.append(fmt.format(*cells).rstrip())
+        out.append("  ".join("-" * w for w in widths))
+        for row in rows:
+            out.extend(fmt.format(*cells).rstrip() for cells in _wrap_cells(row, widths))
+    else:
+        out.append(view.empty)
+    out.append("")
+    for line in [*view.lines(report), view.verdict(report)]:
+        out.extend(_wrap(line, width))
+    return "\n".join(out)
+
+
 def print_report(report: dict[str, Any], stream: TextIO | None = None, *, plain: bool = False,
-                 width: int | None = None) -> None:
+                 width: int | None = None, view: ReportView | None = None) -> None:
     """Print the table and summary: with rich when installed (and ``plain`` is False), else plain text. The
     width is ``width``, else the terminal's when ``stream`` is one, else 80 columns."""
+    view = view or SIMULATE_VIEW
     stream = stream or sys.stdout
     rich = None if plain else _rich()
     if rich is None:
         if width is None:
             width = shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns if stream.isatty() else DEFAULT_WIDTH
-        print(render_text(report, width), file=stream)
+        print(render_text(report, width, view), file=stream)
         return
     from rich.console import Console
     from rich.table import Table
 
     console = Console(file=stream, highlight=False, width=width)
     columns = console.width
-    for line in _wrap(headline(report), columns):
+    for line in _wrap(view.headline(report), columns):
         console.print(line, markup=False)
     table = Table(box=rich.box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
-    for i, head in enumerate(HEADERS):
-        # The latency header is stacked so that its column is no wider than its values; reasons take the rest.
+    for i, head in enumerate(view.headers):
+        # A long latency header is stacked so that its column is no wider than its values; reasons take the rest.
         table.add_column(head.replace(" (", "\n(") if i == 4 else head, justify="right" if i in _NUMERIC else "left",
                          no_wrap=i != 5, overflow="fold")
-    for row, kind in zip(table_rows(report), report["kinds"], strict=True):
-        table.add_row(*row, style=_STYLES[kind["status"]])
+    for row, kind in zip(view.rows(report), report["kinds"], strict=True):
+        table.add_row(*row, style=view.styles[kind["status"]])
     if report["kinds"]:
         console.print(table)
     else:
-        console.print("(clean run: no fault injected)")
-    for line in summary_lines(report) + _fp_lines(report) + warnings(report):
+        console.print(view.empty)
+    for line in view.lines(report):
         for part in _wrap(line, columns):
             console.print(part, markup=False, style="yellow" if line.startswith("warning:") else None)
-    for part in _wrap(verdict(report), columns):
+    for part in _wrap(view.verdict(report), columns):
         console.print(part, style=_VERDICT_STYLES[report["outcome"]], markup=False)
+
+
+SIMULATE_VIEW = ReportView(headline, HEADERS, table_rows, _simulate_lines, verdict)
 
 
 # ---- files -------------------------------------------------------------------------------------------------

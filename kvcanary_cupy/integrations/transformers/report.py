@@ -16,7 +16,6 @@ from __future__ import annotations
 import html
 import json
 import statistics
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -260,41 +259,19 @@ def _fp_lines(report: dict[str, Any], limit: int = 10) -> list[str]:
     return lines
 
 
-def print_report(report: dict[str, Any], stream: TextIO | None = None, *, plain: bool = False) -> None:
-    """The synthetic engine's table with this engine's headline, per-workload lines and verdict."""
-    from ...sim.report import HEADERS, table_rows
+def _lines(report: dict[str, Any]) -> list[str]:
+    return summary_lines(report) + _fp_lines(report)
 
-    stream = stream or sys.stdout
-    rows = table_rows(report)
-    lines = summary_lines(report) + _fp_lines(report)
-    try:
-        if plain:
-            raise ImportError
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        out = [headline(report), ""]
-        if rows:
-            widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
-            fmt = "  ".join(f"{{:<{w}}}" if i in (0, 4, 5) else f"{{:>{w}}}" for i, w in enumerate(widths))
-            out += [fmt.format(*HEADERS).rstrip(), "  ".join("-" * w for w in widths)]
-            out += [fmt.format(*r).rstrip() for r in rows] + [""]
-        print("\n".join(out + lines + [verdict(report)]), file=stream)
-        return
-    console = Console(file=stream, highlight=False, width=max(160, Console(file=stream).width))
-    console.print(headline(report), markup=False, soft_wrap=True)
-    if rows:
-        table = Table()
-        for i, head in enumerate(HEADERS):
-            table.add_column(head, justify="right" if i in (1, 2, 3) else "left", no_wrap=True)
-        for row, kind in zip(rows, report["kinds"], strict=True):
-            table.add_row(*row, style={"detected": "green", "missed": "bold red",
-                                       "not injected": "yellow"}[kind["status"]])
-        console.print(table)
-    for line in lines:
-        console.print(line, markup=False, soft_wrap=True)
-    style = {"passed": "bold green", "failed": "bold red", "inconclusive": "bold yellow"}[report["outcome"]]
-    console.print(verdict(report), style=style, markup=False, soft_wrap=True)
+
+def print_report(report: dict[str, Any], stream: TextIO | None = None, *, plain: bool = False,
+                 width: int | None = None) -> None:
+    """The synthetic engine's table (80 columns unless the terminal is wider) with this engine's headline,
+    per-workload lines and verdict."""
+    from ...sim.report import HEADERS, ReportView, table_rows
+    from ...sim.report import print_report as print_table
+
+    view = ReportView(headline, HEADERS, table_rows, _lines, verdict)
+    print_table(report, stream, plain=plain, width=width, view=view)
 
 
 def write_json(report: dict[str, Any], path: str | Path) -> Path:

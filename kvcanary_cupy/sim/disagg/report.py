@@ -22,9 +22,7 @@ from __future__ import annotations
 import copy
 import html
 import json
-import shutil
 import statistics
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any, TextIO
@@ -261,59 +259,19 @@ def _lines(report: dict[str, Any]) -> list[str]:
     return base.summary_lines(report) + transfer_lines(report) + base._fp_lines(report) + base.warnings(report)
 
 
+VIEW = base.ReportView(headline, HEADERS, table_rows, _lines, verdict, styles=_STYLES,
+                       empty="(clean run: no transfer fault injected)")
+
+
 def render_text(report: dict[str, Any], width: int = base.DEFAULT_WIDTH) -> str:
     """The plain-text rendering, at most ``width`` columns wide where the words allow (as the simulate table)."""
-    out = [*base._wrap(headline(report), width), ""]
-    rows = table_rows(report)
-    if rows:
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
-        while sum(widths) + 2 * (len(widths) - 1) > width:
-            i = max(base._WRAPPED, key=lambda c: widths[c])
-            if widths[i] <= 12:
-                break
-            widths[i] -= 1
-        fmt = "  ".join(f"{{:>{w}}}" if i in base._NUMERIC else f"{{:<{w}}}" for i, w in enumerate(widths))
-        out += [fmt.format(*cells).rstrip() for cells in base._wrap_cells(HEADERS, widths)]
-        out.append("  ".join("-" * w for w in widths))
-        for row in rows:
-            out += [fmt.format(*cells).rstrip() for cells in base._wrap_cells(row, widths)]
-    else:
-        out.append("(clean run: no transfer fault injected)")
-    out.append("")
-    for line in [*_lines(report), verdict(report)]:
-        out += base._wrap(line, width)
-    return "\n".join(out)
+    return base.render_text(report, width, VIEW)
 
 
 def print_report(report: dict[str, Any], stream: TextIO | None = None, *, plain: bool = False,
                  width: int | None = None) -> None:
     """The table and summary: with rich when installed (and ``plain`` is False), else plain text."""
-    stream = stream or sys.stdout
-    rich = None if plain else base._rich()
-    if rich is None:
-        if width is None:
-            width = shutil.get_terminal_size((base.DEFAULT_WIDTH, 24)).columns if stream.isatty() else \
-                base.DEFAULT_WIDTH
-        print(render_text(report, width), file=stream)
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(file=stream, highlight=False, width=width)
-    columns = console.width
-    for line in base._wrap(headline(report), columns):
-        console.print(line, markup=False)
-    table = Table(box=rich.box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
-    for i, head in enumerate(HEADERS):
-        table.add_column(head, justify="right" if i in base._NUMERIC else "left", no_wrap=i != 5, overflow="fold")
-    for row, kind in zip(table_rows(report), report["kinds"], strict=True):
-        table.add_row(*row, style=_STYLES[kind["status"]])
-    console.print(table if report["kinds"] else "(clean run: no transfer fault injected)")
-    for line in _lines(report):
-        for part in base._wrap(line, columns):
-            console.print(part, markup=False, style="yellow" if line.startswith("warning:") else None)
-    for part in base._wrap(verdict(report), columns):
-        console.print(part, style=base._VERDICT_STYLES[report["outcome"]], markup=False)
+    base.print_report(report, stream, plain=plain, width=width, view=VIEW)
 
 
 def render_html(report: dict[str, Any]) -> str:
