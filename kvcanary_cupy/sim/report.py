@@ -386,15 +386,20 @@ def _wrap_cells(row: tuple[str, ...], widths: list[int]) -> list[tuple[str, ...]
     return [tuple(c[j] if j < len(c) else "" for c in cells) for j in range(height)]
 
 
-def _fp_lines(report: dict[str, Any], limit: int = 10) -> list[str]:
+def _fp_where(fp: dict[str, Any]) -> str:
+    return f"step {fp['launch_step']} {fp['launch_tag']} ({fp['group']})"
+
+
+def _fp_lines(report: dict[str, Any], limit: int = 10,
+              where: Callable[[dict[str, Any]], str] = _fp_where) -> list[str]:
+    """The first false positives, one line each; ``where`` names the launch (runs differ only there)."""
     fps = report["false_positives"]
     if not fps:
         return []
     lines = [f"first false positives (of {report['violations']['false_positives']}):"]
     for fp in fps[:limit]:
-        lines.append(f"  step {fp['launch_step']} {fp['launch_tag']} ({fp['group']}) slot {fp['slot']} position "
-                     f"{fp['position']} token {fp['stored_token']} expected {fp['expected_token']}: "
-                     f"{', '.join(short_reason(r) for r in fp['reasons'])}")
+        lines.append(f"  {where(fp)} slot {fp['slot']} position {fp['position']} token {fp['stored_token']} "
+                     f"expected {fp['expected_token']}: {', '.join(short_reason(r) for r in fp['reasons'])}")
     return lines
 
 

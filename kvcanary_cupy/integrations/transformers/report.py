@@ -245,18 +245,10 @@ def verdict(report: dict[str, Any]) -> str:
     return "FAIL: " + "; ".join(problems)
 
 
-def _fp_lines(report: dict[str, Any], limit: int = 10) -> list[str]:
-    from ...sim.report import short_reason
+def _fp_lines(report: dict[str, Any]) -> list[str]:
+    from ...sim.report import _fp_lines as fp_lines
 
-    fps = report["false_positives"]
-    if not fps:
-        return []
-    lines = [f"first false positives (of {report['violations']['false_positives']}):"]
-    for fp in fps[:limit]:
-        lines.append(f"  {fp['workload']} step {fp['launch_step']} {fp['launch_tag']} slot {fp['slot']} position "
-                     f"{fp['position']} token {fp['stored_token']} expected {fp['expected_token']}: "
-                     f"{', '.join(short_reason(r) for r in fp['reasons'])}")
-    return lines
+    return fp_lines(report, where=lambda fp: f"{fp['workload']} step {fp['launch_step']} {fp['launch_tag']}")
 
 
 def _lines(report: dict[str, Any]) -> list[str]:
