@@ -231,6 +231,7 @@ class PlanLaunch:
     verify: VerifyPlan
     write: WritePlan
     device: Device
+    prefix_name: str = "prefix_lens"  # what the caller called prefix_lens (messages name it)
 
     @property
     def bs(self) -> int:
@@ -253,8 +254,12 @@ def prepare_plan_launch(
     kv_token_id_vs_position_offset: int,
     function: str,
     layout: SlotLayout | None = None,
+    prefix_name: str = "prefix_lens",
 ) -> PlanLaunch:
-    """Every host-visible check of a plan launch (SPEC §0, §3.4), in one place for all backends."""
+    """Every host-visible check of a plan launch (SPEC §0, §3.4), in one place for all backends.
+
+    ``prefix_name``: the name the caller gave ``prefix_lens`` (``received_lens`` for a received-prefix verify),
+    used in every message about it."""
     if not isinstance(verify_plan_out, VerifyPlan):
         fail(f"verify_plan_out must be a VerifyPlan, got {type(verify_plan_out).__name__}")
     if not isinstance(write_plan_out, WritePlan):
@@ -270,12 +275,12 @@ def prepare_plan_launch(
              "req_to_verify_expected_tokens is set")
 
     rpi = optional_array_arg(req_pool_indices, "req_pool_indices", dtype=np.int64, ndim=1)
-    prefix = array_arg(prefix_lens, "prefix_lens", dtype=np.int64, ndim=1)
+    prefix = array_arg(prefix_lens, prefix_name, dtype=np.int64, ndim=1)
     bs = int((prefix if rpi is None else rpi).shape[0])
     if bs > MAX_PLAN_BATCH_SIZE:
         fail(f"the batch holds {bs} requests; one plan launch supports at most {MAX_PLAN_BATCH_SIZE}")
     if prefix.shape[0] != bs:
-        fail(f"prefix_lens must have shape ({bs},), got {tuple(prefix.shape)} (axis 0)")
+        fail(f"{prefix_name} must have shape ({bs},), got {tuple(prefix.shape)} (axis 0)")
     extend = array_arg(extend_seq_lens, "extend_seq_lens", dtype=np.int64, ndim=1, shape=(bs,))
     layout_kind, layout_value, layout_named = prepare_layout(req_to_token=req_to_token, layout=layout, bs=bs,
                                                       has_req_pool_indices=rpi is not None)
@@ -327,7 +332,7 @@ def prepare_plan_launch(
         fail(f"the batch holds {bs} requests but write_plan_out has write_req_capacity {w_cap}")
 
     named = [
-        ("req_pool_indices", rpi), ("prefix_lens", prefix), ("extend_seq_lens", extend),
+        ("req_pool_indices", rpi), (prefix_name, prefix), ("extend_seq_lens", extend),
         *layout_named, ("full_to_swa_index_mapping", lut),
         ("req_to_verify_expected_tokens", pool),
         ("req_to_verify_expected_tokens_valid_lens", valid_lens),
@@ -345,7 +350,7 @@ def prepare_plan_launch(
         full_to_swa_index_mapping=lut, req_to_verify_expected_tokens=pool,
         req_to_verify_expected_tokens_valid_lens=valid_lens, swa_window_size=window,
         kv_token_id_vs_position_offset=offset, verify_capacity=capacity, write_req_capacity=w_cap,
-        verify=verify, write=write, device=device,
+        verify=verify, write=write, device=device, prefix_name=prefix_name,
     )
 
 

@@ -60,6 +60,8 @@ def _arrays(value: Any) -> list[Any]:
 def _bytes(arr: Any) -> bytes:
     if isinstance(arr, np.ndarray):
         return np.asarray(arr).tobytes()
+    if arr.layout != torch.strided or arr.device.type == "meta":  # no plain memory to compare
+        return repr((arr.layout, arr.device, tuple(arr.shape))).encode()
     if arr.untyped_storage().nbytes() == 0:
         return b""
     return arr.detach().contiguous().numpy().tobytes()
@@ -106,6 +108,45 @@ class _WeirdDevice(_NoDevice):
         return (7, 0)  # neither CPU nor CUDA
 
 
+class _NonCapsule:
+    """A producer whose ``__dlpack__`` returns something other than a capsule (it lies about what it is)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.value
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)
+
+
+class _JunkDevice(_NonCapsule):
+    """A producer whose ``__dlpack_device__`` answers junk (not a pair of ints); its export would be valid."""
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        return np.zeros(4, np.int64).__dlpack__()
+
+    def __dlpack_device__(self) -> Any:
+        return self.value
+
+
+LYING_PRODUCERS = [_NonCapsule(None), _NonCapsule("capsule"), _NonCapsule(np.zeros(3)), _JunkDevice(None),
+                   _JunkDevice("ab"), _JunkDevice(("1", 0)), _JunkDevice((1.5, 0)), _JunkDevice((1,)),
+                   _JunkDevice(np.array([1, 0])), _JunkDevice((True, 0)), _JunkDevice((1, 0, 0))]
+
+
+def _torch_unreadable(arr: np.ndarray) -> list[tuple[str, Any]]:
+    """Torch tensors no launcher can read as plain memory: sparse and meta (no data at all)."""
+    if torch is None or not arr.dtype.isnative:
+        return []
+    dense = torch.from_numpy(arr.copy())
+    cases = [("torch meta", dense.to("meta"))]
+    if arr.dtype in (np.int32, np.int64, np.uint8):  # the dtypes torch can make sparse and launchers take
+        cases.append(("torch sparse", dense.to_sparse()))
+    return cases
+
+
 BAD_SCALARS = [None, "3", 1.5, np.float64(2.0), True, False, 2**63, 2**64, -(2**63) - 1, 10**30, [1], object(),
                np.array([1])]
 
@@ -121,6 +162,7 @@ def _misaligned(arr: np.ndarray) -> np.ndarray:
 def bad_arrays(arr: np.ndarray, *, output: bool, rng: random.Random) -> list[tuple[str, Any]]:
     """Replacements for a valid array argument, each invalid whatever the rest of the call."""
     other_dtype = np.int16  # no argument takes int16: a second mutation cannot land on a valid dtype
+    arr = arr.astype(arr.dtype.newbyteorder("="))  # a second mutation of a big-endian array starts from native
     cases: list[tuple[str, Any]] = [
         ("None", None), ("list", arr.tolist()), ("string", "array"), ("int", 3), ("object", object()),
         ("dtype", arr.astype(other_dtype)), ("float", arr.astype(np.float64)), ("uint64", arr.astype(np.uint64)),
@@ -128,7 +170,10 @@ def bad_arrays(arr: np.ndarray, *, output: bool, rng: random.Random) -> list[tup
                                                                          arr.dtype)),
         ("misaligned", _misaligned(arr)), ("failing dlpack", _FailingDlpack()), ("no device", _NoDevice()),
         ("weird device", _WeirdDevice()), ("masked", np.ma.masked_array(arr)),
+        ("lying producer", rng.choice(LYING_PRODUCERS)), *_torch_unreadable(arr),
     ]
+    if arr.dtype.itemsize > 1:  # one byte has no byte order
+        cases.append(("big-endian", arr.astype(arr.dtype.newbyteorder(">"))))
     if arr.ndim == 2:
         cases.append(("matrix", np.asmatrix(arr)))
         cases.append(("rank-1", arr.reshape(-1)))

@@ -103,8 +103,10 @@ def _allocating(what: str, device: torch.device, build: Any) -> Any:
 def _is_cuda(obj: Any) -> bool:
     if isinstance(obj, torch.Tensor):
         return obj.is_cuda
-    device = getattr(obj, "__dlpack_device__", None)
-    return device is not None and int(device()[0]) in _DL_CUDA_TYPES
+    try:
+        return int(obj.__dlpack_device__()[0]) in _DL_CUDA_TYPES
+    except Exception:  # no producer, or a broken one: the core launcher's validation names the argument
+        return False
 
 
 def _refuse_capture(function: str) -> None:
@@ -441,10 +443,19 @@ def _host_layout(layout: Any, wide: Any, narrow: Any) -> Any:
 
 
 def _tensor(obj: Any, name: str, *, writable: bool = False) -> torch.Tensor:
-    """``obj`` as a torch tensor sharing its memory (any DLPack producer; read-only outputs refused)."""
+    """``obj`` as a dense torch tensor with data, sharing its memory (any DLPack producer; read-only outputs
+    refused). The one place this layer turns arguments into tensors, so what torch cannot read as plain
+    memory (sparse or meta tensors) or cannot import (a non-native byte order) is an argument error here
+    rather than torch's own exception later."""
     if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided or obj.device.type == "meta":
+            fail(f"{name} must be a dense tensor with data, got layout {obj.layout} on {obj.device}")
         return obj.detach()
-    return torch.from_dlpack(as_array(obj, name, writable=writable))
+    arr = as_array(obj, name, writable=writable)
+    try:
+        return torch.from_dlpack(arr)
+    except Exception as exc:  # a dtype torch lacks, or torch's own refusal of the import
+        fail(f"{name} cannot be handed to torch through DLPack ({type(exc).__name__}: {exc})")
 
 
 def _host_input(obj: Any, name: str, dtype: torch.dtype) -> torch.Tensor:

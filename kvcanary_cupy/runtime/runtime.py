@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .._errors import fail
-from .._validate import INT64_MAX, array_arg
+from .._validate import array_arg, host_int_vector
 from ..bind import BoundLaunch, bind_scatter
 from ..constants import CANARY_FIELDS_PER_SLOT, CanaryStatus
 from ..dlpack import device_of, first_torch_cuda_tensor
@@ -50,27 +50,12 @@ class SweepSource(Protocol):
     def __call__(self) -> tuple[Any, Any, Any]: ...
 
 
-def _host_slots(value: Any, name: str) -> np.ndarray:
-    """A 1-D integer host array as int64. Refused rather than converted: a float or 2-D array would
-    otherwise be truncated or flattened into slots the engine never named."""
-    try:
-        arr = np.asarray(value)
-    except Exception as exc:  # a device array, a ragged list...
-        fail(f"{name} must be a host array ({type(exc).__name__}: {exc})")
-    # ints beyond int64 make an object array; bools and floats are not slots
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        fail(f"{name} must be a 1-D integer host array, got {arr.dtype.name} {arr.shape}")
-    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > INT64_MAX:
-        fail(f"{name} must hold integers within int64")
-    return arr.astype(np.int64, copy=False)
-
-
 def _sweep_entries(answer: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A sweep source's answer as three int64 host vectors of one length. Refused rather than converted: a
     float or 2-D array would otherwise be truncated or flattened into slots the engine never named."""
     if not isinstance(answer, (tuple, list)) or len(answer) != 3:
         fail(f"sweep_source must return (slots, positions, prev_slots), got {type(answer).__name__}")
-    slots, positions, prevs = (_host_slots(value, f"sweep_source's {name}")
+    slots, positions, prevs = (host_int_vector(value, f"sweep_source's {name}")
                                for name, value in zip(("slots", "positions", "prev_slots"), answer, strict=True))
     if not slots.shape[0] == positions.shape[0] == prevs.shape[0]:
         fail(f"sweep_source returned {slots.shape[0]} slots but {positions.shape[0]} positions and "
@@ -401,7 +386,7 @@ class CanaryRuntime:
             return
         self._outside_capture("copy_slots")
         groups = self._groups_of(model)
-        src_arr, dst_arr = _host_slots(src, "src"), _host_slots(dst, "dst")
+        src_arr, dst_arr = host_int_vector(src, "src"), host_int_vector(dst, "dst")
         n = int(src_arr.shape[0])
         if int(dst_arr.shape[0]) != n:
             fail(f"src has {n} slots but dst has {dst_arr.shape[0]}")
