@@ -8,7 +8,9 @@ entry-point fuzz (``tests/test_fuzz_entry_points.py``) throws the same kinds of 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import warnings
 from typing import Any
 
@@ -19,6 +21,7 @@ import kvcanary_cupy as kc
 from kvcanary_cupy.bind import bind_plan
 from kvcanary_cupy.dlpack import as_array, as_byte_rows
 from kvcanary_cupy.layouts import BlockTable
+from kvcanary_cupy.runtime import CanaryConfig, CanaryRuntime, Capacities, KvGroup, KvPools, StepBatch
 
 try:
     import torch
@@ -35,6 +38,8 @@ def _snapshot(*values: Any) -> list[bytes]:
             out += _snapshot(*(getattr(value, f.name) for f in dataclasses.fields(value)))
         elif isinstance(value, (list, tuple)):
             out += _snapshot(*value)
+        elif isinstance(value, dict):
+            out += _snapshot(*value.values())
         elif isinstance(value, np.ndarray):
             out.append(value.tobytes())
         elif torch is not None and isinstance(value, torch.Tensor):
@@ -211,3 +216,138 @@ def test_a_received_prefix_verify_refused_for_an_out_of_buffer_slot_leaves_its_p
     verifier.verify(**call)
     got = verifier.plan.verify_slot_indices[: int(verifier.plan.verify_num_valid[0])]
     np.testing.assert_array_equal(got, [table[1, 0], table[1, 1], table[1, 2], table[2, 0], table[2, 1]])
+
+
+# ---- the runtime: a two-group engine whose prefix slots were never written, so every step finds violations --
+
+RT_SLOTS = 32
+RT_LOGGER = "kvcanary_cupy.test.contract"
+
+
+class Engine:
+    """A FULL and a SWA group (page size 1) sharing ``req_to_token``; the SWA LUT and, with ``torch_kv``, the
+    KV pools are torch tensors, which the runtime's bound launches guard against moving."""
+
+    def __init__(self, *, torch_kv: bool = False) -> None:
+        def pool() -> Any:
+            return torch.zeros(RT_SLOTS, 32, dtype=torch.uint8) if torch_kv else np.zeros((RT_SLOTS, 32), np.uint8)
+
+        self.kv = {"FULL": pool(), "SWA": pool()}
+        self.lut = torch.arange(RT_SLOTS + 1, dtype=torch.int64) if torch is not None else np.arange(RT_SLOTS + 1)
+        self.req_to_token = (np.arange(4 * 8, dtype=np.int32) % (RT_SLOTS - 1) + 1).reshape(4, 8)
+        self.answer: Any = (np.zeros(0, np.int64),) * 3  # what the prefix cache reports to the sweep
+
+    def sweep_source(self) -> Any:
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+    def runtime(self, *, sweep_interval: int = 0, timer: Any = None) -> CanaryRuntime:
+        def source(g: str) -> kc.RealKvSource:
+            return kc.RealKvSource(self.kv[g], page_size=1, num_bytes_per_token=32, read_bytes=32)
+
+        groups = (KvGroup(name="FULL", num_slots=RT_SLOTS, k_sources=(source("FULL"),)),
+                  KvGroup(name="SWA", num_slots=RT_SLOTS, k_sources=(source("SWA"),), swa_window=2,
+                          full_to_swa_index_mapping=self.lut))
+        config = CanaryConfig(mode="log", ring_capacity=16, real_kv_hash_mode="all", sweep_interval=sweep_interval,
+                              backend="numpy", logger=RT_LOGGER)
+        return CanaryRuntime.create(config, KvPools(groups=groups, req_to_token=self.req_to_token),
+                                    Capacities(max_batch_size=3, max_tokens=8), sweep_source=self.sweep_source,
+                                    timer=timer)
+
+
+def _batch() -> StepBatch:
+    return StepBatch(req_pool_indices=np.array([1, 2]), prefix_lens=np.array([2, 1]),
+                     extend_seq_lens=np.array([1, 2]), input_ids=np.array([5, 6, 7]), positions=np.array([2, 1, 2]),
+                     out_cache_loc=np.array([3, 4, 5]))
+
+
+def _forward(rt: CanaryRuntime) -> None:
+    rt.prepare(_batch())
+    rt.pre_forward()
+    rt.post_forward()
+
+
+def _buffers(rt: CanaryRuntime) -> list[Any]:
+    """Every canary buffer, ring, plan and device word of the runtime, and its staged batches."""
+    return [rt.groups, [st.buffers for st in rt.stages.values()], vars(rt.scalars)]
+
+
+@needs_torch
+@pytest.mark.parametrize("phase", ["pre_forward", "post_forward"])
+def test_a_phase_refused_for_a_later_group_whose_tensor_moved_launches_no_group(phase):
+    engine = Engine(torch_kv=True)
+    rt = engine.runtime()
+    _forward(rt)
+    rt.finish_step()
+    rt.prepare(_batch())
+    if phase == "post_forward":
+        rt.pre_forward()
+        engine.kv["SWA"].resize_(4 * RT_SLOTS, 32)  # the SWA group's KV pool (a TAIL source) reallocated
+        match = r"^kv-canary: context\.real_kv_sources\[0\]\.tensor: the torch tensor's storage moved"
+    else:
+        engine.lut.resize_(4 * RT_SLOTS)  # the SWA group's LUT (read by its plan) reallocated
+        match = r"^kv-canary: full_to_swa_index_mapping: the torch tensor's storage moved"
+    # the FULL group comes first: on the old code its launches ran (and wrote) before SWA's refused
+    refused(lambda: getattr(rt, phase)(), match, _buffers(rt))
+
+
+def test_copy_slots_refuses_masked_slot_lists_and_copies_nothing():
+    rt = Engine().runtime()
+    _forward(rt)
+    src = np.ma.masked_array([3, 4], mask=[False, True])  # the masked 4 would be copied like any slot
+    refused(lambda: rt.copy_slots(src, np.array([7, 8])), r"^kv-canary: src must be a plain array", _buffers(rt))
+    refused(lambda: rt.copy_slots(np.array([3, 4]), np.ma.masked_array([7, 8])), r"^kv-canary: dst\b", _buffers(rt))
+
+
+def _step_with_violations(rt: CanaryRuntime) -> None:
+    """Run one forward whose launches append rows, and the finish_step that takes their snapshot."""
+    _forward(rt)
+    rt.finish_step()
+
+
+@pytest.mark.parametrize("answer", ["masked", "float", "raises"])
+def test_finish_step_refused_by_its_sweep_answer_reads_nothing_and_the_next_one_reports_every_row(answer, caplog):
+    engine = Engine()
+    rt = engine.runtime(sweep_interval=1)
+    _step_with_violations(rt)  # step 0: its rows are read by the next finish_step
+    stats = rt.stats()
+    assert stats["violations"] == 0
+    engine.answer = {"masked": (np.ma.masked_array([3], mask=[True]), np.array([0]), np.array([-1])),
+                     "float": (np.array([3.0]), np.array([0]), np.array([-1])),
+                     "raises": RuntimeError("the prefix cache is being rebuilt")}[answer]
+    if answer == "raises":  # the engine's own exception propagates unchanged
+        before = _snapshot(_buffers(rt))
+        with pytest.raises(RuntimeError, match="being rebuilt"):
+            rt.finish_step()
+        assert _snapshot(_buffers(rt)) == before
+    else:
+        refused(rt.finish_step, r"^kv-canary: sweep_source's slots", _buffers(rt))
+    assert rt.stats() == stats  # nothing read, nothing counted, the step not advanced
+    engine.answer = (np.zeros(0, np.int64),) * 3
+    report = rt.finish_step()
+    found = len(report.new_violations)
+    assert found > 0 and rt.stats()["violations"] == found
+    assert report.launch_step == 0
+
+
+def test_a_failure_after_the_rings_were_read_still_reports_every_row_read(caplog):
+    engine = Engine()
+
+    @contextlib.contextmanager
+    def timer(phase: str) -> Any:
+        yield
+        if phase == "sweep" and rt.step == 1:  # a debugging hook failing once the rings have been read
+            raise OSError("the timing file is full")
+
+    rt = engine.runtime(sweep_interval=1, timer=timer)
+    _step_with_violations(rt)
+    engine.answer = (np.array([3]), np.array([0]), np.array([-1]))
+    caplog.set_level(logging.WARNING, logger=RT_LOGGER)
+    caplog.clear()
+    with pytest.raises(OSError, match="timing file") as info:
+        rt.finish_step()
+    logged = [r for r in caplog.records if r.getMessage().startswith("kv-canary violation")]
+    assert len(logged) > 0
+    assert rt.stats()["violations"] == len(logged)  # what stats() counts is what reached the log
+    assert any("logged" in note for note in getattr(info.value, "__notes__", []))
