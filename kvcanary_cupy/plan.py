@@ -24,8 +24,10 @@ OnInvalid = Literal["raise", "flag"]
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 
 
-def _allocate(device: Any, shape: int | tuple[int, ...], dtype: Any, fill: int | None = None) -> Any:
-    """One plan array on ``device`` ("cpu" -> NumPy, "cuda"/"cuda:N" -> CuPy)."""
+def _allocate(device: Any, shape: int | tuple[int, ...], dtype: Any, fill: int | None = None, *,
+              name: str = "the requested size") -> Any:
+    """One plan array on ``device`` ("cpu" -> NumPy, "cuda"/"cuda:N" -> CuPy). ``name``: the argument whose
+    value sized the array, named when the memory cannot be had."""
     dev = str(device)
     xp: Any = np
     index = ""
@@ -53,9 +55,18 @@ def _allocate(device: Any, shape: int | tuple[int, ...], dtype: Any, fill: int |
                 xp.cuda.get_current_stream().synchronize()
             return arr
     except (MemoryError, ValueError) as exc:  # sizes beyond what the device (or NumPy) can hold
-        fail(f"cannot allocate {shape} x {np.dtype(dtype).name} on device={dev!r} ({exc})")
+        fail(f"{name} asks for {allocation_nbytes(shape, dtype)} bytes ({shape} x {np.dtype(dtype).name}), which "
+             f"cannot be allocated on device={dev!r} ({type(exc).__name__}: {exc})")
     except Exception as exc:  # CuPy installed but no usable GPU or driver (CUDARuntimeError...)
         fail(f"device={dev!r} is not usable here ({type(exc).__name__}: {exc})")
+
+
+def allocation_nbytes(shape: int | tuple[int, ...], dtype: Any) -> int:
+    """Bytes an array of ``shape`` and ``dtype`` takes (Python ints: no overflow whatever the sizes)."""
+    count = 1
+    for extent in (shape,) if isinstance(shape, int) else shape:
+        count *= int(extent)
+    return count * np.dtype(dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -90,10 +101,10 @@ class VerifyPlan:
         if capacity > _INT32_MAX:  # verify_num_valid is int32
             fail(f"VerifyPlan verify_capacity must be <= {_INT32_MAX}, got {capacity}")
         return cls(
-            verify_slot_indices=_allocate(device, capacity, np.int64),
-            verify_expected_tokens=_allocate(device, capacity, np.int64),
-            verify_expected_positions=_allocate(device, capacity, np.int64),
-            verify_prev_slot_indices=_allocate(device, capacity, np.int64),
+            verify_slot_indices=_allocate(device, capacity, np.int64, name="verify_capacity"),
+            verify_expected_tokens=_allocate(device, capacity, np.int64, name="verify_capacity"),
+            verify_expected_positions=_allocate(device, capacity, np.int64, name="verify_capacity"),
+            verify_prev_slot_indices=_allocate(device, capacity, np.int64, name="verify_capacity"),
             verify_num_valid=_allocate(device, 1, np.int32),
             enable=_allocate(device, 1, np.int32, fill=1),
             status=_allocate(device, 1, np.int32, fill=0),
@@ -138,11 +149,16 @@ class WritePlan:
         capacity = int_arg(write_req_capacity, "write_req_capacity")
         if capacity <= 0:
             fail(f"WritePlan write_req_capacity must be positive, got {capacity}")
+        return cls._allocate(capacity, device, sized_by="write_req_capacity")
+
+    @classmethod
+    def _allocate(cls, capacity: int, device: Any, *, sized_by: str) -> WritePlan:
+        """The arrays of :meth:`allocate`; ``sized_by`` is the caller's name for the capacity."""
         return cls(
-            write_offsets=_allocate(device, capacity + 1, np.int64),
-            write_seed_slot_indices=_allocate(device, capacity, np.int64),
+            write_offsets=_allocate(device, capacity + 1, np.int64, name=sized_by),
+            write_seed_slot_indices=_allocate(device, capacity, np.int64, name=sized_by),
             write_num_valid_reqs=_allocate(device, 1, np.int32),
-            verify_offsets=_allocate(device, capacity + 1, np.int64),
+            verify_offsets=_allocate(device, capacity + 1, np.int64, name=sized_by),
         )
 
     @staticmethod

@@ -134,8 +134,8 @@ class ReceivedPrefixVerifier:
         self.max_requests = int_arg(max_requests, "max_requests", minimum=1)
         self.verify_capacity = capacity
         self.plan = VerifyPlan.allocate(verify_capacity=capacity, device=device)
-        self._write_plan = WritePlan.allocate(write_req_capacity=self.max_requests, device=device)
-        self._no_extend = _allocate(device, self.max_requests, np.int64, fill=0)
+        self._write_plan = WritePlan._allocate(self.max_requests, device, sized_by="max_requests")
+        self._no_extend = _allocate(device, self.max_requests, np.int64, fill=0, name="max_requests")
         self._shadows: tuple[VerifyPlan, WritePlan] | None = None
 
     def verify(self, *, context: VerifyOrWriteContext, req_pool_indices: Any | None = None, received_lens: Any,

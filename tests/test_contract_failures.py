@@ -283,10 +283,11 @@ def test_a_phase_refused_for_a_later_group_whose_tensor_moved_launches_no_group(
     rt.prepare(_batch())
     if phase == "post_forward":
         rt.pre_forward()
-        engine.kv["SWA"].resize_(4 * RT_SLOTS, 32)  # the SWA group's KV pool (a TAIL source) reallocated
+        moved = torch.zeros(RT_SLOTS, 32, dtype=torch.uint8)  # allocated while the old storage lives: elsewhere
+        engine.kv["SWA"].set_(moved)  # the SWA group's KV pool (a TAIL source) now lives in other memory
         match = r"^kv-canary: context\.real_kv_sources\[0\]\.tensor: the torch tensor's storage moved"
     else:
-        engine.lut.resize_(4 * RT_SLOTS)  # the SWA group's LUT (read by its plan) reallocated
+        engine.lut.set_(torch.arange(RT_SLOTS + 1, dtype=torch.int64))  # the SWA LUT (read by its plan) moved
         match = r"^kv-canary: full_to_swa_index_mapping: the torch tensor's storage moved"
     # the FULL group comes first: on the old code its launches ran (and wrote) before SWA's refused
     refused(lambda: getattr(rt, phase)(), match, _buffers(rt))
@@ -351,3 +352,43 @@ def test_a_failure_after_the_rings_were_read_still_reports_every_row_read(caplog
     assert len(logged) > 0
     assert rt.stats()["violations"] == len(logged)  # what stats() counts is what reached the log
     assert any("logged" in note for note in getattr(info.value, "__notes__", []))
+
+
+# ---- a failed allocation names the argument that asked for the bytes ------------------------------------------
+
+HUGE = 2**55  # NumPy refuses at once (no machine has the bytes), so nothing is really allocated
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: kc.WritePlan.allocate(write_req_capacity=HUGE), "write_req_capacity"),
+    (lambda: kc.VerifyOrWriteContext.allocate(num_slots=HUGE), "num_slots"),
+    (lambda: kc.VerifyOrWriteContext.allocate(num_slots=8, ring_capacity=HUGE), "ring_capacity"),
+    (lambda: kc.transfer.ReceivedPrefixVerifier(verify_capacity=4, max_requests=HUGE), "max_requests"),
+    (lambda: CanaryRuntime.create(CanaryConfig(), KvPools(groups=(KvGroup(name="F", num_slots=8),),
+                                                           req_to_token=np.zeros((2, 4), np.int32)),
+                                  Capacities(max_batch_size=2, max_tokens=HUGE)), "Capacities.max_tokens"),
+    (lambda: CanaryRuntime.create(CanaryConfig(), KvPools(groups=(KvGroup(name="F", num_slots=HUGE),),
+                                                           req_to_token=np.zeros((2, 4), np.int32)),
+                                  Capacities(max_batch_size=2, max_tokens=4, verify_capacity=8, max_sweep_slots=8)),
+     "num_slots"),
+], ids=["WritePlan", "context-slots", "context-ring", "verifier", "runtime-tokens", "runtime-slots"])
+def test_an_allocation_that_cannot_be_had_names_the_argument_that_sized_it(make, name):
+    with pytest.raises(kc.CanaryArgumentError) as info:
+        make()
+    message = str(info.value)
+    assert message.startswith("kv-canary: ") and name in message and "bytes" in message, message
+
+
+@needs_torch
+@pytest.mark.parametrize("cls, args, name", [
+    ("VerifyPlan", {"verify_capacity": HUGE}, "verify_capacity"),
+    ("WritePlan", {"write_req_capacity": HUGE}, "write_req_capacity"),
+    ("VerifyOrWriteContext", {"num_slots": HUGE}, "num_slots"),
+])
+def test_a_compat_allocation_that_cannot_be_had_names_its_size_argument(cls, args, name):
+    from kvcanary_cupy.compat import sglang
+
+    with pytest.raises(kc.CanaryArgumentError) as info:
+        getattr(sglang, cls).allocate(**args)
+    message = str(info.value)
+    assert message.startswith("kv-canary: ") and f"{name}={HUGE}" in message and "bytes" in message, message

@@ -193,7 +193,8 @@ class CanaryRuntime:
         self._history: StagedHistory | None = None
         self._scatter: BoundLaunch | None = None
         if pool_shape is not None:
-            self.expected_token_pool, _ = space.alloc(pool_shape, np.int32, 0)
+            self.expected_token_pool, _ = space.alloc(pool_shape, np.int32, 0,
+                                                      name="Capacities.pool_rows x Capacities.max_context_len")
             self._history = StagedHistory(space, max_rows=caps.max_batch_size,
                                           max_tokens=caps.max_history_tokens or pool_shape[0] * pool_shape[1])
             self._scatter = bind_scatter(flat_in=self._history.flat.owner, offsets=self._history.offsets.owner,
@@ -218,13 +219,15 @@ class CanaryRuntime:
                           for name, state in self.groups.items()}
         self._sweep_capacity = sweep_cap
         self._sweep_host = {k: space.host(sweep_cap, np.int64) for k in ("slots", "positions", "prevs")}
-        self._sweep_in = {k: Buffer(*space.alloc(sweep_cap, np.int64)) for k in ("slots", "positions", "prevs")}
+        self._sweep_in = {k: Buffer(*space.alloc(sweep_cap, np.int64, name="Capacities.max_sweep_slots"))
+                          for k in ("slots", "positions", "prevs")}
         # copy_slots: host staging, the slots on the device, their LUT gathers and the records in flight, in
         # chunks of max_tokens
         self._copy_host = {k: space.host(caps.max_tokens, np.int64) for k in ("src", "dst")}
-        self._copy_in = {k: Buffer(*space.alloc(caps.max_tokens, np.int64)) for k in ("src", "dst")}
-        self._copy_lut = {k: Buffer(*space.alloc(caps.max_tokens, np.int64)) for k in ("src", "dst")}
-        self._copy_records = Buffer(*space.alloc((caps.max_tokens, CANARY_FIELDS_PER_SLOT), np.int64))
+        tokens = "Capacities.max_tokens"
+        self._copy_in = {k: Buffer(*space.alloc(caps.max_tokens, np.int64, name=tokens)) for k in ("src", "dst")}
+        self._copy_lut = {k: Buffer(*space.alloc(caps.max_tokens, np.int64, name=tokens)) for k in ("src", "dst")}
+        self._copy_records = Buffer(*space.alloc((caps.max_tokens, CANARY_FIELDS_PER_SLOT), np.int64, name=tokens))
         self._ring_host = {name: space.host((cfg.ring_capacity, 8), np.int64) for name in self.groups}
         # Two snapshot slots, each a host buffer and its event, alternated between the snapshot being read (one
         # step late) and the one being taken, so no step allocates either.
