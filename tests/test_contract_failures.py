@@ -392,3 +392,62 @@ def test_a_compat_allocation_that_cannot_be_had_names_its_size_argument(cls, arg
         getattr(sglang, cls).allocate(**args)
     message = str(info.value)
     assert message.startswith("kv-canary: ") and f"{name}={HUGE}" in message and "bytes" in message, message
+
+
+# ---- the transformers integration: install's arguments and CanaryOptions ---------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_model() -> Any:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _untouched(model: Any) -> None:
+    """No hook, no instance override, no canary left behind by a refused install."""
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert "init_continuous_batching" not in vars(model) and getattr(model, "_kvcanary", None) is None
+
+
+@pytest.mark.parametrize("case", ["class", "str options", "dict options", "unknown keyword", "options instance",
+                                  "mutated options"])
+def test_install_refuses_wrong_objects_by_name_and_hooks_nothing(tiny_model, case):
+    from kvcanary_cupy.integrations.transformers import CanaryOptions, install
+
+    mutated = CanaryOptions()
+    mutated.with_v = "no"  # a field changed after construction is checked again
+    call, match = {
+        "class": (lambda: install(type(tiny_model)), r"^kv-canary: target must be a model instance"),
+        "str options": (lambda: install(tiny_model, "raise"), r"^kv-canary: options must be a CanaryOptions"),
+        "dict options": (lambda: install(tiny_model, {"mode": "raise"}), r"^kv-canary: options must be a Canary"),
+        "unknown keyword": (lambda: install(tiny_model, mood="raise"), r"^kv-canary: install\(\) got unknown .*mood"),
+        "options instance": (lambda: install(tiny_model, CanaryOptions), r"^kv-canary: options must be"),
+        "mutated options": (lambda: install(tiny_model, mutated), r"^kv-canary: CanaryOptions\.with_v must be a bool"),
+    }[case]
+    with pytest.raises(kc.CanaryArgumentError, match=match):
+        call()
+    _untouched(tiny_model)
+    assert "init_continuous_batching" not in vars(type(tiny_model))
+
+
+BAD_OPTION_FIELDS = {
+    "mode": [None, "LOG", 1, ["log"], np.array(["log"])],
+    "real_kv_hash": ["none", "ALL", None, True, np.array(["all"])],
+    "with_v": ["no", "yes", 1, 0, None, np.array([True]), [True]],
+    "backend": ["gpu", None, 3, ["numpy"], np.array(["numpy"])],
+    "ring_capacity": [0, -1, 2**31, 1.5, True, "8", None, np.array([4])],
+    "sweep_interval": [-1, 1.5, True, "2", None, np.array([8])],
+    "logger": ["", None, 3, np.array(["x"])],
+}
+
+
+@pytest.mark.parametrize("field", list(BAD_OPTION_FIELDS))
+def test_every_canary_options_field_is_validated_strictly(field):
+    pytest.importorskip("transformers")
+    from kvcanary_cupy.integrations.transformers import CanaryOptions
+
+    for value in BAD_OPTION_FIELDS[field]:
+        with pytest.raises(kc.CanaryArgumentError, match=rf"^kv-canary: CanaryOptions\.{field}\b"):
+            CanaryOptions(**{field: value})
+    assert CanaryOptions(with_v=False, sweep_interval=0).config().sweep_interval == 0  # valid values still pass

@@ -944,7 +944,9 @@ def test_runtime_refuses_random_bad_batches_and_models_and_writes_nothing(backen
 
 BAD_SWEEPS = [None, 3, ([1], [0]), ([1.5], [0], [-1]), (["a"], [0], [-1]), ([2**70], [0], [-1]),
               (np.array([2**64 - 1], np.uint64), [0], [-1]), ([1, 2], [0], [-1]), ([1], [True], [-1]),
-              ([[1], [2, 3]], [0], [-1]), "abc"]
+              ([[1], [2, 3]], [0], [-1]), "abc",
+              (np.ma.masked_array([1, 2], mask=[0, 1]), [0, 1], [-1, 1]), ([1], np.ma.masked_array([0]), [-1]),
+              (_NonCapsule("capsule"), [0], [-1])]
 
 
 def _runtime_step_case(rt: CanaryRuntime, is_full: bool,
@@ -967,3 +969,99 @@ def _runtime_step_case(rt: CanaryRuntime, is_full: bool,
         what += "; " + _mutate_batch(fields, is_full, rng)
     watched.append(dict(fields))
     return lambda: rt.prepare(StepBatch(**fields)), watched, what
+
+
+# ---- host slot lists: copy_slots and what a sweep source answers ---------------------------------------------
+
+def _bad_slot_lists(rng: random.Random) -> Any:
+    """A slot list (1-D integers on the host) that must be refused, however NumPy would convert it."""
+    good = np.array([3, 4], np.int64)
+    return rng.choice([
+        np.ma.masked_array(good, mask=[False, True]), np.ma.masked_array(good), np.asmatrix(good), good.astype(float),
+        good.reshape(1, 2), [3.5, 4], ["3", "4"], [[3], [4, 5]], None, "34", object(), rng.choice(LYING_PRODUCERS),
+        np.array([2**64 - 1, 3], np.uint64), [2**70, 3], good.astype(bool),
+    ])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_copy_slots_and_finish_step_refuse_bad_slot_lists_and_change_nothing(backend):
+    """copy_slots and finish_step's sweep answer take host slot lists through one coercion: masked arrays,
+    matrices, floats, nested lists and lying producers are refused before anything is read or written; a
+    refused finish_step reads no ring (stats unchanged, the step not advanced)."""
+    rng = random.Random(f"slot-lists-{backend}")
+    engine = _RtEngine()
+    answer: list[Any] = [(np.zeros(0, np.int64),) * 3]
+    parts = _rt_parts(engine, backend)
+    parts["config"]["sweep_interval"] = 1
+    parts["create"]["sweep_source"] = lambda: answer[0]
+    rt = _create(parts)
+    batch = _rt_batch(True)
+    rt.prepare(StepBatch(**batch))
+    rt.pre_forward()
+    rt.post_forward()
+    rt.finish_step()
+    for case in range(120):
+        bad = _bad_slot_lists(rng)
+        if rng.random() < 0.5:
+            src, dst = (bad, np.array([7, 8])) if rng.random() < 0.5 else (np.array([3, 4]), bad)
+            refuses(lambda src=src, dst=dst: rt.copy_slots(src, dst), [_runtime_buffers(rt), engine.arrays()],
+                    f"case {case}: copy_slots({src!r}, {dst!r})")
+            continue
+        k = rng.randrange(3)
+        answer[0] = tuple(bad if i == k else np.zeros(2, np.int64) for i in range(3))
+        stats = rt.stats()
+        refuses(rt.finish_step, [_runtime_buffers(rt), engine.arrays()], f"case {case}: sweep answer {answer[0]!r}")
+        assert rt.stats() == stats, f"case {case}: a refused finish_step counted something"
+    answer[0] = (np.zeros(0, np.int64),) * 3
+    rt.finish_step()  # and the runtime goes on
+
+
+# ---- the transformers integration: install() and CanaryOptions ------------------------------------------------
+
+BAD_CANARY_OPTIONS: dict[str, list[Any]] = {
+    "mode": [None, "LOG", "", 1, ["log"], np.array(["log"]), object()],
+    "real_kv_hash": ["none", "ALL", None, True, 1, np.array(["all"])],
+    "with_v": ["no", "yes", "", 1, 0, None, 1.0, np.array([True]), [True]],
+    "backend": ["gpu", "", None, 3, ["numpy"], np.array(["numpy"])],
+    "ring_capacity": [0, -1, 2**31, 1.5, True, "8", None, np.array([4]), [4]],
+    "sweep_interval": [-1, 1.5, True, False, "2", None, np.array([8]), 2**64],
+    "logger": ["", None, 3, np.array(["x"]), ["x"]],
+}
+
+
+def test_transformers_install_and_canary_options_refuse_random_wrong_objects():
+    """Every CanaryOptions field strictly (no truthiness, no arrays, no conversion), and every wrong object
+    handed to install(): a class instead of a model, a str or dict (or anything else) instead of
+    CanaryOptions, unknown keywords, both options and keywords. A refused install hooks nothing."""
+    transformers = pytest.importorskip("transformers")
+    from kvcanary_cupy.integrations.transformers import CanaryOptions, install
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1))
+    rng = random.Random("transformers-install")
+    for case in range(300):
+        field = rng.choice(list(BAD_CANARY_OPTIONS))
+        value = rng.choice(BAD_CANARY_OPTIONS[field])
+        kind = rng.randrange(5)
+        if kind == 0:
+            call = lambda field=field, value=value: CanaryOptions(**{field: value})  # noqa: E731
+            what = f"CanaryOptions({field}={value!r})"
+        elif kind == 1:
+            call = lambda field=field, value=value: install(model, **{field: value})  # noqa: E731
+            what = f"install(model, {field}={value!r})"
+        elif kind == 2:
+            opts = CanaryOptions()
+            setattr(opts, field, value)  # changed after construction
+            call, what = (lambda opts=opts: install(model, opts)), f"install(model, options with {field}={value!r})"
+        elif kind == 3:
+            target = rng.choice([type(model), transformers.PreTrainedModel, None, "model", 3, object(), {"model": 1},
+                                 torch.nn.Linear(2, 2) if torch is not None else None])
+            call, what = (lambda target=target: install(target)), f"install({target!r})"
+        else:
+            options = rng.choice(["raise", {"mode": "raise"}, {}, [], 3, CanaryOptions, "", object()])
+            extra = rng.choice([{}, {"mood": "raise"}, {"mode": "log"} if not isinstance(options, str) else {}])
+            call, what = (lambda options=options, extra=extra: install(model, options, **extra)), \
+                f"install(model, {options!r}, **{extra!r})"
+        refuses(call, None, f"case {case}: {what}")
+        assert not model._forward_pre_hooks and getattr(model, "_kvcanary", None) is None, f"case {case}: hooked"
