@@ -1065,3 +1065,69 @@ def test_transformers_install_and_canary_options_refuse_random_wrong_objects():
                 f"install(model, {options!r}, **{extra!r})"
         refuses(call, None, f"case {case}: {what}")
         assert not model._forward_pre_hooks and getattr(model, "_kvcanary", None) is None, f"case {case}: hooked"
+
+
+# ---- the compat layer's torch references: arrays torch cannot read as plain memory ----------------------------
+
+@pytest.mark.skipif(torch is None, reason="torch is not installed")
+def test_the_compat_layer_refuses_sparse_meta_big_endian_and_lying_arrays_and_writes_nothing():
+    """Every array argument of both compat plan entries and of the compat launchers, replaced by a sparse or
+    meta tensor, a big-endian NumPy array (torch.from_dlpack raises BufferError for it) or a lying DLPack
+    producer: a CanaryArgumentError naming something, nothing written."""
+    from kvcanary_cupy.compat import sglang
+
+    rng = random.Random("compat-unreadable")
+
+    def unreadable(t: Any) -> Any:
+        kinds = ["meta", "big-endian", "lying"] + (["sparse"] if t.dtype in (torch.int32, torch.int64) else [])
+        kind = rng.choice(kinds)
+        if kind == "sparse":
+            return t.to_sparse()
+        if kind == "meta":
+            return t.to("meta")
+        if kind == "big-endian":
+            arr = t.numpy()
+            return arr.astype(arr.dtype.newbyteorder(">"))
+        return rng.choice(LYING_PRODUCERS)
+
+    for case in range(300):
+        vp = sglang.VerifyPlan.allocate(verify_capacity=16).zero_for_testing_()
+        wp = sglang.WritePlan.allocate(write_req_capacity=4).zero_for_testing_()
+        ctx = sglang.VerifyOrWriteContext.allocate(num_slots=16, ring_capacity=4)
+        pool = torch.zeros(4, 8, dtype=torch.int32)
+        watched = [vp, wp, ctx, pool]
+        kind = rng.randrange(4)
+        if kind < 2:
+            args = {"verify_plan_out": vp, "write_plan_out": wp, "req_pool_indices": torch.tensor([1, 2]),
+                    "prefix_lens": torch.tensor([3, 1]), "extend_seq_lens": torch.tensor([1, 1]),
+                    "req_to_token": torch.arange(32, dtype=torch.int32).reshape(4, 8), "swa_window_size": 0,
+                    "full_to_swa_index_mapping": None, "verify_capacity": 16,
+                    "req_to_verify_expected_tokens": pool, "req_to_verify_expected_tokens_valid_lens":
+                    torch.tensor([3, 3]), "kv_token_id_vs_position_offset": 0}
+            name = rng.choice(["req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token",
+                               "req_to_verify_expected_tokens", "req_to_verify_expected_tokens_valid_lens",
+                               "verify_plan_out.verify_slot_indices", "write_plan_out.write_offsets"])
+            if "." in name:
+                plan_arg, field = name.split(".")
+                args[plan_arg] = dataclasses.replace(args[plan_arg],
+                                                     **{field: unreadable(getattr(args[plan_arg], field))})
+            else:
+                args[name] = unreadable(args[name])
+            entry = (sglang.launch_canary_plan_kernels if kind == 0
+                     else sglang.launch_canary_plan_kernels_torch_reference)
+            refuses(lambda entry=entry, args=args: entry(**args), watched, f"case {case}: {entry.__name__} {name}")
+        elif kind == 2:
+            args = {"context": ctx, "plan": wp, "input_ids": torch.tensor([1, 2]), "positions": torch.tensor([0, 1]),
+                    "out_cache_loc": torch.tensor([3, 4]), "enable_write_input_assert": False,
+                    "expected_input_tokens": None, "expected_input_positions": None}
+            name = rng.choice(["input_ids", "positions", "out_cache_loc"])
+            args[name] = unreadable(args[name])
+            refuses(lambda args=args: sglang.launch_canary_write_kernel(**args), watched,
+                    f"case {case}: write {name}")
+        else:
+            args = {"flat_in": torch.arange(4), "offsets": torch.tensor([0, 4]), "req_pool_indices": torch.tensor([1]),
+                    "pool_out": pool}
+            name = rng.choice(list(args))
+            args[name] = unreadable(args[name])
+            refuses(lambda args=args: sglang.launch_scatter_req_token_ids_kernel(**args), watched,
+                    f"case {case}: scatter {name}")
