@@ -127,6 +127,9 @@ class ReceivedPrefixVerifier:
     recomputes each predecessor's chain hash and the real-KV fingerprint of the received bytes through
     ``context``'s sources (the receiver's KV; its page size may differ from the sender's, the bytes per
     token may not). Violations land in ``context``'s ring; ``plan.status`` reports hostile table values.
+    A call that raises writes nothing: with the NumPy reference in ``raise`` mode the plan is built and
+    verified in a second, private pair of host plans (allocated on first use) and copied into ``plan`` only
+    once the verify accepted it.
     """
 
     def __init__(self, *, verify_capacity: int, max_requests: int, device: Any = "cpu") -> None:

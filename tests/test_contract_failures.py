@@ -168,7 +168,7 @@ def test_the_compat_layer_refuses_sparse_meta_and_big_endian_arrays_by_name(kind
 
 # ---- 2. refused means refused ----------------------------------------------------------------------------------
 
-def _verifier_call(verifier: Any, **changes: Any) -> dict[str, Any]:
+def _verifier_call(**changes: Any) -> dict[str, Any]:
     context = kc.VerifyOrWriteContext.allocate(num_slots=32, ring_capacity=8)
     call = {"context": context, "req_pool_indices": np.array([1, 2], np.int64),
             "received_lens": np.array([3, 2], np.int64),
@@ -187,7 +187,7 @@ def test_a_bad_received_lens_is_reported_under_the_name_received_lens(bad):
     verifier.plan.verify_slot_indices[:] = 9  # a previous verify's plan
     lens = {"float": np.array([3.0, 2.0]), "2-D": np.array([[3, 2]], np.int64), "length": np.array([3], np.int64),
             "lying": NonCapsule(), "masked": np.ma.masked_array([3, 2], mask=[0, 1])}[bad]
-    call = _verifier_call(verifier, received_lens=lens)
+    call = _verifier_call(received_lens=lens)
     message = refused(lambda: verifier.verify(**call), r"^kv-canary: received_lens\b",
                       _verifier_state(verifier), call)
     assert "prefix_lens" not in message
@@ -195,7 +195,7 @@ def test_a_bad_received_lens_is_reported_under_the_name_received_lens(bad):
 
 def test_a_received_lens_beyond_the_table_row_is_named_received_lens_by_the_reference():
     verifier = kc.transfer.ReceivedPrefixVerifier(verify_capacity=64, max_requests=3)
-    call = _verifier_call(verifier, received_lens=np.array([3, 9], np.int64))  # rows are 8 wide
+    call = _verifier_call(received_lens=np.array([3, 9], np.int64))  # rows are 8 wide
     message = refused(lambda: verifier.verify(**call), r"received_lens\[1\]=9 reaches beyond",
                       _verifier_state(verifier), call)
     assert "prefix_lens" not in message
@@ -208,7 +208,7 @@ def test_a_received_prefix_verify_refused_for_an_out_of_buffer_slot_leaves_its_p
     verifier.plan.verify_slot_indices[:] = 9  # a previous verify's plan, which a refused call must keep
     table = (np.arange(4 * 8, dtype=np.int32) % 31 + 1).reshape(4, 8)
     table[2, 1] = 40  # a slot beyond the receiver's 32-slot canary buffer: the verify step refuses it
-    call = _verifier_call(verifier, req_to_token=table)
+    call = _verifier_call(req_to_token=table)
     refused(lambda: verifier.verify(**call), r"plan\.verify_slot_indices\[\d+\]=40 is outside canary_buf",
             _verifier_state(verifier), call)
     # and the same call with a valid table still verifies and publishes its plan
@@ -308,7 +308,7 @@ def _step_with_violations(rt: CanaryRuntime) -> None:
 
 
 @pytest.mark.parametrize("answer", ["masked", "float", "raises"])
-def test_finish_step_refused_by_its_sweep_answer_reads_nothing_and_the_next_one_reports_every_row(answer, caplog):
+def test_finish_step_refused_by_its_sweep_answer_reads_nothing_and_the_next_one_reports_every_row(answer):
     engine = Engine()
     rt = engine.runtime(sweep_interval=1)
     _step_with_violations(rt)  # step 0: its rows are read by the next finish_step
