@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import fail
-from .dlpack import Device, as_array, device_of
+from .dlpack import Device, as_array, device_of, plain_ndarray
 
 
 def array_arg(
@@ -53,6 +53,26 @@ def optional_array_arg(obj: Any, name: str, **kwargs: Any) -> Any:
 
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def host_int_vector(value: Any, name: str) -> np.ndarray:
+    """A 1-D integer host array as int64, from anything NumPy reads as one (a list, a NumPy array, a CPU
+    tensor): the one way host-side slot lists enter (``copy_slots``, a sweep source's answers). Refused
+    rather than converted: a float or 2-D array would be truncated or flattened into slots the caller never
+    named, and a masked array's hidden entries would be used as slots like the others (NumPy subclasses are
+    judged as the DLPack bridge judges them)."""
+    if isinstance(value, np.ndarray) and type(value) is not np.ndarray:
+        value = plain_ndarray(value, name)
+    try:
+        arr = np.asarray(value)
+    except Exception as exc:  # a device array, a ragged list...
+        fail(f"{name} must be a host array ({type(exc).__name__}: {exc})")
+    # ints beyond int64 make an object array; bools and floats are not slots
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        fail(f"{name} must be a 1-D integer host array, got {arr.dtype.name} {arr.shape}")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > INT64_MAX:
+        fail(f"{name} must hold integers within int64")
+    return arr.astype(np.int64, copy=False)
 
 
 def int_arg(value: Any, name: str, *, minimum: int | None = None, maximum: int | None = None) -> int:

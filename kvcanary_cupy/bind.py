@@ -74,11 +74,16 @@ class BoundLaunch:
     arguments: tuple[Any, ...] = ()
     guards: tuple[StorageGuard, ...] = ()
 
+    def check(self) -> None:
+        """The storage check of every bound torch tensor, alone: a caller that runs several bound launches
+        checks them all first, so that a refusal comes before any of them has written anything."""
+        for guard in self.guards:
+            guard.check()
+
     def __call__(self) -> None:
         """Run the bound launch once on the buffers' current contents. No conversion, no validation beyond
         the storage check of bound torch tensors (a pointer and size comparison each)."""
-        for guard in self.guards:
-            guard.check()
+        self.check()
         run = getattr(self.backend, self.step)
         if self.device.kind == "cpu":
             run(self.launch)

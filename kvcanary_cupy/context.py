@@ -134,9 +134,11 @@ class VerifyOrWriteContext:
         sources = real_kv_sources_arg(real_kv_sources, "real_kv_sources")
         chain_assert = bool_arg(enable_chain_position_assert, "enable_chain_position_assert")
         return cls(
-            canary_buf=_allocate(device, slots * stride, np.uint8, fill=0).reshape(slots, stride),
+            canary_buf=_allocate(device, slots * stride, np.uint8, fill=0,
+                                 name="num_slots x slot_stride_bytes").reshape(slots, stride),
             kernel_kind=kind,
-            violation_ring=_allocate(device, capacity * VIOLATION_FIELDS, np.int64, fill=0).reshape(
+            violation_ring=_allocate(device, capacity * VIOLATION_FIELDS, np.int64, fill=0,
+                                     name="ring_capacity").reshape(
                 capacity, VIOLATION_FIELDS),
             violation_write_index=_allocate(device, 1, np.int32, fill=0),
             slot_run_counter=_allocate(device, 1, np.int64, fill=0),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -18,7 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ._errors import fail
+from ._errors import CanaryArgumentError, fail
 
 # DLDeviceType codes (dlpack.h)
 _DL_CPU = 1
@@ -90,45 +91,73 @@ def as_array(obj: Any, name: str, *, writable: bool = False) -> Any:
     """A zero-copy NumPy or CuPy view of ``obj`` (any DLPack producer), or ValueError naming ``name``.
 
     ``writable=True`` marks an output: a read-only import (a NumPy array with ``writeable=False``, or a
-    producer that exports read-only memory) is refused rather than silently copied.
+    producer that exports read-only memory) is refused rather than silently copied. Whatever goes wrong on
+    the producer's side (a ``__dlpack__`` that raises or returns something other than a capsule, a
+    ``__dlpack_device__`` that raises or returns junk, a layout or device DLPack cannot export) is a
+    :class:`~kvcanary_cupy.CanaryArgumentError` naming ``name``: this is the one place foreign objects are
+    touched, so no producer's own exception type can escape a launcher.
     """
     if type(obj) is np.ndarray or is_cupy_array(obj):
         arr = obj
     elif isinstance(obj, np.ndarray):
-        arr = _plain_ndarray(obj, name)
-    elif hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
-        if getattr(obj, "requires_grad", False) and hasattr(obj, "detach"):
-            obj = obj.detach()  # a view that shares storage; DLPack refuses tensors that track gradients
+        arr = plain_ndarray(obj, name)
+    elif _has_attr(obj, "__dlpack__") and _has_attr(obj, "__dlpack_device__"):
         try:
-            dev_type, dev_id = obj.__dlpack_device__()
-        except Exception as exc:
-            fail(f"{name} reports no DLPack device ({exc})")
-        dev_type = int(dev_type)
-        try:
-            if dev_type in (_DL_CPU, _DL_CUDA_HOST):
-                arr = _numpy_from_dlpack(obj)
-            elif dev_type in (_DL_CUDA, _DL_CUDA_MANAGED):
-                cupy = cupy_module()
-                if cupy is None:
-                    fail(f"{name} lives on a CUDA device but CuPy is not installed "
-                         "(install the cuda12 or cuda13 extra)")
-                arr = cupy.from_dlpack(obj)
-            else:
-                fail(f"{name} lives on DLPack device type {dev_type}, which is neither CPU nor CUDA")
-        except ValueError:
+            arr = _import_dlpack(obj, name)
+        except CanaryArgumentError:
             raise
-        except Exception as exc:  # unsupported dtype (bfloat16, fp8...) or a producer-side refusal
-            fail(f"{name} cannot be imported through DLPack ({exc})")
-        del dev_id
+        except Exception as exc:  # the producer's refusal or a broken producer, whatever it raised
+            fail(f"{name} cannot be imported through DLPack ({type(exc).__name__}: {exc})")
     else:
         fail(f"{name} must be an array (NumPy, CuPy, or any DLPack producer such as a torch tensor), "
              f"got {type(obj).__name__}")
+    if isinstance(arr, np.ndarray) and not arr.dtype.isnative:
+        # DLPack carries native byte order only; a big-endian array would be read with its bytes swapped
+        fail(f"{name} holds {arr.dtype.str} values in non-native byte order; pass "
+             f"arr.astype(arr.dtype.newbyteorder('='))")
     if writable and not _is_writable(arr):
         fail(f"{name} is read-only; it is an output and must be writable")
     return arr
 
 
-def _plain_ndarray(obj: np.ndarray, name: str) -> np.ndarray:
+def _has_attr(obj: Any, attribute: str) -> bool:
+    try:
+        return hasattr(obj, attribute)
+    except Exception:  # a __getattr__ raising something other than AttributeError
+        return False
+
+
+def _import_dlpack(obj: Any, name: str) -> Any:
+    """The view of a DLPack producer that is not a NumPy or CuPy array (torch, JAX, anything else)."""
+    if getattr(obj, "requires_grad", False) and hasattr(obj, "detach"):
+        obj = obj.detach()  # a view that shares storage; DLPack refuses tensors that track gradients
+    try:
+        reported = obj.__dlpack_device__()
+    except Exception as exc:
+        fail(f"{name} reports no DLPack device ({type(exc).__name__}: {exc})")
+    dev_type = _device_type(reported)
+    if dev_type is None:
+        fail(f"{name}.__dlpack_device__() must return (device_type, device_id) as two ints, got {reported!r}")
+    if dev_type in (_DL_CPU, _DL_CUDA_HOST):
+        return _numpy_from_dlpack(obj)
+    if dev_type in (_DL_CUDA, _DL_CUDA_MANAGED):
+        cupy = cupy_module()
+        if cupy is None:
+            fail(f"{name} lives on a CUDA device but CuPy is not installed (install the cuda12 or cuda13 extra)")
+        return cupy.from_dlpack(obj)
+    fail(f"{name} lives on DLPack device type {dev_type}, which is neither CPU nor CUDA")
+
+
+def _device_type(reported: Any) -> int | None:
+    """The device type of a ``__dlpack_device__()`` answer: a 2-tuple of ints (an IntEnum counts), else None."""
+    if not isinstance(reported, tuple) or len(reported) != 2:
+        return None
+    if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in reported):
+        return None
+    return int(reported[0])
+
+
+def plain_ndarray(obj: np.ndarray, name: str) -> np.ndarray:
     """The base-class view of a NumPy subclass whose elements mean what the memory says (``np.memmap``...);
     subclasses that change indexing or hide elements are refused rather than misread."""
     if isinstance(obj, (np.matrix, np.ma.MaskedArray)):
@@ -159,6 +188,8 @@ def as_byte_rows(obj: Any, name: str) -> Any:
             if obj.ndim < 2:
                 fail(f"{name} must be at least 2-D, got shape {tuple(obj.shape)}")
             obj = obj.detach()
+            if obj.layout != torch.strided or obj.device.type == "meta":
+                fail(f"{name} must be a dense tensor with data, got layout {obj.layout} on {obj.device}")
             if obj.dtype != torch.uint8 and obj.stride(-1) == 1:
                 try:
                     obj = obj.view(torch.uint8)

@@ -24,8 +24,10 @@ OnInvalid = Literal["raise", "flag"]
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 
 
-def _allocate(device: Any, shape: int | tuple[int, ...], dtype: Any, fill: int | None = None) -> Any:
-    """One plan array on ``device`` ("cpu" -> NumPy, "cuda"/"cuda:N" -> CuPy)."""
+def _allocate(device: Any, shape: int | tuple[int, ...], dtype: Any, fill: int | None = None, *,
+              name: str = "the requested size") -> Any:
+    """One plan array on ``device`` ("cpu" -> NumPy, "cuda"/"cuda:N" -> CuPy). ``name``: the argument whose
+    value sized the array, named when the memory cannot be had."""
     dev = str(device)
     xp: Any = np
     index = ""
@@ -53,9 +55,18 @@ def _allocate(device: Any, shape: int | tuple[int, ...], dtype: Any, fill: int |
                 xp.cuda.get_current_stream().synchronize()
             return arr
     except (MemoryError, ValueError) as exc:  # sizes beyond what the device (or NumPy) can hold
-        fail(f"cannot allocate {shape} x {np.dtype(dtype).name} on device={dev!r} ({exc})")
+        fail(f"{name} asks for {allocation_nbytes(shape, dtype)} bytes ({shape} x {np.dtype(dtype).name}), which "
+             f"cannot be allocated on device={dev!r} ({type(exc).__name__}: {exc})")
     except Exception as exc:  # CuPy installed but no usable GPU or driver (CUDARuntimeError...)
         fail(f"device={dev!r} is not usable here ({type(exc).__name__}: {exc})")
+
+
+def allocation_nbytes(shape: int | tuple[int, ...], dtype: Any) -> int:
+    """Bytes an array of ``shape`` and ``dtype`` takes (Python ints: no overflow whatever the sizes)."""
+    count = 1
+    for extent in (shape,) if isinstance(shape, int) else shape:
+        count *= int(extent)
+    return count * np.dtype(dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -90,10 +101,10 @@ class VerifyPlan:
         if capacity > _INT32_MAX:  # verify_num_valid is int32
             fail(f"VerifyPlan verify_capacity must be <= {_INT32_MAX}, got {capacity}")
         return cls(
-            verify_slot_indices=_allocate(device, capacity, np.int64),
-            verify_expected_tokens=_allocate(device, capacity, np.int64),
-            verify_expected_positions=_allocate(device, capacity, np.int64),
-            verify_prev_slot_indices=_allocate(device, capacity, np.int64),
+            verify_slot_indices=_allocate(device, capacity, np.int64, name="verify_capacity"),
+            verify_expected_tokens=_allocate(device, capacity, np.int64, name="verify_capacity"),
+            verify_expected_positions=_allocate(device, capacity, np.int64, name="verify_capacity"),
+            verify_prev_slot_indices=_allocate(device, capacity, np.int64, name="verify_capacity"),
             verify_num_valid=_allocate(device, 1, np.int32),
             enable=_allocate(device, 1, np.int32, fill=1),
             status=_allocate(device, 1, np.int32, fill=0),
@@ -138,11 +149,16 @@ class WritePlan:
         capacity = int_arg(write_req_capacity, "write_req_capacity")
         if capacity <= 0:
             fail(f"WritePlan write_req_capacity must be positive, got {capacity}")
+        return cls._allocate(capacity, device, sized_by="write_req_capacity")
+
+    @classmethod
+    def _allocate(cls, capacity: int, device: Any, *, sized_by: str) -> WritePlan:
+        """The arrays of :meth:`allocate`; ``sized_by`` is the caller's name for the capacity."""
         return cls(
-            write_offsets=_allocate(device, capacity + 1, np.int64),
-            write_seed_slot_indices=_allocate(device, capacity, np.int64),
+            write_offsets=_allocate(device, capacity + 1, np.int64, name=sized_by),
+            write_seed_slot_indices=_allocate(device, capacity, np.int64, name=sized_by),
             write_num_valid_reqs=_allocate(device, 1, np.int32),
-            verify_offsets=_allocate(device, capacity + 1, np.int64),
+            verify_offsets=_allocate(device, capacity + 1, np.int64, name=sized_by),
         )
 
     @staticmethod
@@ -231,6 +247,7 @@ class PlanLaunch:
     verify: VerifyPlan
     write: WritePlan
     device: Device
+    prefix_name: str = "prefix_lens"  # what the caller called prefix_lens (messages name it)
 
     @property
     def bs(self) -> int:
@@ -253,8 +270,12 @@ def prepare_plan_launch(
     kv_token_id_vs_position_offset: int,
     function: str,
     layout: SlotLayout | None = None,
+    prefix_name: str = "prefix_lens",
 ) -> PlanLaunch:
-    """Every host-visible check of a plan launch (SPEC §0, §3.4), in one place for all backends."""
+    """Every host-visible check of a plan launch (SPEC §0, §3.4), in one place for all backends.
+
+    ``prefix_name``: the name the caller gave ``prefix_lens`` (``received_lens`` for a received-prefix verify),
+    used in every message about it."""
     if not isinstance(verify_plan_out, VerifyPlan):
         fail(f"verify_plan_out must be a VerifyPlan, got {type(verify_plan_out).__name__}")
     if not isinstance(write_plan_out, WritePlan):
@@ -270,12 +291,12 @@ def prepare_plan_launch(
              "req_to_verify_expected_tokens is set")
 
     rpi = optional_array_arg(req_pool_indices, "req_pool_indices", dtype=np.int64, ndim=1)
-    prefix = array_arg(prefix_lens, "prefix_lens", dtype=np.int64, ndim=1)
+    prefix = array_arg(prefix_lens, prefix_name, dtype=np.int64, ndim=1)
     bs = int((prefix if rpi is None else rpi).shape[0])
     if bs > MAX_PLAN_BATCH_SIZE:
         fail(f"the batch holds {bs} requests; one plan launch supports at most {MAX_PLAN_BATCH_SIZE}")
     if prefix.shape[0] != bs:
-        fail(f"prefix_lens must have shape ({bs},), got {tuple(prefix.shape)} (axis 0)")
+        fail(f"{prefix_name} must have shape ({bs},), got {tuple(prefix.shape)} (axis 0)")
     extend = array_arg(extend_seq_lens, "extend_seq_lens", dtype=np.int64, ndim=1, shape=(bs,))
     layout_kind, layout_value, layout_named = prepare_layout(req_to_token=req_to_token, layout=layout, bs=bs,
                                                       has_req_pool_indices=rpi is not None)
@@ -327,7 +348,7 @@ def prepare_plan_launch(
         fail(f"the batch holds {bs} requests but write_plan_out has write_req_capacity {w_cap}")
 
     named = [
-        ("req_pool_indices", rpi), ("prefix_lens", prefix), ("extend_seq_lens", extend),
+        ("req_pool_indices", rpi), (prefix_name, prefix), ("extend_seq_lens", extend),
         *layout_named, ("full_to_swa_index_mapping", lut),
         ("req_to_verify_expected_tokens", pool),
         ("req_to_verify_expected_tokens_valid_lens", valid_lens),
@@ -345,7 +366,7 @@ def prepare_plan_launch(
         full_to_swa_index_mapping=lut, req_to_verify_expected_tokens=pool,
         req_to_verify_expected_tokens_valid_lens=valid_lens, swa_window_size=window,
         kv_token_id_vs_position_offset=offset, verify_capacity=capacity, write_req_capacity=w_cap,
-        verify=verify, write=write, device=device,
+        verify=verify, write=write, device=device, prefix_name=prefix_name,
     )
 
 

@@ -22,6 +22,7 @@ Neither allocates, so both can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +34,8 @@ from .backends import resolve_backend
 from .constants import CANARY_FIELDS_PER_SLOT, CANARY_SLOT_BYTES
 from .context import VerifyOrWriteContext
 from .dlpack import Device, device_scope, stream_scope
-from .layouts import SlotLayout
-from .plan import OnInvalid, VerifyPlan, WritePlan, _allocate, launch_canary_plan_kernels
+from .layouts import SlotLayout, layout_arrays
+from .plan import OnInvalid, VerifyPlan, WritePlan, _allocate, prepare_plan_launch
 from .verify import prepare_verify_launch
 
 RECORD_BYTES = CANARY_SLOT_BYTES  # one record on the wire: 4 little-endian int64 fields
@@ -126,6 +127,9 @@ class ReceivedPrefixVerifier:
     recomputes each predecessor's chain hash and the real-KV fingerprint of the received bytes through
     ``context``'s sources (the receiver's KV; its page size may differ from the sender's, the bytes per
     token may not). Violations land in ``context``'s ring; ``plan.status`` reports hostile table values.
+    A call that raises writes nothing: with the NumPy reference in ``raise`` mode the plan is built and
+    verified in a second, private pair of host plans (allocated on first use) and copied into ``plan`` only
+    once the verify accepted it.
     """
 
     def __init__(self, *, verify_capacity: int, max_requests: int, device: Any = "cpu") -> None:
@@ -133,8 +137,9 @@ class ReceivedPrefixVerifier:
         self.max_requests = int_arg(max_requests, "max_requests", minimum=1)
         self.verify_capacity = capacity
         self.plan = VerifyPlan.allocate(verify_capacity=capacity, device=device)
-        self._write_plan = WritePlan.allocate(write_req_capacity=self.max_requests, device=device)
-        self._no_extend = _allocate(device, self.max_requests, np.int64, fill=0)
+        self._write_plan = WritePlan._allocate(self.max_requests, device, sized_by="max_requests")
+        self._no_extend = _allocate(device, self.max_requests, np.int64, fill=0, name="max_requests")
+        self._shadows: tuple[VerifyPlan, WritePlan] | None = None
 
     def verify(self, *, context: VerifyOrWriteContext, req_pool_indices: Any | None = None, received_lens: Any,
                req_to_token: Any | None = None, req_to_verify_expected_tokens: Any | None = None,
@@ -151,7 +156,7 @@ class ReceivedPrefixVerifier:
         :class:`~kvcanary_cupy.layouts.PageList` for a FlashInfer-style one; ``req_pool_indices`` may be None
         when the layout reads batch rows directly.
         """
-        # The batch size sizes the extend-0 slice below, so it is checked here; the plan launch checks the rest.
+        # The batch size sizes the extend-0 slice below, so it is checked here; the plan checks the rest.
         rows = optional_array_arg(req_pool_indices, "req_pool_indices", dtype=np.int64, ndim=1)
         name = "req_pool_indices"
         if rows is None:  # a layout that reads batch rows directly
@@ -159,19 +164,43 @@ class ReceivedPrefixVerifier:
         bs = int(rows.shape[0])
         if bs > self.max_requests:
             fail(f"{name} holds {bs} requests, more than this verifier's max_requests={self.max_requests}")
-        with stream_scope(context, self.plan):
-            # The verify is validated before the plan launch fills self.plan, and the plan launch validates
-            # everything it reads (the layout included) before it writes: a refused call writes nothing.
-            verify = prepare_verify_launch(context=context, plan=self.plan,
-                                           check_verify_expected_token=req_to_verify_expected_tokens is not None)
+        plan_inputs = dict(
+            req_pool_indices=req_pool_indices, prefix_lens=received_lens, extend_seq_lens=self._no_extend[:bs],
+            req_to_token=req_to_token, swa_window_size=swa_window_size,
+            full_to_swa_index_mapping=full_to_swa_index_mapping, verify_capacity=self.verify_capacity,
+            req_to_verify_expected_tokens=req_to_verify_expected_tokens,
+            req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
+            kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, layout=layout,
+            function="ReceivedPrefixVerifier.verify", prefix_name="received_lens")
+        check_tokens = req_to_verify_expected_tokens is not None
+        with stream_scope(context, self.plan, req_pool_indices, received_lens, *layout_arrays(req_to_token, layout),
+                          full_to_swa_index_mapping, req_to_verify_expected_tokens,
+                          req_to_verify_expected_tokens_valid_lens):
+            # Both launches are validated before either runs, so a refused argument writes nothing.
+            verify = prepare_verify_launch(context=context, plan=self.plan, check_verify_expected_token=check_tokens)
+            plan = prepare_plan_launch(verify_plan_out=self.plan, write_plan_out=self._write_plan, **plan_inputs)
             impl = resolve_backend(backend, verify.device, on_invalid)
-            launch_canary_plan_kernels(
-                verify_plan_out=self.plan, write_plan_out=self._write_plan, req_pool_indices=req_pool_indices,
-                prefix_lens=received_lens, extend_seq_lens=self._no_extend[:bs], req_to_token=req_to_token,
-                swa_window_size=swa_window_size, full_to_swa_index_mapping=full_to_swa_index_mapping,
-                verify_capacity=self.verify_capacity, req_to_verify_expected_tokens=req_to_verify_expected_tokens,
-                req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
-                kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, layout=layout, backend=backend,
-                on_invalid=on_invalid)
-            with device_scope(verify.device):
-                impl.verify(verify)
+            plan_impl = resolve_backend(backend, plan.device, on_invalid)
+            if getattr(impl, "on_invalid", None) != "raise":  # kernels and "flag" never refuse a device value
+                with device_scope(verify.device):
+                    plan_impl.plan(plan)
+                    impl.verify(verify)
+                return
+            # The NumPy reference refuses device values (a table entry naming a slot outside canary_buf) only
+            # once the plan that holds them exists: plan and verify on private copies, and publish the plan
+            # only when both ran, so that a refusal leaves self.plan, the ring and the counters as they were.
+            shadow_verify, shadow_write = self._shadow_plans()
+            plan = prepare_plan_launch(verify_plan_out=shadow_verify, write_plan_out=shadow_write, **plan_inputs)
+            plan_impl.plan(plan)
+            impl.verify(prepare_verify_launch(context=context, plan=shadow_verify,
+                                              check_verify_expected_token=check_tokens))
+            for shadow, target in ((shadow_verify, self.plan), (shadow_write, self._write_plan)):
+                for f in dataclasses.fields(shadow):
+                    np.copyto(getattr(target, f.name), getattr(shadow, f.name))
+
+    def _shadow_plans(self) -> tuple[VerifyPlan, WritePlan]:
+        """Host plans of this verifier's capacities, allocated on first use (NumPy reference, raise mode)."""
+        if self._shadows is None:
+            self._shadows = (VerifyPlan.allocate(verify_capacity=self.verify_capacity),
+                             WritePlan.allocate(write_req_capacity=self.max_requests))
+        return self._shadows

@@ -60,6 +60,8 @@ def _arrays(value: Any) -> list[Any]:
 def _bytes(arr: Any) -> bytes:
     if isinstance(arr, np.ndarray):
         return np.asarray(arr).tobytes()
+    if arr.layout != torch.strided or arr.device.type == "meta":  # no plain memory to compare
+        return repr((arr.layout, arr.device, tuple(arr.shape))).encode()
     if arr.untyped_storage().nbytes() == 0:
         return b""
     return arr.detach().contiguous().numpy().tobytes()
@@ -106,6 +108,45 @@ class _WeirdDevice(_NoDevice):
         return (7, 0)  # neither CPU nor CUDA
 
 
+class _NonCapsule:
+    """A producer whose ``__dlpack__`` returns something other than a capsule (it lies about what it is)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.value
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)
+
+
+class _JunkDevice(_NonCapsule):
+    """A producer whose ``__dlpack_device__`` answers junk (not a pair of ints); its export would be valid."""
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        return np.zeros(4, np.int64).__dlpack__()
+
+    def __dlpack_device__(self) -> Any:
+        return self.value
+
+
+LYING_PRODUCERS = [_NonCapsule(None), _NonCapsule("capsule"), _NonCapsule(np.zeros(3)), _JunkDevice(None),
+                   _JunkDevice("ab"), _JunkDevice(("1", 0)), _JunkDevice((1.5, 0)), _JunkDevice((1,)),
+                   _JunkDevice(np.array([1, 0])), _JunkDevice((True, 0)), _JunkDevice((1, 0, 0))]
+
+
+def _torch_unreadable(arr: np.ndarray) -> list[tuple[str, Any]]:
+    """Torch tensors no launcher can read as plain memory: sparse and meta (no data at all)."""
+    if torch is None or not arr.dtype.isnative:
+        return []
+    dense = torch.from_numpy(arr.copy())
+    cases = [("torch meta", dense.to("meta"))]
+    if arr.dtype in (np.int32, np.int64, np.uint8):  # the dtypes torch can make sparse and launchers take
+        cases.append(("torch sparse", dense.to_sparse()))
+    return cases
+
+
 BAD_SCALARS = [None, "3", 1.5, np.float64(2.0), True, False, 2**63, 2**64, -(2**63) - 1, 10**30, [1], object(),
                np.array([1])]
 
@@ -121,6 +162,7 @@ def _misaligned(arr: np.ndarray) -> np.ndarray:
 def bad_arrays(arr: np.ndarray, *, output: bool, rng: random.Random) -> list[tuple[str, Any]]:
     """Replacements for a valid array argument, each invalid whatever the rest of the call."""
     other_dtype = np.int16  # no argument takes int16: a second mutation cannot land on a valid dtype
+    arr = arr.astype(arr.dtype.newbyteorder("="))  # a second mutation of a big-endian array starts from native
     cases: list[tuple[str, Any]] = [
         ("None", None), ("list", arr.tolist()), ("string", "array"), ("int", 3), ("object", object()),
         ("dtype", arr.astype(other_dtype)), ("float", arr.astype(np.float64)), ("uint64", arr.astype(np.uint64)),
@@ -128,7 +170,10 @@ def bad_arrays(arr: np.ndarray, *, output: bool, rng: random.Random) -> list[tup
                                                                          arr.dtype)),
         ("misaligned", _misaligned(arr)), ("failing dlpack", _FailingDlpack()), ("no device", _NoDevice()),
         ("weird device", _WeirdDevice()), ("masked", np.ma.masked_array(arr)),
+        ("lying producer", rng.choice(LYING_PRODUCERS)), *_torch_unreadable(arr),
     ]
+    if arr.dtype.itemsize > 1:  # one byte has no byte order
+        cases.append(("big-endian", arr.astype(arr.dtype.newbyteorder(">"))))
     if arr.ndim == 2:
         cases.append(("matrix", np.asmatrix(arr)))
         cases.append(("rank-1", arr.reshape(-1)))
@@ -899,7 +944,9 @@ def test_runtime_refuses_random_bad_batches_and_models_and_writes_nothing(backen
 
 BAD_SWEEPS = [None, 3, ([1], [0]), ([1.5], [0], [-1]), (["a"], [0], [-1]), ([2**70], [0], [-1]),
               (np.array([2**64 - 1], np.uint64), [0], [-1]), ([1, 2], [0], [-1]), ([1], [True], [-1]),
-              ([[1], [2, 3]], [0], [-1]), "abc"]
+              ([[1], [2, 3]], [0], [-1]), "abc",
+              (np.ma.masked_array([1, 2], mask=[0, 1]), [0, 1], [-1, 1]), ([1], np.ma.masked_array([0]), [-1]),
+              (_NonCapsule("capsule"), [0], [-1])]
 
 
 def _runtime_step_case(rt: CanaryRuntime, is_full: bool,
@@ -922,3 +969,165 @@ def _runtime_step_case(rt: CanaryRuntime, is_full: bool,
         what += "; " + _mutate_batch(fields, is_full, rng)
     watched.append(dict(fields))
     return lambda: rt.prepare(StepBatch(**fields)), watched, what
+
+
+# ---- host slot lists: copy_slots and what a sweep source answers ---------------------------------------------
+
+def _bad_slot_lists(rng: random.Random) -> Any:
+    """A slot list (1-D integers on the host) that must be refused, however NumPy would convert it."""
+    good = np.array([3, 4], np.int64)
+    return rng.choice([
+        np.ma.masked_array(good, mask=[False, True]), np.ma.masked_array(good), np.asmatrix(good), good.astype(float),
+        good.reshape(1, 2), [3.5, 4], ["3", "4"], [[3], [4, 5]], None, "34", object(), rng.choice(LYING_PRODUCERS),
+        np.array([2**64 - 1, 3], np.uint64), [2**70, 3], good.astype(bool),
+    ])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_copy_slots_and_finish_step_refuse_bad_slot_lists_and_change_nothing(backend):
+    """copy_slots and finish_step's sweep answer take host slot lists through one coercion: masked arrays,
+    matrices, floats, nested lists and lying producers are refused before anything is read or written; a
+    refused finish_step reads no ring (stats unchanged, the step not advanced)."""
+    rng = random.Random(f"slot-lists-{backend}")
+    engine = _RtEngine()
+    answer: list[Any] = [(np.zeros(0, np.int64),) * 3]
+    parts = _rt_parts(engine, backend)
+    parts["config"]["sweep_interval"] = 1
+    parts["create"]["sweep_source"] = lambda: answer[0]
+    rt = _create(parts)
+    batch = _rt_batch(True)
+    rt.prepare(StepBatch(**batch))
+    rt.pre_forward()
+    rt.post_forward()
+    rt.finish_step()
+    for case in range(120):
+        bad = _bad_slot_lists(rng)
+        if rng.random() < 0.5:
+            src, dst = (bad, np.array([7, 8])) if rng.random() < 0.5 else (np.array([3, 4]), bad)
+            refuses(lambda src=src, dst=dst: rt.copy_slots(src, dst), [_runtime_buffers(rt), engine.arrays()],
+                    f"case {case}: copy_slots({src!r}, {dst!r})")
+            continue
+        k = rng.randrange(3)
+        answer[0] = tuple(bad if i == k else np.zeros(2, np.int64) for i in range(3))
+        stats = rt.stats()
+        refuses(rt.finish_step, [_runtime_buffers(rt), engine.arrays()], f"case {case}: sweep answer {answer[0]!r}")
+        assert rt.stats() == stats, f"case {case}: a refused finish_step counted something"
+    answer[0] = (np.zeros(0, np.int64),) * 3
+    rt.finish_step()  # and the runtime goes on
+
+
+# ---- the transformers integration: install() and CanaryOptions ------------------------------------------------
+
+BAD_CANARY_OPTIONS: dict[str, list[Any]] = {
+    "mode": [None, "LOG", "", 1, ["log"], np.array(["log"]), object()],
+    "real_kv_hash": ["none", "ALL", None, True, 1, np.array(["all"])],
+    "with_v": ["no", "yes", "", 1, 0, None, 1.0, np.array([True]), [True]],
+    "backend": ["gpu", "", None, 3, ["numpy"], np.array(["numpy"])],
+    "ring_capacity": [0, -1, 2**31, 1.5, True, "8", None, np.array([4]), [4]],
+    "sweep_interval": [-1, 1.5, True, False, "2", None, np.array([8]), 2**64],
+    "logger": ["", None, 3, np.array(["x"]), ["x"]],
+}
+
+
+def test_transformers_install_and_canary_options_refuse_random_wrong_objects():
+    """Every CanaryOptions field strictly (no truthiness, no arrays, no conversion), and every wrong object
+    handed to install(): a class instead of a model, a str or dict (or anything else) instead of
+    CanaryOptions, unknown keywords, both options and keywords. A refused install hooks nothing."""
+    transformers = pytest.importorskip("transformers")
+    from kvcanary_cupy.integrations.transformers import CanaryOptions, install
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1))
+    rng = random.Random("transformers-install")
+    for case in range(300):
+        field = rng.choice(list(BAD_CANARY_OPTIONS))
+        value = rng.choice(BAD_CANARY_OPTIONS[field])
+        kind = rng.randrange(5)
+        if kind == 0:
+            call = lambda field=field, value=value: CanaryOptions(**{field: value})  # noqa: E731
+            what = f"CanaryOptions({field}={value!r})"
+        elif kind == 1:
+            call = lambda field=field, value=value: install(model, **{field: value})  # noqa: E731
+            what = f"install(model, {field}={value!r})"
+        elif kind == 2:
+            opts = CanaryOptions()
+            setattr(opts, field, value)  # changed after construction
+            call, what = (lambda opts=opts: install(model, opts)), f"install(model, options with {field}={value!r})"
+        elif kind == 3:
+            target = rng.choice([type(model), transformers.PreTrainedModel, None, "model", 3, object(), {"model": 1},
+                                 torch.nn.Linear(2, 2) if torch is not None else None])
+            call, what = (lambda target=target: install(target)), f"install({target!r})"
+        else:
+            options = rng.choice(["raise", {"mode": "raise"}, {}, [], 3, CanaryOptions, "", object()])
+            extra = rng.choice([{}, {"mood": "raise"}, {"mode": "log"} if not isinstance(options, str) else {}])
+            call, what = (lambda options=options, extra=extra: install(model, options, **extra)), \
+                f"install(model, {options!r}, **{extra!r})"
+        refuses(call, None, f"case {case}: {what}")
+        assert not model._forward_pre_hooks and getattr(model, "_kvcanary", None) is None, f"case {case}: hooked"
+
+
+# ---- the compat layer's torch references: arrays torch cannot read as plain memory ----------------------------
+
+@pytest.mark.skipif(torch is None, reason="torch is not installed")
+def test_the_compat_layer_refuses_sparse_meta_big_endian_and_lying_arrays_and_writes_nothing():
+    """Every array argument of both compat plan entries and of the compat launchers, replaced by a sparse or
+    meta tensor, a big-endian NumPy array (torch.from_dlpack raises BufferError for it) or a lying DLPack
+    producer: a CanaryArgumentError naming something, nothing written."""
+    from kvcanary_cupy.compat import sglang
+
+    rng = random.Random("compat-unreadable")
+
+    def unreadable(t: Any) -> Any:
+        kinds = ["meta", "big-endian", "lying"] + (["sparse"] if t.dtype in (torch.int32, torch.int64) else [])
+        kind = rng.choice(kinds)
+        if kind == "sparse":
+            return t.to_sparse()
+        if kind == "meta":
+            return t.to("meta")
+        if kind == "big-endian":
+            arr = t.numpy()
+            return arr.astype(arr.dtype.newbyteorder(">"))
+        return rng.choice(LYING_PRODUCERS)
+
+    for case in range(300):
+        vp = sglang.VerifyPlan.allocate(verify_capacity=16).zero_for_testing_()
+        wp = sglang.WritePlan.allocate(write_req_capacity=4).zero_for_testing_()
+        ctx = sglang.VerifyOrWriteContext.allocate(num_slots=16, ring_capacity=4)
+        pool = torch.zeros(4, 8, dtype=torch.int32)
+        watched = [vp, wp, ctx, pool]
+        kind = rng.randrange(4)
+        if kind < 2:
+            args = {"verify_plan_out": vp, "write_plan_out": wp, "req_pool_indices": torch.tensor([1, 2]),
+                    "prefix_lens": torch.tensor([3, 1]), "extend_seq_lens": torch.tensor([1, 1]),
+                    "req_to_token": torch.arange(32, dtype=torch.int32).reshape(4, 8), "swa_window_size": 0,
+                    "full_to_swa_index_mapping": None, "verify_capacity": 16,
+                    "req_to_verify_expected_tokens": pool, "req_to_verify_expected_tokens_valid_lens":
+                    torch.tensor([3, 3]), "kv_token_id_vs_position_offset": 0}
+            name = rng.choice(["req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token",
+                               "req_to_verify_expected_tokens", "req_to_verify_expected_tokens_valid_lens",
+                               "verify_plan_out.verify_slot_indices", "write_plan_out.write_offsets"])
+            if "." in name:
+                plan_arg, field = name.split(".")
+                args[plan_arg] = dataclasses.replace(args[plan_arg],
+                                                     **{field: unreadable(getattr(args[plan_arg], field))})
+            else:
+                args[name] = unreadable(args[name])
+            entry = (sglang.launch_canary_plan_kernels if kind == 0
+                     else sglang.launch_canary_plan_kernels_torch_reference)
+            refuses(lambda entry=entry, args=args: entry(**args), watched, f"case {case}: {entry.__name__} {name}")
+        elif kind == 2:
+            args = {"context": ctx, "plan": wp, "input_ids": torch.tensor([1, 2]), "positions": torch.tensor([0, 1]),
+                    "out_cache_loc": torch.tensor([3, 4]), "enable_write_input_assert": False,
+                    "expected_input_tokens": None, "expected_input_positions": None}
+            name = rng.choice(["input_ids", "positions", "out_cache_loc"])
+            args[name] = unreadable(args[name])
+            refuses(lambda args=args: sglang.launch_canary_write_kernel(**args), watched,
+                    f"case {case}: write {name}")
+        else:
+            args = {"flat_in": torch.arange(4), "offsets": torch.tensor([0, 4]), "req_pool_indices": torch.tensor([1]),
+                    "pool_out": pool}
+            name = rng.choice(list(args))
+            args[name] = unreadable(args[name])
+            refuses(lambda args=args: sglang.launch_scatter_req_token_ids_kernel(**args), watched,
+                    f"case {case}: scatter {name}")

@@ -88,7 +88,7 @@ def _explain(launch, bit: int, r: int, pos: int) -> str:
                 f"{paged.ids.shape[0]} rows")
     base, blocks, _ = _spans(launch, np.array([r]))
     if bit == PlanStatus.POSITION_BEYOND_BLOCKS:
-        return (f"prefix_lens[{r}]={int(launch.prefix_lens[r])} makes position {pos} reach beyond the row's "
+        return (f"{launch.prefix_name}[{r}]={int(launch.prefix_lens[r])} makes position {pos} reach beyond the row's "
                 f"{int(blocks[0])} blocks of {paged.block_size} tokens")
     j = pos // paged.block_size
     block_id = int(_flat_ids(paged)[int(base[0]) + j])

@@ -136,7 +136,7 @@ def _token_seeds_and_entries(launch, needs_seed, counts, window_start, verify_of
     if beyond.any():
         r = int(np.argmax(beyond))
         flag(PlanStatus.PREFIX_BEYOND_REQ_TO_TOKEN_ROW,
-             f"prefix_lens[{r}]={int(prefix[r])} reaches beyond req_to_token's row width {width}")
+             f"{launch.prefix_name}[{r}]={int(prefix[r])} reaches beyond req_to_token's row width {width}")
     seed_reqs = np.flatnonzero(needs_seed & row_ok & (prefix <= width))
     seed_raw = rtt[rpi[seed_reqs], prefix[seed_reqs] - 1].astype(np.int64)
     translate_seeds(seeds, seed_reqs, seed_raw, launch.full_to_swa_index_mapping, flag,
@@ -206,7 +206,7 @@ def _entries(launch, counts, window_start, verify_offsets, row_ok, flag):
         if beyond_e.any():
             r = _owner(verify_offsets, int(np.argmax(beyond_e)))
             flag(PlanStatus.PREFIX_BEYOND_REQ_TO_TOKEN_ROW,
-                 f"prefix_lens[{r}]={int(prefix[r])} reaches beyond req_to_token's row width {width}")
+                 f"{launch.prefix_name}[{r}]={int(prefix[r])} reaches beyond req_to_token's row width {width}")
         flat = np.where(ok, np.repeat(np.where(row_ok, rpi, 0) * width, counts) + pos, 0)
     else:
         flat = ws.array("flat", total, np.int64)

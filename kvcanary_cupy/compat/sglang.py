@@ -91,20 +91,23 @@ def _device(device: Any) -> torch.device:
         fail(f"device={device!r} is not a torch device ({exc})")
 
 
-def _allocating(what: str, device: torch.device, build: Any) -> Any:
+def _allocating(what: str, device: torch.device, sizes: str, nbytes: int, build: Any) -> Any:
     """Run ``build()``; torch's refusals (a CUDA device in a CPU build, sizes beyond memory) become
-    argument errors naming ``device``."""
+    argument errors naming the size arguments (``sizes``, with their values) and ``device``."""
     try:
         return build()
     except (RuntimeError, AssertionError, MemoryError, ValueError) as exc:
-        fail(f"{what} cannot be allocated on device={str(device)!r} ({type(exc).__name__}: {exc})")
+        fail(f"{sizes} asks for {nbytes} bytes of {what}, which cannot be allocated on device={str(device)!r} "
+             f"({type(exc).__name__}: {exc})")
 
 
 def _is_cuda(obj: Any) -> bool:
     if isinstance(obj, torch.Tensor):
         return obj.is_cuda
-    device = getattr(obj, "__dlpack_device__", None)
-    return device is not None and int(device()[0]) in _DL_CUDA_TYPES
+    try:
+        return int(obj.__dlpack_device__()[0]) in _DL_CUDA_TYPES
+    except Exception:  # no producer, or a broken one: the core launcher's validation names the argument
+        return False
 
 
 def _refuse_capture(function: str) -> None:
@@ -160,7 +163,8 @@ class VerifyPlan(_plan.VerifyPlan):
         ``status`` = 0 (as SGLang allocated them, plus ``status``)."""
         capacity = _positive(verify_capacity, "VerifyPlan verify_capacity")
         device = _device(device)
-        return _allocating("VerifyPlan", device, lambda: cls(
+        return _allocating("VerifyPlan", device, f"verify_capacity={capacity}",
+                           _plan.VerifyPlan.allocation_bytes(capacity), lambda: cls(
             verify_slot_indices=torch.empty(capacity, dtype=torch.int64, device=device),
             verify_expected_tokens=torch.empty(capacity, dtype=torch.int64, device=device),
             verify_expected_positions=torch.empty(capacity, dtype=torch.int64, device=device),
@@ -200,7 +204,8 @@ class WritePlan(_plan.WritePlan):
         """torch tensors on ``device``, uninitialised like SGLang's; the scratch is zeroed."""
         capacity = _positive(write_req_capacity, "WritePlan write_req_capacity")
         device = _device(device)
-        return _allocating("WritePlan", device, lambda: cls(
+        return _allocating("WritePlan", device, f"write_req_capacity={capacity}",
+                           _plan.WritePlan.allocation_bytes(capacity), lambda: cls(
             write_offsets=torch.empty(capacity + 1, dtype=torch.int64, device=device),
             write_seed_slot_indices=torch.empty(capacity, dtype=torch.int64, device=device),
             write_num_valid_reqs=torch.empty(1, dtype=torch.int32, device=device),
@@ -254,7 +259,9 @@ class VerifyOrWriteContext(_context.VerifyOrWriteContext):
         def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
-        return _allocating("VerifyOrWriteContext", device, lambda: cls(
+        sizes = f"num_slots={slots} x slot_stride_bytes={stride}, ring_capacity={capacity}"
+        nbytes = slots * stride + capacity * VIOLATION_FIELDS * 8 + 4 * 3 + 8 * 2
+        return _allocating("VerifyOrWriteContext", device, sizes, nbytes, lambda: cls(
             canary_buf=zeros(slots, stride, dtype=torch.uint8),
             kernel_kind=kind,
             violation_ring=zeros(capacity, VIOLATION_FIELDS, dtype=torch.int64),
@@ -441,10 +448,19 @@ def _host_layout(layout: Any, wide: Any, narrow: Any) -> Any:
 
 
 def _tensor(obj: Any, name: str, *, writable: bool = False) -> torch.Tensor:
-    """``obj`` as a torch tensor sharing its memory (any DLPack producer; read-only outputs refused)."""
+    """``obj`` as a dense torch tensor with data, sharing its memory (any DLPack producer; read-only outputs
+    refused). The one place this layer turns arguments into tensors, so what torch cannot read as plain
+    memory (sparse or meta tensors) or cannot import (a non-native byte order) is an argument error here
+    rather than torch's own exception later."""
     if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided or obj.device.type == "meta":
+            fail(f"{name} must be a dense tensor with data, got layout {obj.layout} on {obj.device}")
         return obj.detach()
-    return torch.from_dlpack(as_array(obj, name, writable=writable))
+    arr = as_array(obj, name, writable=writable)
+    try:
+        return torch.from_dlpack(arr)
+    except Exception as exc:  # a dtype torch lacks, or torch's own refusal of the import
+        fail(f"{name} cannot be handed to torch through DLPack ({type(exc).__name__}: {exc})")
 
 
 def _host_input(obj: Any, name: str, dtype: torch.dtype) -> torch.Tensor:

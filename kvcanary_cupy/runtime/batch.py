@@ -81,10 +81,12 @@ class StagedBatch:
         self._used: dict[str, int] = {}  # entries the last stage() wrote; everything after them is padding
         for name in self.ROW_FIELDS:
             if name != "valid_lens" or with_valid_lens:
-                self.buffers[name] = Buffer(*space.alloc(max_batch_size, np.int64, 0))
+                self.buffers[name] = Buffer(*space.alloc(max_batch_size, np.int64, 0,
+                                                         name="Capacities.max_batch_size"))
         for name in self.TOKEN_FIELDS:
             if not name.startswith("expected_") or with_oracle:
-                self.buffers[name] = Buffer(*space.alloc(max_tokens, np.int64, -1 if name == "out_cache_loc" else 0))
+                self.buffers[name] = Buffer(*space.alloc(max_tokens, np.int64, -1 if name == "out_cache_loc" else 0,
+                                                         name="Capacities.max_tokens"))
 
     def owner(self, name: str) -> Any:
         buf = self.buffers.get(name)
@@ -156,9 +158,9 @@ class StagedHistory:
 
     def __init__(self, space: ArraySpace, *, max_rows: int, max_tokens: int) -> None:
         self.space, self.max_rows, self.max_tokens = space, max_rows, max_tokens
-        self.flat = Buffer(*space.alloc(max_tokens, np.int64, 0))
-        self.offsets = Buffer(*space.alloc(max_rows + 1, np.int64, 0))
-        self.rows = Buffer(*space.alloc(max_rows, np.int64, 0))
+        self.flat = Buffer(*space.alloc(max_tokens, np.int64, 0, name="Capacities.max_history_tokens"))
+        self.offsets = Buffer(*space.alloc(max_rows + 1, np.int64, 0, name="Capacities.max_batch_size"))
+        self.rows = Buffer(*space.alloc(max_rows, np.int64, 0, name="Capacities.max_batch_size"))
         self._rows_used = 0
 
     def validate(self, batch: StepBatch) -> tuple[Any, Any, Any] | None:

@@ -109,11 +109,11 @@ def build_group(group: KvGroup, space: ArraySpace, scalars: Scalars, *, ring_cap
     """Allocate the group's buffers and plans; launches are bound later (:func:`bind_group`)."""
     g = group.name
 
-    def alloc(shape: Any, dtype: Any, fill: int = 0) -> Any:
-        return space.alloc(shape, dtype, fill)
+    def alloc(shape: Any, dtype: Any, fill: int = 0, *, name: str) -> Any:
+        return space.alloc(shape, dtype, fill, name=name)
 
-    ring_owner, ring_view = alloc((ring_capacity, VIOLATION_FIELDS), np.int64)
-    _, scratch = alloc((ring_capacity, VIOLATION_FIELDS), np.int64)
+    ring_owner, ring_view = alloc((ring_capacity, VIOLATION_FIELDS), np.int64, name="CanaryConfig.ring_capacity")
+    _, scratch = alloc((ring_capacity, VIOLATION_FIELDS), np.int64, name="CanaryConfig.ring_capacity")
     ring = VerifyOrWriteContext(
         canary_buf=None, kernel_kind=0, violation_ring=ring_owner,
         violation_write_index=scalars.owner(f"{g}.write_index"), slot_run_counter=None, kernel_run_counter=None,
@@ -124,7 +124,8 @@ def build_group(group: KvGroup, space: ArraySpace, scalars: Scalars, *, ring_cap
         tag = _tag(role, kv, group)
         buf_role = "HEAD" if role == "HEAD" else "TAIL"
         if (buf_role, kv) not in buffers:
-            buffers[(buf_role, kv)] = alloc((group.num_slots, CANARY_SLOT_BYTES), np.uint8)[0]
+            buffers[(buf_role, kv)] = alloc((group.num_slots, CANARY_SLOT_BYTES), np.uint8,
+                                            name=f"KvGroup {g!r} num_slots")[0]
         sources = () if role == "HEAD" else (group.k_sources if kv == "K" else group.v_sources or ())
         hash_mode = RealKvHashMode.NONE if role == "HEAD" else mode
 
@@ -137,32 +138,35 @@ def build_group(group: KvGroup, space: ArraySpace, scalars: Scalars, *, ring_cap
 
         endpoints[role].append(Endpoint(role, kv, tag, ctx("verify"), None if role == "SWEEP" else ctx("write")))
 
-    def verify_plan(capacity: int, prefix: str) -> tuple[VerifyPlan, dict[str, Any]]:
+    def verify_plan(capacity: int, prefix: str, sized_by: str) -> tuple[VerifyPlan, dict[str, Any]]:
         views: dict[str, Any] = {}
         owners: dict[str, Any] = {}
         for name in ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions",
                      "verify_prev_slot_indices"):
-            owners[name], views[name] = alloc(capacity, np.int64, -1 if name == "verify_expected_tokens" else 0)
+            owners[name], views[name] = alloc(capacity, np.int64, -1 if name == "verify_expected_tokens" else 0,
+                                              name=sized_by)
         plan = VerifyPlan(**owners, verify_num_valid=scalars.owner(f"{g}.{prefix}.num_valid"),
                           enable=scalars.owner(f"{g}.{prefix}.enable"), status=scalars.owner(f"{g}.{prefix}.status"))
         views["verify_num_valid"] = scalars.view(f"{g}.{prefix}.num_valid")
         views["enable"] = scalars.view(f"{g}.{prefix}.enable")
         return plan, views
 
-    vp, _ = verify_plan(verify_capacity, "plan")
-    sweep_plan, sweep_views = verify_plan(sweep_capacity, "sweep")
-    write_plan = WritePlan(write_offsets=alloc(max_batch_size + 1, np.int64)[0],
-                           write_seed_slot_indices=alloc(max_batch_size, np.int64)[0],
+    vp, _ = verify_plan(verify_capacity, "plan", "Capacities.verify_capacity")
+    sweep_plan, sweep_views = verify_plan(sweep_capacity, "sweep", "Capacities.max_sweep_slots")
+    rows = "Capacities.max_batch_size"
+    write_plan = WritePlan(write_offsets=alloc(max_batch_size + 1, np.int64, name=rows)[0],
+                           write_seed_slot_indices=alloc(max_batch_size, np.int64, name=rows)[0],
                            write_num_valid_reqs=scalars.owner(f"{g}.write.num_valid"),
-                           verify_offsets=alloc(max_batch_size + 1, np.int64)[0])
+                           verify_offsets=alloc(max_batch_size + 1, np.int64, name=rows)[0])
     state = GroupState(spec=group, ring=ring, verify_plan=vp, write_plan=write_plan, sweep_plan=sweep_plan,
                        endpoints=endpoints, ring_view=ring_view, ring_scratch=scratch, sweep_views=sweep_views)
     if group.is_swa:
         state.lut_view = as_array(group.full_to_swa_index_mapping, f"KvGroup {g!r}.full_to_swa_index_mapping")
-        state.swa_out_cache_loc = Buffer(*alloc(max_tokens, np.int64, -1))
+        state.swa_out_cache_loc = Buffer(*alloc(max_tokens, np.int64, -1, name="Capacities.max_tokens"))
         scratch_len = max(max_tokens, sweep_capacity)
-        state.temp = alloc(scratch_len, np.int64)[1]
-        state.mask = alloc(scratch_len, np.bool_)[1]
+        sized_by = "Capacities.max_tokens" if max_tokens >= sweep_capacity else "Capacities.max_sweep_slots"
+        state.temp = alloc(scratch_len, np.int64, name=sized_by)[1]
+        state.mask = alloc(scratch_len, np.bool_, name=sized_by)[1]
     return state
 
 

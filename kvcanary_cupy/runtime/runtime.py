@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from .._errors import fail
-from .._validate import INT64_MAX, array_arg
+from .._validate import array_arg, host_int_vector
 from ..bind import BoundLaunch, bind_scatter
 from ..constants import CANARY_FIELDS_PER_SLOT, CanaryStatus
 from ..dlpack import device_of, first_torch_cuda_tensor
@@ -50,27 +50,12 @@ class SweepSource(Protocol):
     def __call__(self) -> tuple[Any, Any, Any]: ...
 
 
-def _host_slots(value: Any, name: str) -> np.ndarray:
-    """A 1-D integer host array as int64. Refused rather than converted: a float or 2-D array would
-    otherwise be truncated or flattened into slots the engine never named."""
-    try:
-        arr = np.asarray(value)
-    except Exception as exc:  # a device array, a ragged list...
-        fail(f"{name} must be a host array ({type(exc).__name__}: {exc})")
-    # ints beyond int64 make an object array; bools and floats are not slots
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        fail(f"{name} must be a 1-D integer host array, got {arr.dtype.name} {arr.shape}")
-    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > INT64_MAX:
-        fail(f"{name} must hold integers within int64")
-    return arr.astype(np.int64, copy=False)
-
-
 def _sweep_entries(answer: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A sweep source's answer as three int64 host vectors of one length. Refused rather than converted: a
     float or 2-D array would otherwise be truncated or flattened into slots the engine never named."""
     if not isinstance(answer, (tuple, list)) or len(answer) != 3:
         fail(f"sweep_source must return (slots, positions, prev_slots), got {type(answer).__name__}")
-    slots, positions, prevs = (_host_slots(value, f"sweep_source's {name}")
+    slots, positions, prevs = (host_int_vector(value, f"sweep_source's {name}")
                                for name, value in zip(("slots", "positions", "prev_slots"), answer, strict=True))
     if not slots.shape[0] == positions.shape[0] == prevs.shape[0]:
         fail(f"sweep_source returned {slots.shape[0]} slots but {positions.shape[0]} positions and "
@@ -208,7 +193,8 @@ class CanaryRuntime:
         self._history: StagedHistory | None = None
         self._scatter: BoundLaunch | None = None
         if pool_shape is not None:
-            self.expected_token_pool, _ = space.alloc(pool_shape, np.int32, 0)
+            self.expected_token_pool, _ = space.alloc(pool_shape, np.int32, 0,
+                                                      name="Capacities.pool_rows x Capacities.max_context_len")
             self._history = StagedHistory(space, max_rows=caps.max_batch_size,
                                           max_tokens=caps.max_history_tokens or pool_shape[0] * pool_shape[1])
             self._scatter = bind_scatter(flat_in=self._history.flat.owner, offsets=self._history.offsets.owner,
@@ -233,13 +219,15 @@ class CanaryRuntime:
                           for name, state in self.groups.items()}
         self._sweep_capacity = sweep_cap
         self._sweep_host = {k: space.host(sweep_cap, np.int64) for k in ("slots", "positions", "prevs")}
-        self._sweep_in = {k: Buffer(*space.alloc(sweep_cap, np.int64)) for k in ("slots", "positions", "prevs")}
+        self._sweep_in = {k: Buffer(*space.alloc(sweep_cap, np.int64, name="Capacities.max_sweep_slots"))
+                          for k in ("slots", "positions", "prevs")}
         # copy_slots: host staging, the slots on the device, their LUT gathers and the records in flight, in
         # chunks of max_tokens
         self._copy_host = {k: space.host(caps.max_tokens, np.int64) for k in ("src", "dst")}
-        self._copy_in = {k: Buffer(*space.alloc(caps.max_tokens, np.int64)) for k in ("src", "dst")}
-        self._copy_lut = {k: Buffer(*space.alloc(caps.max_tokens, np.int64)) for k in ("src", "dst")}
-        self._copy_records = Buffer(*space.alloc((caps.max_tokens, CANARY_FIELDS_PER_SLOT), np.int64))
+        tokens = "Capacities.max_tokens"
+        self._copy_in = {k: Buffer(*space.alloc(caps.max_tokens, np.int64, name=tokens)) for k in ("src", "dst")}
+        self._copy_lut = {k: Buffer(*space.alloc(caps.max_tokens, np.int64, name=tokens)) for k in ("src", "dst")}
+        self._copy_records = Buffer(*space.alloc((caps.max_tokens, CANARY_FIELDS_PER_SLOT), np.int64, name=tokens))
         self._ring_host = {name: space.host((cfg.ring_capacity, 8), np.int64) for name in self.groups}
         # Two snapshot slots, each a host buffer and its event, alternated between the snapshot being read (one
         # step late) and the one being taken, so no step allocates either.
@@ -318,6 +306,8 @@ class CanaryRuntime:
         elif any(getattr(batch, n) is not None for n in ("history_ids", "history_offsets",
                                                           "history_req_pool_indices")):
             fail("batch.history_* is given but CanaryConfig.verify_token_assert is off")
+        if history is not None and self._scatter is not None:
+            self._scatter.check()
         with self.space.scope():
             with self._timed("stage"):
                 stage.stage(views)
@@ -335,7 +325,9 @@ class CanaryRuntime:
         """Phase 2 (before the forward; capture-safe): per group of ``model``, plan, HEAD verify, HEAD write."""
         if not self.enabled:
             return
-        for state in self._groups_of(model):
+        groups = self._groups_of(model)
+        self._check_launches(groups, "HEAD", with_plan=True)
+        for state in groups:
             assert state.plan is not None
             self._launch(state.plan, "plan", model, state)
             self._run_endpoints(state, "HEAD", model)
@@ -355,6 +347,7 @@ class CanaryRuntime:
         if not self.enabled:
             return
         groups = self._groups_of(model)
+        self._check_launches(groups, "TAIL")
         if out_cache_loc is not None:
             self._restage_written_slots(model, groups, out_cache_loc)
         for state in groups:
@@ -379,6 +372,18 @@ class CanaryRuntime:
                 if state.swa_out_cache_loc is not None:
                     gather_lut(state, self.space.xp, stage.view("out_cache_loc"), state.swa_out_cache_loc.view)
 
+    @staticmethod
+    def _check_launches(groups: list[GroupState], role: str, *, with_plan: bool = False) -> None:
+        """Every host-side check of the launches a phase is about to run, for every group, before the first
+        of them runs: a group whose engine tensor moved refuses the phase with nothing launched for any group."""
+        for state in groups:
+            if with_plan and state.plan is not None:
+                state.plan.check()
+            for ep in state.endpoints[role]:
+                for launch in (ep.verify, ep.write):
+                    if launch is not None:
+                        launch.check()
+
     def _run_endpoints(self, state: GroupState, role: str, model: str) -> None:
         for ep in state.endpoints[role]:
             assert ep.verify is not None and ep.write is not None
@@ -401,7 +406,7 @@ class CanaryRuntime:
             return
         self._outside_capture("copy_slots")
         groups = self._groups_of(model)
-        src_arr, dst_arr = _host_slots(src, "src"), _host_slots(dst, "dst")
+        src_arr, dst_arr = host_int_vector(src, "src"), host_int_vector(dst, "dst")
         n = int(src_arr.shape[0])
         if int(dst_arr.shape[0]) != n:
             fail(f"src has {n} slots but dst has {dst_arr.shape[0]}")
@@ -448,17 +453,41 @@ class CanaryRuntime:
             self.step += 1
             return StepReport(step, step - 1)
         self._outside_capture("finish_step")
-        with self._timed("read"):
-            report = self._consume(step)
+        # The sweep source is asked (and its answer validated) before any ring is read: a source that raises
+        # or answers badly refuses the call with nothing read, drained or counted (the rows wait for the next
+        # finish_step, and the step does not advance).
+        entries = None
         if self.config.sweep_interval and step % self.config.sweep_interval == 0 and self.sweep_source is not None:
-            report.swept_slots = self.sweep()
-        self._take_snapshot(step)
-        self.step += 1
-        interval = self.config.stats_interval
-        if interval and self.step % interval == 0:
-            self.log.info("%s", self.stats_line(), extra={"kv_canary": {"stats": self.stats()}})
+            entries = _sweep_entries(self.sweep_source())
+        report = StepReport(step, -1)
+        with self._nothing_lost(report):
+            with self._timed("read"):
+                self._consume(step, report)
+            if entries is not None:
+                report.swept_slots = self._run_sweep(entries)
+            self._take_snapshot(step)
+            self.step += 1
+            interval = self.config.stats_interval
+            if interval and self.step % interval == 0:
+                self.log.info("%s", self.stats_line(), extra={"kv_canary": {"stats": self.stats()}})
         publish(report, self.config.mode, self.log, overflow_counts=self._totals.overflows)
         return report
+
+    @contextlib.contextmanager
+    def _nothing_lost(self, report: StepReport) -> Iterator[None]:
+        """Whatever fails once rows have been read from a ring (a timer or observer hook, a launch), what was
+        read reaches the caller: every fact of ``report`` is logged (``log`` mode's records, whatever the mode;
+        ``stats()`` already counts them) and the failure, which propagates, says so in a note."""
+        try:
+            yield
+        except BaseException as exc:
+            if not report.clean:
+                publish(report, "log", self.log, overflow_counts=self._totals.overflows)
+                add_note = getattr(exc, "add_note", None)  # Python 3.11+
+                if add_note is not None:
+                    add_note(f"kv-canary: {len(report.new_violations)} violation(s) read from the rings before this "
+                             f"failure were logged to {self.log.name!r} and are counted in stats()")
+            raise
 
     def flush(self) -> StepReport:
         """Wait for the device and report everything not reported yet (the last step's launches, and any
@@ -466,11 +495,12 @@ class CanaryRuntime:
         if not self.enabled:
             return StepReport(self.step, self.step - 1)
         self._outside_capture("flush")
-        with self._timed("read"):
-            report = self._consume(self.step)
+        report, later = StepReport(self.step, -1), StepReport(self.step, -1)
+        with self._nothing_lost(report), self._nothing_lost(later), self._timed("read"):
+            self._consume(self.step, report)
             self._take_snapshot(self.step)
             self.space.synchronize()
-            later = self._consume(self.step)
+            self._consume(self.step, later)
         report.reports.update(later.reports)
         report.new_violations += later.new_violations
         report.plan_status.update(later.plan_status)
@@ -496,12 +526,14 @@ class CanaryRuntime:
                 self.scalars.view("scatter.status").fill(0)
         self._pending = _Snapshot(host, event, step, dict(self.forwards), dict(self._sweep_launches))
 
-    def _consume(self, step: int) -> StepReport:
-        """Read the pending snapshot (taken one step ago), the ring rows it announces, and drain them."""
+    def _consume(self, step: int, report: StepReport) -> None:
+        """Read the pending snapshot (taken one step ago), the ring rows it announces, and drain them, into
+        ``report`` (filled group by group, and counted in the totals as it is filled, so that a failure part way
+        leaves in ``report`` and ``stats()`` exactly what was drained)."""
         snap, self._pending = self._pending, None
-        report = StepReport(step, -1 if snap is None else snap.step)
+        report.step, report.launch_step = step, -1 if snap is None else snap.step
         if snap is None:
-            return report
+            return
         space, sc, totals = self.space, self.scalars, self._totals
         space.wait(snap.event)
         host = snap.host
@@ -518,7 +550,6 @@ class CanaryRuntime:
                 out = self._ring_host[name]
                 space.read_after(snap.event, state.ring_view[:m], out[:m], self._side)
                 rows = [decode_row(i, out[i]) for i in range(m)]
-                self._drain(state, n)
             if rows or status or dropped:
                 head_k = state.endpoints["HEAD"][0]
                 report.reports[name] = ViolationReport(
@@ -527,7 +558,11 @@ class CanaryRuntime:
                     kernel_run_counter=sc.value(host, counter_name(state, head_k, "verify", "kernels")))
                 report.new_violations += [(name, v) for v in rows]
                 totals.by_group[name] = totals.by_group.get(name, 0) + len(rows)
+                totals.violations += len(rows)
+            if n > 0:  # drained once the rows are in the report
+                self._drain(state, n)
             report.dropped += dropped
+            totals.dropped += dropped
             totals.status_bits |= status
             plan_status = sc.value(host, f"{name}.plan.status")
             if plan_status:
@@ -538,8 +573,6 @@ class CanaryRuntime:
         report.new_violations.sort(key=self._launch_order)
         report.scatter_status = sc.value(host, "scatter.status")
         totals.status_bits |= report.scatter_status
-        totals.violations += len(report.new_violations)
-        totals.dropped += report.dropped
         for keys in self._counters.values():
             for _, _, slots_key, kernels_key in keys:
                 totals.counters[slots_key] = sc.value(host, slots_key)
@@ -547,7 +580,6 @@ class CanaryRuntime:
         if self.config.health_check:
             report.health_problems = self._health(snap)
             totals.health_failures += len(report.health_problems)
-        return report
 
     def _launch_order(self, item: tuple[str, Any]) -> tuple[int, ...]:
         """Rows of one step in the order their launches ran: per model (in order of first appearance), HEAD of
@@ -639,7 +671,12 @@ class CanaryRuntime:
         if not self.enabled or self.sweep_source is None:
             return 0
         self._outside_capture("sweep")
-        slots, positions, prevs = _sweep_entries(self.sweep_source())
+        return self._run_sweep(_sweep_entries(self.sweep_source()))
+
+    def _run_sweep(self, entries: tuple[np.ndarray, np.ndarray, np.ndarray]) -> int:
+        """Verify a validated sweep answer; every SWEEP launch is checked before the first one is filled."""
+        slots, positions, prevs = entries
+        self._check_launches(list(self.groups.values()), "SWEEP")
         n = int(slots.shape[0])
         if n == 0:
             return 0

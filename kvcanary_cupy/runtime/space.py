@@ -18,7 +18,7 @@ import numpy as np
 
 from .._errors import fail
 from ..dlpack import Device, as_array, cupy_module, cupy_stream_for
-from ..plan import _allocate
+from ..plan import _allocate, allocation_nbytes
 
 FRAMEWORKS = ("numpy", "torch")
 
@@ -63,10 +63,12 @@ class ArraySpace:
 
     # -- allocation (creation time only) -------------------------------------------------------------------
 
-    def alloc(self, shape: int | tuple[int, ...], dtype: Any, fill: int = 0) -> tuple[Any, Any]:
-        """A filled buffer: ``(owner, view)``. Sizes no device can hold are a ``kv-canary: `` error."""
+    def alloc(self, shape: int | tuple[int, ...], dtype: Any, fill: int = 0, *,
+              name: str = "the requested size") -> tuple[Any, Any]:
+        """A filled buffer: ``(owner, view)``. Sizes no device can hold are a ``kv-canary: `` error naming
+        ``name``, the argument whose value sized the buffer."""
         if self.torch is None:
-            owner = _allocate(str(self.device), shape, dtype, fill)
+            owner = _allocate(str(self.device), shape, dtype, fill, name=name)
             return owner, owner
         torch = self.torch
         with self.scope():
@@ -74,7 +76,8 @@ class ArraySpace:
                 owner = torch.full(shape if isinstance(shape, tuple) else (shape,), fill,
                                    dtype=getattr(torch, np.dtype(dtype).name), device=str(self.device))
             except (MemoryError, RuntimeError, ValueError) as exc:  # torch's out-of-memory is a RuntimeError
-                fail(f"cannot allocate {shape} x {np.dtype(dtype).name} on device={str(self.device)!r} ({exc})")
+                fail(f"{name} asks for {allocation_nbytes(shape, dtype)} bytes ({shape} x {np.dtype(dtype).name}), "
+                     f"which cannot be allocated on device={str(self.device)!r} ({type(exc).__name__}: {exc})")
             view = as_array(owner, "runtime buffer", writable=True)
         return owner, view
 

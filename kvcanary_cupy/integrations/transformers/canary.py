@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 
 from ..._errors import fail
+from ..._validate import bool_arg, int_arg
+from ...backends import BACKEND_NAMES
 from ...constants import MAX_REAL_KV_SOURCES
 from ...context import RealKvSource
 from ...layouts import BlockTable, TokenTable
@@ -127,11 +129,26 @@ class CanaryOptions:
     sweep_interval: int = 8
     logger: str = "kvcanary_cupy.transformers"
 
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Every field strictly (a ``kv-canary: `` error naming ``CanaryOptions.<field>``): no truthiness, no
+        arrays, no conversion. Run at construction and again by :meth:`config` (the fields are mutable)."""
+        for name, choices in (("mode", ("off", "log", "raise")), ("real_kv_hash", ("partial", "all")),
+                              ("backend", ("auto", *BACKEND_NAMES))):
+            value = getattr(self, name)
+            # isinstance first: `in` on an array or an object with an odd __eq__ would not give a bool
+            if not isinstance(value, str) or value not in choices:
+                fail(f"CanaryOptions.{name} must be one of {', '.join(choices)}, got {value!r}")
+        bool_arg(self.with_v, "CanaryOptions.with_v")
+        int_arg(self.ring_capacity, "CanaryOptions.ring_capacity", minimum=1, maximum=(1 << 31) - 1)
+        int_arg(self.sweep_interval, "CanaryOptions.sweep_interval", minimum=0)
+        if not isinstance(self.logger, str) or not self.logger:
+            fail(f"CanaryOptions.logger must be a non-empty str, got {self.logger!r}")
+
     def config(self) -> CanaryConfig:
-        if self.mode not in ("off", "log", "raise"):
-            fail(f"mode must be 'off', 'log' or 'raise', got {self.mode!r}")
-        if self.real_kv_hash not in ("partial", "all"):
-            fail(f"real_kv_hash must be 'partial' or 'all', got {self.real_kv_hash!r}")
+        self.validate()
         return CanaryConfig(mode=self.mode, ring_capacity=self.ring_capacity, real_kv_hash_mode=self.real_kv_hash,
                             write_input_assert=True, verify_token_assert=True, backend=self.backend,
                             sweep_interval=self.sweep_interval, logger=self.logger)

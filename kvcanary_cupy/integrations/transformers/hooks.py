@@ -20,6 +20,7 @@ Where it hooks (transformers 5.24; see the README section "The canary in Hugging
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -57,10 +58,12 @@ class TransformersCanary:
         from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
         self._paged_cache_type = PagedAttentionCache
-        self.options = options or CanaryOptions()
-        self.options.config()  # validates
+        self.options = _options_arg(options)
         self._managers: list[Any] = []
         self.model: Any
+        if isinstance(target, type):
+            fail(f"target must be a model instance or a ContinuousBatchingManager, got the class {target.__name__} "
+                 "(instantiate it, e.g. with from_pretrained)")
         if isinstance(target, ContinuousBatchingManager):
             self.model = target.model
             self._managers.append(target)
@@ -245,13 +248,29 @@ def _check_supported(processor: Any) -> None:
              "use ContinuousBatchingConfig(use_cuda_graph=False)")
 
 
+def _options_arg(options: Any) -> CanaryOptions:
+    """``options`` checked: a :class:`CanaryOptions` (validated again: its fields may have been changed), or
+    None for the defaults."""
+    if options is None:
+        return CanaryOptions()
+    if not isinstance(options, CanaryOptions):
+        fail(f"options must be a CanaryOptions (or None), got {type(options).__name__}; pass option fields as "
+             "keywords instead, e.g. install(model, mode='raise')")
+    options.validate()
+    return options
+
+
 def install(target: Any, options: CanaryOptions | None = None, **option_fields: Any) -> TransformersCanary:
     """Install the canary into a transformers model (before ``generate_batch`` / ``init_continuous_batching``) or
     a ``ContinuousBatchingManager``; ``remove()`` the returned object to take it out again. ``option_fields``
     build a :class:`CanaryOptions` when ``options`` is not given."""
     if options is not None and option_fields:
         fail("give either options or option fields, not both")
-    return TransformersCanary(target, options or CanaryOptions(**option_fields))
+    known = [f.name for f in dataclasses.fields(CanaryOptions)]
+    unknown = sorted(set(option_fields) - set(known))
+    if unknown:
+        fail(f"install() got unknown option field(s) {', '.join(unknown)}; CanaryOptions fields: {', '.join(known)}")
+    return TransformersCanary(target, _options_arg(options) if options is not None else CanaryOptions(**option_fields))
 
 
 def remove(target: Any) -> None:
