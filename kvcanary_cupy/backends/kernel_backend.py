@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import fail
 from ..constants import MAX_REAL_KV_SOURCES
 
 KERNEL_FILES = ("plan.cu", "verify.cu", "write.cu", "scatter.cu", "transfer.cu")
@@ -70,7 +71,9 @@ def _real_kv_args(ctx: Any) -> tuple[Any, ...]:
     args: list[Any] = []
     for k in range(MAX_REAL_KV_SOURCES):
         if k < len(ctx.sources):
-            rows, page_size, bytes_per_token, read_bytes = ctx.sources[k]
+            rows, page_size, bytes_per_token, read_bytes, _, contiguous = ctx.sources[k]
+            if not contiguous:
+                fail("real_kv_sources with a KvByteLayout are not supported by the kernel backends yet")
             stride = int(rows.strides[0]) if rows.shape[0] > 1 else int(rows.shape[1])
             args += [rows, _I64(stride), _I64(page_size), _I64(bytes_per_token), _I64(read_bytes)]
         else:  # unused ABI slot: never dereferenced (the kernels stop at kv_count)
