@@ -310,14 +310,16 @@ def test_presets_refuse_the_wrong_rank_or_kv_axis():
 
 # --- through write and verify -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend", ["numpy"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("mode", MODES)
-def test_write_then_verify_with_a_strided_source_catches_one_flipped_kv_element(backend, mode):
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_write_then_verify_with_a_strided_source_catches_one_flipped_kv_element(backend, mode, which):
     bs, heads, d = 32, 2, 8
-    k = per_token_kv(2 * bs, heads, d, np.float32, 11)
-    cache = vllm_cpu_cache(k, k, bs)
-    source = vllm_cpu_source(cache, block_size=bs, num_kv_heads=heads, head_size=d, which="k", read_bytes=64,
+    k, v = per_token_kv(2 * bs, heads, d, np.float32, 11), per_token_kv(2 * bs, heads, d, np.float32, 12)
+    cache = vllm_cpu_cache(k, v, bs)
+    source = vllm_cpu_source(cache, block_size=bs, num_kv_heads=heads, head_size=d, which=which, read_bytes=64,
                              isa="vec")
+    assert source.layout.access_kind() == (ACCESS_ELEMENTS if which == "k" else ACCESS_HEAD_RUNS)
     ctx = context(num_slots=2 * bs, real_kv_sources=(source,), real_kv_hash_mode=mode)
     slots = [3, 4, 40, 41]
     write(ctx, [4], [-1], slots, [10, 11, 12, 13], [0, 1, 2, 3], backend=backend)
@@ -325,7 +327,9 @@ def test_write_then_verify_with_a_strided_source_catches_one_flipped_kv_element(
     assert [int(v) for v in fields(ctx)[slots, 3]] == [to_i64(real_kv_hash(s, [oracle], int(mode))) for s in slots]
     verify(ctx, slots, [0, 1, 2, 3], [-1, 3, 4, 40], backend=backend)
     assert rows(ctx) == []
-    cache.view(np.uint32)[1, 0, 0, 40 - bs] ^= 1 << 20  # K element 0, head 0 of slot 40 (column-major)
+    token = 40 - bs  # slot 40: token 8 of block 1; flip element 0 of head 0
+    plane_index = token if which == "k" else bs * d + token * d
+    cache.reshape(2, heads, -1).view(np.uint32)[1, 0, plane_index] ^= 1 << 20
     verify(ctx, slots, [0, 1, 2, 3], [-1, 3, 4, 40], backend=backend)
     bad = rows(ctx)
     assert len(bad) == 1 and bad[0][1] == 40 and bad[0][7] == kc.FailReason.VERIFY_REAL_KV_HASH_MISMATCH
