@@ -135,7 +135,7 @@ class LaunchRecorder:
 
     def _context(self, ctx: VerifyOrWriteContext) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         arrays = {"canary_buf": _h(ctx.canary_buf)}
-        sources = []
+        sources: list[dict[str, Any]] = []
         for i, src in enumerate(ctx.real_kv_sources):
             arrays[f"source_{i}"] = _h(src.byte_rows)
             sources.append({"page_size": int(src.page_size), "num_bytes_per_token": int(src.num_bytes_per_token),
