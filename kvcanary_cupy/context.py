@@ -1,7 +1,8 @@
 """The launch context shared by verify and write: canary buffer, violation ring, counters, real-KV sources.
 
 :class:`RealKvSource` validates its layout at construction (SPEC §1.6) so that every real-KV access is an
-aligned 128-bit load inside the tensor. :class:`VerifyOrWriteContext` mirrors SGLang's context and adds
+aligned load inside the tensor: 128-bit for a contiguous source, an element's own width at least for a strided
+one (:class:`~kvcanary_cupy.KvByteLayout`). :class:`VerifyOrWriteContext` mirrors SGLang's context and adds
 ``status`` (int32 [1], :class:`~kvcanary_cupy.constants.CanaryStatus`), where the kernels report device values
 they refused to follow. :func:`prepare_context` is the one place where a context is checked and viewed as
 NumPy/CuPy arrays for a launch.
@@ -96,6 +97,7 @@ class RealKvSource:
         object.__setattr__(self, "_rows", rows)
         object.__setattr__(self, "_covered", covered)
         object.__setattr__(self, "_guards", storage_guards([("RealKvSource.tensor", self.tensor)]))
+        object.__setattr__(self, "_view", self._make_view())  # once: every launch reads it
 
     @property
     def byte_rows(self) -> Any:
@@ -116,6 +118,9 @@ class RealKvSource:
     def view(self) -> RealKvBytes:
         """What the hash reads: the byte view, page size, bytes per token, read bytes and resolved layout
         (a contiguous source gets the layout of its rows, so every backend walks one descriptor)."""
+        return self._view  # type: ignore[attr-defined,no-any-return]
+
+    def _make_view(self) -> RealKvBytes:
         rows = self.byte_rows
         layout = self.layout
         if layout is None:

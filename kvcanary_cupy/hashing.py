@@ -112,16 +112,23 @@ def _layout_words(data: np.ndarray, page_size: int, layout: KvByteLayout, nbytes
     """The leading ``nbytes`` of each slot's logical stream under ``layout`` as little-endian uint64 words,
     ``[nbytes // 8, n]``.
 
-    The stream is gathered in units of ``min(element_bytes, 8)`` bytes: every unit is naturally aligned
-    (strides are multiples of the element size and the tensor starts 16-byte aligned), so the tensor can be
-    read as an array of such units, indexed by byte offset // unit.
+    The stream is gathered in units of ``min(element_bytes, 8)`` bytes, or of 8 bytes where each head's
+    elements form one run of aligned words: every unit is naturally aligned (strides are multiples of the
+    element size and the tensor starts 16-byte aligned), so the tensor can be read as an array of such
+    units, indexed by byte offset // unit.
     """
     eb = layout.element_bytes
-    unit = min(eb, 8)
+    runs = layout.element_stride == eb and layout.head_bytes % 8 == 0 and not (
+        (layout.page_stride | layout.token_stride | layout.head_stride) % 8)
+    unit = 8 if runs else min(eb, 8)
     logical = np.arange(0, nbytes, unit, dtype=np.int64)
-    element, within = np.divmod(logical, eb)
-    head, index = np.divmod(element, layout.elements_per_head)
-    intra = head * layout.head_stride + index * layout.element_stride + within  # [units]
+    if runs:  # each head's elements are one run of whole aligned words: gather words, not elements
+        head, within = np.divmod(logical, layout.head_bytes)
+        intra = head * layout.head_stride + within
+    else:
+        element, within = np.divmod(logical, eb)
+        head, index = np.divmod(element, layout.elements_per_head)
+        intra = head * layout.head_stride + index * layout.element_stride + within  # [units]
     page, offset = np.divmod(slots.astype(np.int64), page_size)
     token = page * layout.page_stride + offset * layout.token_stride  # [n]
     span = data.reshape(-1)  # a layout's source is one row: every byte from the tensor's first to its last
