@@ -118,7 +118,7 @@ class RealKvSource:
     def view(self) -> RealKvBytes:
         """What the hash reads: the byte view, page size, bytes per token, read bytes and resolved layout
         (a contiguous source gets the layout of its rows, so every backend walks one descriptor)."""
-        return self._view  # type: ignore[attr-defined,no-any-return]
+        return self._view  # type: ignore[attr-defined]
 
     def _make_view(self) -> RealKvBytes:
         rows = self.byte_rows
