@@ -341,3 +341,66 @@ def test_public_names():
     with pytest.raises(TypeError):
         kc.RealKvSource(np.zeros(64, np.uint8), 1, 16, 16, layout())  # layout is keyword-only
     assert MODE_PARTIAL == int(kc.RealKvHashMode.PARTIAL)
+
+
+# --- through the engine runtime -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("flip", [False, True])
+def test_runtime_over_a_vllm_cpu_cache_is_clean_and_catches_a_flipped_k_bit(backend, flip):
+    from kvcanary_cupy.runtime import (
+        CanaryConfig,
+        CanaryRuntime,
+        CanaryViolationError,
+        Capacities,
+        KvGroup,
+        KvPools,
+        StepBatch,
+    )
+
+    bs, heads, d = 32, 2, 4
+    cache = np.zeros((2, heads, bs, 2 * d), np.float32)  # 64 slots, slot 0 reserved
+    planes = cache.reshape(2, heads, 2 * bs * d)
+    src = {which: vllm_cpu_source(cache, block_size=bs, num_kv_heads=heads, head_size=d, which=which,
+                                  read_bytes=heads * d * 4, isa="vec") for which in ("k", "v")}
+    req_to_token = np.zeros((4, 16), np.int32)
+    rt = CanaryRuntime.create(CanaryConfig(mode="raise", backend=backend),
+                              KvPools((KvGroup.full("FULL", 2 * bs, src["k"], src["v"]),), req_to_token=req_to_token),
+                              Capacities(max_batch_size=4, max_tokens=16))
+    rt.mark_init_finished()
+
+    def forward(ids, positions, slots):  # K column-major, V row-major, per (block, head)
+        for token, pos, slot in zip(ids, positions, slots, strict=True):
+            values = np.random.default_rng([token, pos]).standard_normal((2, heads, d)).astype(np.float32)
+            b, t = divmod(slot, bs)
+            for h in range(heads):
+                planes[b, h, t : bs * d : bs] = values[0, h]
+                planes[b, h, bs * d + t * d : bs * d + (t + 1) * d] = values[1, h]
+
+    lengths, next_slot, raised = {1: 0, 2: 0}, 30, None  # slots 30.. cross from block 0 into block 1
+    for step in range(6):
+        rows, prefix, extend, ids, pos, loc = [], [], [], [], [], []
+        for rp, n in ((1, 4), (2, 3)) if step == 0 else ((1, 1), (2, 1)):
+            slots = list(range(next_slot, next_slot + n))
+            next_slot += n
+            req_to_token[rp, lengths[rp] : lengths[rp] + n] = slots
+            rows, prefix, extend = rows + [rp], prefix + [lengths[rp]], extend + [n]
+            ids += [100 * rp + p for p in range(lengths[rp], lengths[rp] + n)]
+            pos += list(range(lengths[rp], lengths[rp] + n))
+            loc += slots
+            lengths[rp] += n
+        rt.prepare(StepBatch(*(np.array(a, np.int64) for a in (rows, prefix, extend, ids, pos, loc))))
+        rt.pre_forward()
+        forward(ids, pos, loc)
+        if flip and step == 3:
+            planes.view(np.uint32)[1, 1, 1] ^= 1 << 7  # K of slot 33 (block 1, token 1), head 1, element 0
+        rt.post_forward()
+        try:
+            rt.finish_step()
+        except CanaryViolationError as err:
+            raised = (step, [(v.slot, v.launch_tag, v.labels) for _, v in err.violations])
+            break
+    if not flip:
+        assert raised is None
+    else:
+        assert raised == (4, [(33, "TAIL_K_FULL", ["verify_real_kv_hash"])])
