@@ -384,7 +384,7 @@ def test_runtime_over_a_vllm_cpu_cache_is_clean_and_catches_a_flipped_k_bit(back
             slots = list(range(next_slot, next_slot + n))
             next_slot += n
             req_to_token[rp, lengths[rp] : lengths[rp] + n] = slots
-            rows, prefix, extend = rows + [rp], prefix + [lengths[rp]], extend + [n]
+            rows, prefix, extend = [*rows, rp], [*prefix, lengths[rp]], [*extend, n]
             ids += [100 * rp + p for p in range(lengths[rp], lengths[rp] + n)]
             pos += list(range(lengths[rp], lengths[rp] + n))
             loc += slots
