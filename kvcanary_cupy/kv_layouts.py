@@ -124,18 +124,19 @@ def contiguous_layout(page_stride: int, bytes_per_token: int) -> KvByteLayout:
 # ----------------------------------------------------------------------------------------------------------
 # vLLM presets
 # ----------------------------------------------------------------------------------------------------------
-def _shape_strides_itemsize(tensor: Any, name: str) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    """Shape, strides in elements and element size of a torch tensor or a NumPy/CuPy/DLPack array."""
+def _in_place(tensor: Any, name: str) -> tuple[Any, tuple[int, ...], tuple[int, ...], int]:
+    """The tensor to slice (a torch tensor as given, anything else as its zero-copy NumPy/CuPy view, so that
+    slicing never copies), its shape, its strides in elements and its element size."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(tensor, torch.Tensor):
-        return tuple(tensor.shape), tuple(tensor.stride()), int(tensor.element_size())
+        return tensor, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.element_size())
     from .dlpack import as_array
 
     arr = as_array(tensor, name)
     item = int(arr.dtype.itemsize)
     if any(s % item for s in arr.strides):
         fail(f"{name} has strides {arr.strides} that are not whole elements")
-    return tuple(arr.shape), tuple(int(s) // item for s in arr.strides), item
+    return arr, tuple(arr.shape), tuple(int(s) // item for s in arr.strides), item
 
 
 def _which(which: Any, name: str) -> int:
@@ -179,7 +180,7 @@ def vllm_cpu_source(kv_cache: Any, *, block_size: int, num_kv_heads: int, head_s
     bs = int_arg(block_size, "block_size", minimum=1)
     heads = int_arg(num_kv_heads, "num_kv_heads", minimum=1)
     d = int_arg(head_size, "head_size", minimum=1)
-    shape, strides, item = _shape_strides_itemsize(kv_cache, "kv_cache")
+    kv_cache, shape, strides, item = _in_place(kv_cache, "kv_cache")
     _check_shape(shape, 4, "kv_cache", "[num_blocks, num_kv_heads, block_size, 2 * head_size]")
     if shape[1:] != (heads, bs, 2 * d):
         fail(f"kv_cache must have shape [num_blocks, num_kv_heads={heads}, block_size={bs}, 2 * head_size="
@@ -188,11 +189,14 @@ def vllm_cpu_source(kv_cache: Any, *, block_size: int, num_kv_heads: int, head_s
     if (bs > 1 and strides[2] != 2 * d) or strides[3] != 1:
         fail(f"kv_cache must be contiguous within each (block, head) plane of block_size * 2 * head_size "
              f"elements, got strides {strides} (in elements)")
-    # Each (block, head) plane is one run of 2 * block_size * head_size elements: K's half, then V's.
-    # Viewing the planes flat (no copy: the plane is contiguous) and slicing gives a tensor starting at the
-    # first byte of K or V, which is what the layout's strides are relative to.
-    plane = kv_cache.reshape(shape[0], heads, 2 * bs * d)
-    half = plane[:, :, kv * bs * d:(kv + 1) * bs * d]
+    # Each (block, head) plane is one run of 2 * block_size * head_size elements: K's half, then V's. A view
+    # starting at the first byte of K or V is what the layout's strides are relative to: with an even
+    # block_size, half the plane's rows (a plain slice); otherwise the planes viewed flat (no copy either:
+    # each plane is contiguous) and sliced.
+    if bs % 2 == 0:
+        half = kv_cache[:, :, kv * (bs // 2):(kv + 1) * (bs // 2)]
+    else:
+        half = kv_cache.reshape(shape[0], heads, 2 * bs * d)[:, :, kv * bs * d:(kv + 1) * bs * d]
     if kv == 0:  # column-major [head_size, block_size]: consecutive tokens are adjacent elements
         token_stride, element_stride = item, bs * item
     else:  # row-major [block_size, head_size]
@@ -206,7 +210,7 @@ def flash_attn_source(kv_cache: Any, *, which: str, read_bytes: int) -> RealKvSo
     """K or V of a flash-attention KV cache ``[2, num_blocks, block_size, num_kv_heads, head_size]``, read in
     place with the tensor's own strides (so a permuted allocation is read correctly too)."""
     kv = _which(which, "which")
-    shape, strides, item = _shape_strides_itemsize(kv_cache, "kv_cache")
+    kv_cache, shape, strides, item = _in_place(kv_cache, "kv_cache")
     _check_shape(shape, 5, "kv_cache", "[2, num_blocks, block_size, num_kv_heads, head_size]")
     if shape[0] != 2:
         fail(f"kv_cache must have 2 on axis 0 (K, V), got shape {shape}")
@@ -222,7 +226,7 @@ def flashinfer_hnd_source(kv_cache: Any, *, which: str, read_bytes: int) -> Real
     """K or V of a FlashInfer HND KV cache ``[num_blocks, 2, num_kv_heads, block_size, head_size]`` (heads
     before tokens), read in place with the tensor's own strides."""
     kv = _which(which, "which")
-    shape, strides, item = _shape_strides_itemsize(kv_cache, "kv_cache")
+    kv_cache, shape, strides, item = _in_place(kv_cache, "kv_cache")
     _check_shape(shape, 5, "kv_cache", "[num_blocks, 2, num_kv_heads, block_size, head_size]")
     if shape[1] != 2:
         fail(f"kv_cache must have 2 on axis 1 (K, V), got shape {shape}")

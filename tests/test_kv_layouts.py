@@ -212,10 +212,10 @@ def vllm_cpu_cache(k: np.ndarray, v: np.ndarray, block_size: int) -> np.ndarray:
     return cache.reshape(blocks, heads, block_size, 2 * d)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize(("dtype", "bs"), [(np.float32, 32), (np.float16, 32), (np.float32, 3)])
 @pytest.mark.parametrize("mode", MODES)
-def test_vllm_cpu_preset_hashes_like_contiguous_kv(dtype, mode):
-    bs, heads, d = 32, 2, 16
+def test_vllm_cpu_preset_hashes_like_contiguous_kv(dtype, bs, mode):
+    heads, d = 2, 16
     k, v = per_token_kv(3 * bs, heads, d, dtype, 1), per_token_kv(3 * bs, heads, d, dtype, 2)
     cache = vllm_cpu_cache(k, v, bs)
     slots = np.arange(3 * bs)
