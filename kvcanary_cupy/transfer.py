@@ -37,28 +37,38 @@ from .layouts import SlotLayout
 from .plan import OnInvalid, VerifyPlan, WritePlan, _allocate, launch_canary_plan_kernels
 from .verify import prepare_verify_launch
 
+_INT32_MAX = (1 << 31) - 1
 RECORD_BYTES = CANARY_SLOT_BYTES  # one record on the wire: 4 little-endian int64 fields
 
 
 @dataclass(frozen=True)
 class RecordTransferLaunch:
-    """A validated gather or scatter: ``canary`` int64 [num_slots, stride // 8], ``records`` int64 [n, 4],
-    ``slots`` int64 [n], optional ``status`` int32 [1]."""
+    """A validated gather or scatter: ``canary`` int64 [num_slots, stride // 8], ``records`` int64
+    [n * page_size, 4], ``slots`` int64 [n] (slots, or page ids when ``page_size`` > 1: page ``p`` holds
+    slots ``p * page_stride + [0, page_size)``), optional ``status`` int32 [1]."""
 
     canary: Any
     records: Any
     slots: Any
     status: Any | None
     device: Device
+    page_size: int = 1
+    page_stride: int = 1
 
     @property
     def count(self) -> int:
-        return int(self.slots.shape[0])
+        """Records moved: one per slot of every listed page."""
+        return int(self.slots.shape[0]) * self.page_size
 
 
 def prepare_record_transfer(*, canary_buf: Any, records: Any, slots: Any, status: Any | None,
-                            records_written: bool) -> RecordTransferLaunch:
-    """Every host-visible check of a gather (``records_written``) or scatter, for all backends."""
+                            records_written: bool, page_size: int = 1, page_stride: int | None = None,
+                            index_name: str = "slots") -> RecordTransferLaunch:
+    """Every host-visible check of a gather (``records_written``) or scatter, for all backends. With
+    ``page_size`` > 1, ``slots`` (named ``index_name`` in messages) lists page ids, ``page_stride`` slots
+    apart (None: ``page_size``)."""
+    size = int_arg(page_size, "page_size", minimum=1, maximum=_INT32_MAX)
+    step = size if page_stride is None else int_arg(page_stride, "page_stride", minimum=size, maximum=_INT32_MAX)
     buf = array_arg(canary_buf, "canary_buf", dtype=np.uint8, ndim=2, writable=not records_written)
     stride = int(buf.shape[1])
     if stride < CANARY_SLOT_BYTES or stride % 8:
@@ -66,12 +76,12 @@ def prepare_record_transfer(*, canary_buf: Any, records: Any, slots: Any, status
              f"fields, got {stride} bytes")
     if buf.shape[0] < 1:
         fail("canary_buf must hold at least one slot")
-    slot_arr = array_arg(slots, "slots", dtype=np.int64, ndim=1)
-    n = int(slot_arr.shape[0])
+    slot_arr = array_arg(slots, index_name, dtype=np.int64, ndim=1)
+    n = int(slot_arr.shape[0]) * size
     rec = array_arg(records, "records", dtype=np.int64, ndim=2, shape=(n, CANARY_FIELDS_PER_SLOT),
                     writable=records_written)
     status_arr = optional_array_arg(status, "status", dtype=np.int32, ndim=1, shape=(1,), writable=True)
-    named = [("canary_buf", buf), ("records", rec), ("slots", slot_arr), ("status", status_arr)]
+    named = [("canary_buf", buf), ("records", rec), (index_name, slot_arr), ("status", status_arr)]
     device = same_device(named)
     # SPEC §0.8 as for every launcher: each array aligned to its elements (the int64 view of canary_buf
     # included), and what the call writes (records or canary_buf, and status) sharing no byte with anything
@@ -80,7 +90,7 @@ def prepare_record_transfer(*, canary_buf: Any, records: Any, slots: Any, status
     written = {"records", "status"} if records_written else {"canary_buf", "status"}
     check_memory(outputs=[(n, fields if n == "canary_buf" else a) for n, a in named if n in written],
                  inputs=[(n, fields if n == "canary_buf" else a) for n, a in named if n not in written])
-    return RecordTransferLaunch(fields, rec, slot_arr, status_arr, device)
+    return RecordTransferLaunch(fields, rec, slot_arr, status_arr, device, size, step)
 
 
 def gather_canary_records(*, canary_buf: Any, slots: Any, records_out: Any, status: Any | None = None,
@@ -151,27 +161,40 @@ class ReceivedPrefixVerifier:
         :class:`~kvcanary_cupy.layouts.PageList` for a FlashInfer-style one; ``req_pool_indices`` may be None
         when the layout reads batch rows directly.
         """
-        # The batch size sizes the extend-0 slice below, so it is checked here; the plan launch checks the rest.
-        rows = optional_array_arg(req_pool_indices, "req_pool_indices", dtype=np.int64, ndim=1)
-        name = "req_pool_indices"
-        if rows is None:  # a layout that reads batch rows directly
-            rows, name = array_arg(received_lens, "received_lens", dtype=np.int64, ndim=1), "received_lens"
-        bs = int(rows.shape[0])
-        if bs > self.max_requests:
-            fail(f"{name} holds {bs} requests, more than this verifier's max_requests={self.max_requests}")
         with stream_scope(context, self.plan):
             # The verify is validated before the plan launch fills self.plan, and the plan launch validates
             # everything it reads (the layout included) before it writes: a refused call writes nothing.
             verify = prepare_verify_launch(context=context, plan=self.plan,
                                            check_verify_expected_token=req_to_verify_expected_tokens is not None)
             impl = resolve_backend(backend, verify.device, on_invalid)
-            launch_canary_plan_kernels(
-                verify_plan_out=self.plan, write_plan_out=self._write_plan, req_pool_indices=req_pool_indices,
-                prefix_lens=received_lens, extend_seq_lens=self._no_extend[:bs], req_to_token=req_to_token,
-                swa_window_size=swa_window_size, full_to_swa_index_mapping=full_to_swa_index_mapping,
-                verify_capacity=self.verify_capacity, req_to_verify_expected_tokens=req_to_verify_expected_tokens,
-                req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
-                kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, layout=layout, backend=backend,
-                on_invalid=on_invalid)
+            self._plan(req_pool_indices=req_pool_indices, lens=received_lens, lens_name="received_lens",
+                       req_to_token=req_to_token, layout=layout,
+                       req_to_verify_expected_tokens=req_to_verify_expected_tokens,
+                       req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
+                       kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, swa_window_size=swa_window_size,
+                       full_to_swa_index_mapping=full_to_swa_index_mapping, backend=backend, on_invalid=on_invalid)
             with device_scope(verify.device):
                 impl.verify(verify)
+
+    def _plan(self, *, req_pool_indices: Any | None, lens: Any, lens_name: str, req_to_token: Any | None,
+              layout: SlotLayout | None, req_to_verify_expected_tokens: Any | None,
+              req_to_verify_expected_tokens_valid_lens: Any | None, kv_token_id_vs_position_offset: int,
+              backend: str, on_invalid: OnInvalid | None, swa_window_size: int = 0,
+              full_to_swa_index_mapping: Any | None = None) -> None:
+        """Plan positions ``[0, lens[r])`` of every request as verify entries (extend 0) into ``self.plan``."""
+        # The batch size sizes the extend-0 slice below, so it is checked here; the plan launch checks the rest.
+        rows = optional_array_arg(req_pool_indices, "req_pool_indices", dtype=np.int64, ndim=1)
+        name = "req_pool_indices"
+        if rows is None:  # a layout that reads batch rows directly
+            rows, name = array_arg(lens, lens_name, dtype=np.int64, ndim=1), lens_name
+        bs = int(rows.shape[0])
+        if bs > self.max_requests:
+            fail(f"{name} holds {bs} requests, more than this verifier's max_requests={self.max_requests}")
+        launch_canary_plan_kernels(
+            verify_plan_out=self.plan, write_plan_out=self._write_plan, req_pool_indices=req_pool_indices,
+            prefix_lens=lens, extend_seq_lens=self._no_extend[:bs], req_to_token=req_to_token,
+            swa_window_size=swa_window_size, full_to_swa_index_mapping=full_to_swa_index_mapping,
+            verify_capacity=self.verify_capacity, req_to_verify_expected_tokens=req_to_verify_expected_tokens,
+            req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
+            kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, layout=layout, backend=backend,
+            on_invalid=on_invalid)
