@@ -39,6 +39,7 @@ from .engine import Engine, size_engine
 from .faults import FaultInjector, FaultTracker
 from .replay import LaunchRecorder
 from .report import build_report
+from .tiers import TieredStore
 from .requests import Batch
 from .workload import make_workload
 
@@ -123,6 +124,10 @@ class Simulation:
         if cfg.dump_dir:
             self.recorder = LaunchRecorder(cfg.dump_dir, preset=cfg.preset, seed=cfg.seed, backend=self.backend)
         self.runtime = self._install_canary()
+        self.tiers: TieredStore | None = None
+        if cfg.tiers:
+            self.tiers = TieredStore(cfg.tiers, self.engine, self.runtime, self.tracker, self.injector,
+                                     np.random.default_rng([cfg.seed, 2]), tier_dir=cfg.tier_dir)
         if self.recorder is not None:
             self.recorder.attach(req_to_token=self.engine.req_to_token, layout=self.engine.slot_layout(),
                                  expected_pool=self.runtime.expected_token_pool,
@@ -243,9 +248,11 @@ class Simulation:
             self.recorder.begin_step(t)
         if t == self.cfg.warmup_steps:
             rt.mark_init_finished()  # warm-up positions are over
+        before = len(self.tracker.faults)
+        if self.tiers is not None:
+            self.tiers.complete(t)  # load-backs due now: restored and verified before this step's forward
         with timer("engine"):
             batch = eng.schedule(t)
-        before = len(self.tracker.faults)
         inj.begin_step(t)
         inj.run("batch", t, batch)
         targets = ["FULL"] + (["SWA"] if eng.swa else [])
@@ -279,12 +286,16 @@ class Simulation:
     def run(self, progress: ProgressCallback | None = None) -> dict[str, Any]:
         self.compile_s = prepare_backend(self.backend)  # before the clock starts: per-step costs exclude it
         start = time.perf_counter()
-        for t in range(self.cfg.steps):
-            self._step(t)
-            self.steps_run = t + 1
-            if progress is not None:
-                progress(t + 1, self.live_counts())
-        self._attribute(self.runtime.flush(), read_step=self.cfg.steps)
+        try:
+            for t in range(self.cfg.steps):
+                self._step(t)
+                self.steps_run = t + 1
+                if progress is not None:
+                    progress(t + 1, self.live_counts())
+            self._attribute(self.runtime.flush(), read_step=self.cfg.steps)
+        finally:
+            if self.tiers is not None:
+                self.tiers.close()  # the L3 files go, whatever happened
         self.wall = time.perf_counter() - start
         return self.report()
 
