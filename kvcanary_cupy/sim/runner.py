@@ -24,6 +24,7 @@ between the warm-up and the cool-down (the last steps, which leave time to detec
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import Counter, defaultdict
@@ -46,6 +47,7 @@ from .workload import make_workload
 __all__ = ["PRESETS", "PhaseTimer", "Preset", "SimConfig", "Simulation", "applicable_kinds", "run_simulation"]
 
 CANARY_LOGGER = "kvcanary_cupy.sim.canary"
+TIERED_FOLLOWUP = 0.5  # --tiers: the share of requests continuing an earlier conversation
 # Every violation row becomes a WARNING record of this logger (the runtime's log mode); the simulation reports
 # them itself, so by default they go nowhere (a handler configured by the caller still sees them).
 logging.getLogger(CANARY_LOGGER).addHandler(logging.NullHandler())
@@ -105,8 +107,10 @@ class Simulation:
         self.cfg = cfg
         self.preset = PRESETS[cfg.preset]
         self.backend, self.xp, self.device = resolve_backend(cfg.backend)
-        self.workload = make_workload(self.preset.shape, cfg.requests, cfg.steps,
-                                      np.random.default_rng([cfg.seed, 0]))
+        shape = self.preset.shape
+        if cfg.tiers:  # KV hierarchies exist for multi-turn reuse: conversations come back after being evicted
+            shape = dataclasses.replace(shape, p_followup=max(shape.p_followup, TIERED_FOLLOWUP))
+        self.workload = make_workload(shape, cfg.requests, cfg.steps, np.random.default_rng([cfg.seed, 0]))
         self.engine_cfg = size_engine(self.workload, max_running=self.preset.max_running,
                                       chunk_size=self.preset.chunk_size, page_size=self.preset.page_size,
                                       swa_window=self.preset.swa_window, eagle=self.preset.eagle, with_v=cfg.with_v,

@@ -358,8 +358,9 @@ class TieredStore:
 
     def _other(self, load: Load) -> TierPage | None:
         page = load.page
+        names = [name for name, _ in page.layout]
         options = [p for tier in (self.l2, self.l3) for p in tier.values()
-                   if p is not page and p.n >= page.n and p.layout == page.layout]
+                   if p is not page and p.n >= page.n and [name for name, _ in p.layout] == names]
         same_depth = [p for p in options if p.depth == page.depth]
         options = same_depth or options
         return options[int(self.rng.integers(len(options)))] if options else None
