@@ -43,13 +43,13 @@ def test_clean_tiered_runs_are_silent_on_every_preset_and_layout(tmp_path, prese
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_clean_tiered_run_restores_pages_from_both_tiers_and_stays_silent(tmp_path, backend):
-    sim, report = _run(tmp_path, backend=backend, steps=90, requests=32, l2_slots=64)
+    sim, report = _run(tmp_path, backend=backend, steps=90, requests=32, l2_slots=128)
     tiers = report["tiers"]
     assert tiers["l2_hits"] > 0 and tiers["l3_hits"] > 0 and tiers["l3_bytes_read"] > 0
     assert tiers["restored_slots"] > 0
     assert report["violations"]["total"] == 0 and report["outcome"] == "passed"
     assert sim.runtime.check_health() == []
-    text = render_text(report)
+    text = render_text(report, width=200)
     assert "tiers host,disk" in text and "restored slots verified before a forward read them" in text
 
 
@@ -58,7 +58,7 @@ def test_clean_tiered_run_restores_pages_from_both_tiers_and_stays_silent(tmp_pa
 def test_every_tier_fault_is_caught_with_its_tier_and_step(tmp_path, backend, kind):
     disk = FAULT_KINDS[kind].needs == "disk"
     sim, report = _run(tmp_path, backend=backend, steps=90, requests=32, inject={kind: 0.05},
-                       l2_slots=64 if disk else None)
+                       l2_slots=128)
     (row,) = report["kinds"]
     assert row["injected"] >= 1 and row["detected"] == row["injected"], row
     assert report["violations"]["false_positives"] == 0
