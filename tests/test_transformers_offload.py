@@ -20,5 +20,5 @@ def test_cpu_offload_space_is_refused_on_cpu_only_torch_for_its_pinned_swap_pool
     workload = workloads()["queueing"]
     with pytest.raises(RuntimeError, match="pin_memory=True requires a CUDA or other accelerator backend") as info:
         workload.run(build_model("llama"), cpu_offload_space=0.01)
-    frames = [(f.filename.rsplit("/", 1)[-1], f.name) for f in info.traceback]
+    frames = [(str(f.path).rsplit("/", 1)[-1], f.name) for f in info.traceback]
     assert ("offloading_manager.py", "__init__") in frames  # the swap pool's allocation, not a request
