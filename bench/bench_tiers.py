@@ -111,7 +111,8 @@ def test_tier_restore(measure, n, impl):
         r.restore(backend)
         assert int(r.ctx.violation_write_index[0]) == 0  # a clean restore: the timed call verifies, finds nothing
         fn = lambda: r.restore(backend)  # noqa: E731
-        label = f"PrefixRestorer.restore: scatter + plan + verify ({'host backend' if backend == 'host' else 'NumPy reference'})"
+        where = "host backend" if backend == "host" else "NumPy reference"
+        label = f"PrefixRestorer.restore: scatter + plan + verify ({where})"
         role = "subject" if backend == "numpy" else "info"
     else:
         fn, label, role = r.copy_back, "floor: the engine's copy of one layer's K back into its pages", "floor"

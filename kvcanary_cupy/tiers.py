@@ -31,7 +31,7 @@ from .backends import resolve_backend
 from .context import VerifyOrWriteContext
 from .dlpack import device_scope, stream_scope
 from .layouts import SlotLayout
-from .plan import OnInvalid, launch_canary_plan_kernels
+from .plan import OnInvalid
 from .transfer import ReceivedPrefixVerifier, RecordTransferLaunch, prepare_record_transfer
 from .verify import prepare_verify_launch
 

@@ -61,7 +61,7 @@ def test_restored_pages_carry_their_records_and_verify_clean(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fault", ["kv_bit_rot", "wrong_slots", "other_records", "stale_slot"])
 def test_each_restore_fault_is_reported_at_the_slots_it_damaged(backend, fault):
-    engine, rt, _, src, records, tier, lut = _offloaded(backend)
+    engine, rt, _, _, records, tier, lut = _offloaded(backend)
     _load_back(engine, tier, lut, DST, kv_fault=fault == "kv_bit_rot")
     positions, prevs = [0, 1, 2, 3], [-1, *DST[:3]]
     if fault == "wrong_slots":  # the records land in the slots in another order than the KV did
@@ -94,7 +94,7 @@ def test_each_restore_fault_is_reported_at_the_slots_it_damaged(backend, fault):
 
 
 def test_restore_refuses_what_names_no_restore_before_anything_is_written():
-    engine, rt, _, src, records, tier, lut = _offloaded("numpy")
+    _, rt, _, _, records, _, _ = _offloaded("numpy")
     before = runtime_arrays(rt)
     for args, message in [((records, DST[:3], [0, 1, 2], [-1, 1, 2]), "slots has 3 entries"),
                           ((records, [DST[0]] * 4, [0, 1, 2, 3], [-1, 1, 2, 3]), "slots must name distinct slots"),

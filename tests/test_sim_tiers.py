@@ -32,7 +32,7 @@ def _run(tmp_path, *, backend="numpy", preset="decode", layout="token", steps=60
 @pytest.mark.parametrize("layout", ["token", "block", "csr"])
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_clean_tiered_runs_are_silent_on_every_preset_and_layout(tmp_path, preset, layout):
-    sim, report = _run(tmp_path, preset=preset, layout=layout, l2_slots=128)
+    _, report = _run(tmp_path, preset=preset, layout=layout, l2_slots=128)
     assert report["violations"]["total"] == 0 and report["violations"]["false_positives"] == 0
     assert report["outcome"] == "passed" and report["violations"]["status"] == []
     tiers = report["tiers"]
@@ -57,7 +57,7 @@ def test_clean_tiered_run_restores_pages_from_both_tiers_and_stays_silent(tmp_pa
 @pytest.mark.parametrize("kind", TIER_KINDS)
 def test_every_tier_fault_is_caught_with_its_tier_and_step(tmp_path, backend, kind):
     disk = FAULT_KINDS[kind].needs == "disk"
-    sim, report = _run(tmp_path, backend=backend, steps=90, requests=32, inject={kind: 0.05},
+    _, report = _run(tmp_path, backend=backend, steps=90, requests=32, inject={kind: 0.05},
                        l2_slots=128)
     (row,) = report["kinds"]
     assert row["injected"] >= 1 and row["detected"] == row["injected"], row

@@ -337,7 +337,7 @@ def test_a_refused_restore_leaves_canary_ring_and_status_unchanged(backend):
     restorer = kc.PrefixRestorer(verify_capacity=64, max_requests=2)
     canary, ring = dev.ctx.canary_buf.copy(), dev.ctx.violation_ring.copy()
     table = np.zeros((3, 64), np.int32)
-    with pytest.raises(kc.CanaryArgumentError, match="^kv-canary: .*req_pool_indices"):  # a row-less token table
+    with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: .*req_pool_indices"):  # a row-less token table
         restorer.restore(context=dev.ctx, records=records, restored_lens=np.array([8], np.int64),
                          slots=np.arange(8, 16, dtype=np.int64), req_to_token=table, status=status, backend=backend)
     with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: .*records must have shape \(4, 4\)"):

@@ -40,8 +40,8 @@ from .engine import Engine, size_engine
 from .faults import FaultInjector, FaultTracker
 from .replay import LaunchRecorder
 from .report import build_report
-from .tiers import TieredStore
 from .requests import Batch
+from .tiers import TieredStore
 from .workload import make_workload
 
 __all__ = ["PRESETS", "PhaseTimer", "Preset", "SimConfig", "Simulation", "applicable_kinds", "run_simulation"]

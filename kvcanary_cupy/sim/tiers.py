@@ -35,7 +35,7 @@ import numpy as np
 
 from ..runtime import CanaryRuntime, OffloadedRecords
 from .engine import Engine
-from .faults import FAULT_KINDS, SLOT_CORRUPTION, FaultInjector, FaultTracker
+from .faults import FAULT_KINDS, FaultInjector, FaultTracker
 from .radix import RadixNode
 from .workload import RequestSpec
 
@@ -421,9 +421,9 @@ class TieredStore:
             if held.all():
                 now = self._record_parts(page.origin)
                 if not np.array_equal(now["rec:target:FULL:0"], data["rec:target:FULL:0"]):
-                    alive = eng.lut_host[page.origin] != 0 if eng.swa else np.zeros(n, bool)
-                    if np.array_equal(alive, page.swa_alive):
-                        data = {**self._kv_parts(page.origin, alive), **now}
+                    now_alive: np.ndarray = (eng.lut_host[page.origin] != 0) if eng.swa else np.zeros(n, bool)
+                    if np.array_equal(now_alive, page.swa_alive):
+                        data = {**self._kv_parts(page.origin, now_alive), **now}
                         self._fault("tier-stale-copy", load, "the copy came from its old device slots after they "
                                     "were given to another request and rewritten")
         return data
