@@ -95,11 +95,13 @@ def _tiers(text: str) -> tuple[str, ...]:
 
 def _simulate_epilog() -> str:
     from .sim.disagg.faults import DEFAULT_TRANSFER_RATE, TRANSFER_KINDS
-    from .sim.faults import DEFAULT_RATE, FAULT_KINDS
+    from .sim.faults import DEFAULT_RATE, FAULT_KINDS, TIER_FAULT_KINDS
     from .sim.runner import PRESETS
 
     kinds = "\n".join(f"  {name:<16} {kind.title}" + ("  (needs an SWA preset)" if kind.needs == "swa" else "")
                       for name, kind in FAULT_KINDS.items())
+    tier_kinds = "\n".join(f"  {name:<22} {kind.title}" + ("  (needs host,disk)" if kind.needs == "disk" else "")
+                           for name, kind in TIER_FAULT_KINDS.items())
     transfer_kinds = "\n".join(f"  {name:<20} {kind.title} ({kind.side} side)" for name, kind in TRANSFER_KINDS.items())
     presets = "\n".join(f"  {p.name:<8} {p.description}" for p in PRESETS.values())
     return f"""\
@@ -116,6 +118,9 @@ fault kinds (--inject KIND[:RATE]; RATE = expected injections per step, default 
 'all' = every kind the preset can host; the run tries to inject each requested kind at least once, and a kind
 that finds no target in a small workload is reported as "could not inject"):
 {kinds}
+
+tier fault kinds, with --tiers (injected at a load-back; 'all' adds them when --tiers is given):
+{tier_kinds}
 
 transfer fault kinds, with --disaggregated (RATE = probability per transfer, default {DEFAULT_TRANSFER_RATE};
 the run tries each requested kind on the first transfers after the warm-up, and every fault must be caught

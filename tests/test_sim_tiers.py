@@ -10,13 +10,13 @@ import pytest
 
 from kvcanary_cupy.backends import unavailable_reason
 from kvcanary_cupy.sim.config import PRESETS, SimConfig, applicable_kinds
-from kvcanary_cupy.sim.faults import FAULT_KINDS
+from kvcanary_cupy.sim.faults import TIER_FAULT_KINDS
 from kvcanary_cupy.sim.report import render_text, validate
 from kvcanary_cupy.sim.runner import Simulation
 
 BACKENDS = ["numpy", pytest.param("host", marks=pytest.mark.skipif(unavailable_reason("host") is not None,
                                                                    reason=str(unavailable_reason("host"))))]
-TIER_KINDS = [k for k, kind in FAULT_KINDS.items() if kind.needs in ("tiers", "disk")]
+TIER_KINDS = list(TIER_FAULT_KINDS)
 
 
 def _run(tmp_path, *, backend="numpy", preset="decode", layout="token", steps=60, requests=24, inject=None,
@@ -56,7 +56,7 @@ def test_clean_tiered_run_restores_pages_from_both_tiers_and_stays_silent(tmp_pa
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", TIER_KINDS)
 def test_every_tier_fault_is_caught_with_its_tier_and_step(tmp_path, backend, kind):
-    disk = FAULT_KINDS[kind].needs == "disk"
+    disk = TIER_FAULT_KINDS[kind].needs == "disk"
     _, report = _run(tmp_path, backend=backend, steps=90, requests=32, inject={kind: 0.05},
                        l2_slots=128)
     (row,) = report["kinds"]

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..backends import BACKEND_NAMES, available_backends, unavailable_reason
-from .faults import FAULT_KINDS
+from .faults import ALL_FAULT_KINDS
 from .workload import WorkloadShape
 
 LAYOUTS = ("token", "block", "csr")
@@ -146,13 +146,13 @@ class SimConfig:
             raise ValueError("--tier-dir applies to --tiers host,disk")
         preset = PRESETS[self.preset]
         for kind in self.inject:
-            if kind not in FAULT_KINDS:
-                raise ValueError(f"unknown fault kind {kind!r}; choose from {', '.join(FAULT_KINDS)}")
-            if FAULT_KINDS[kind].needs in ("tiers", "disk") and not self.tiers:
+            if kind not in ALL_FAULT_KINDS:
+                raise ValueError(f"unknown fault kind {kind!r}; choose from {', '.join(ALL_FAULT_KINDS)}")
+            if ALL_FAULT_KINDS[kind].needs in ("tiers", "disk") and not self.tiers:
                 raise ValueError(f"--inject {kind} needs a KV hierarchy (--tiers host,disk)")
-            if FAULT_KINDS[kind].needs == "disk" and "disk" not in self.tiers:
+            if ALL_FAULT_KINDS[kind].needs == "disk" and "disk" not in self.tiers:
                 raise ValueError(f"--inject {kind} needs the L3 disk tier (--tiers host,disk)")
-            if FAULT_KINDS[kind].needs == "swa" and not preset.swa_window:
+            if ALL_FAULT_KINDS[kind].needs == "swa" and not preset.swa_window:
                 swa_presets = [p.name for p in PRESETS.values() if p.swa_window]
                 raise ValueError(f"--inject {kind} needs an SWA group; preset {self.preset!r} has none "
                                  f"(use --preset {' or '.join(swa_presets)})")
@@ -165,7 +165,7 @@ def applicable_kinds(preset: str, tiers: tuple[str, ...] = ()) -> list[str]:
     """Fault kinds that the preset's engine can host (``--inject all`` means these); the tier kinds only with
     ``--tiers`` (the disk ones with the disk tier)."""
     has = {"swa": bool(PRESETS[preset].swa_window), "tiers": bool(tiers), "disk": "disk" in tiers, "": True}
-    return [k for k, kind in FAULT_KINDS.items() if has[kind.needs]]
+    return [k for k, kind in ALL_FAULT_KINDS.items() if has[kind.needs]]
 
 
 def resolve_backend(name: str) -> tuple[str, Any, str]:

@@ -732,16 +732,20 @@ class TierStaleCopy(TierFault):
 FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
     DoubleAllocation(), ReqToTokenCorruption(), KvBitFlip(), KvMisdirectedWrite(), WrongInputToken(),
     PositionOffByOne(), SwaEarlyEviction(), StaleExpectedTokens(),
+)}
+# The KV hierarchy's kinds (``--tiers``), kept apart: a run without tiers can host none of them.
+TIER_FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
     TierHostPageReused(), TierWrongKey(), TierDiskBitRot(), TierTornWrite(), TierWrongSlots(), TierStaleCopy(),
 )}
+ALL_FAULT_KINDS: dict[str, FaultKind] = {**FAULT_KINDS, **TIER_FAULT_KINDS}
 
 
 def parse_inject(specs: list[str], all_kinds: list[str] | None = None, *, known: Any = None,
                  default_rate: float = DEFAULT_RATE) -> dict[str, float]:
     """``["all", "kv-bitflip:0.1"]`` -> ``{kind: rate}``; raises ValueError with a readable message.
-    ``all`` stands for ``all_kinds`` (default: every kind of ``known``, the engine's :data:`FAULT_KINDS`
-    unless another registry is given)."""
-    known = FAULT_KINDS if known is None else known
+    ``all`` stands for ``all_kinds`` (default: every kind of ``known`` that needs no KV hierarchy; ``known`` is
+    the engine's :data:`ALL_FAULT_KINDS` unless another registry is given)."""
+    known = ALL_FAULT_KINDS if known is None else known
     rates: dict[str, float] = {}
     for spec in specs:
         name, _, rate_text = spec.partition(":")
@@ -755,7 +759,9 @@ def parse_inject(specs: list[str], all_kinds: list[str] | None = None, *, known:
             if not 0 < rate <= 1:
                 raise ValueError(f"--inject {spec!r}: the rate must be in (0, 1], got {rate}")
         if name == "all":
-            for kind in known if all_kinds is None else all_kinds:
+            # without a list, "all" is every kind that needs no KV hierarchy (the tier kinds need --tiers)
+            everything = [k for k, v in known.items() if getattr(v, "needs", "") not in ("tiers", "disk")]
+            for kind in everything if all_kinds is None else all_kinds:
                 rates[kind] = rate
         elif name in known:
             rates[name] = rate
@@ -776,7 +782,7 @@ class FaultInjector:
 
     def __init__(self, rates: dict[str, float], engine: Engine, tracker: FaultTracker, rng: np.random.Generator,
                  *, start: int, stop: int, partial_hash: bool, kv_groups: list[str]) -> None:
-        self.kinds = [FAULT_KINDS[name] for name in FAULT_KINDS if name in rates]
+        self.kinds = [ALL_FAULT_KINDS[name] for name in ALL_FAULT_KINDS if name in rates]
         self.rates = rates
         self.engine = engine
         self.tracker = tracker

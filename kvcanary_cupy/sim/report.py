@@ -62,7 +62,7 @@ from typing import Any, TextIO
 
 from .. import __version__
 from ..constants import FailReason, reason_names
-from .faults import FAULT_KINDS
+from .faults import ALL_FAULT_KINDS
 
 SCHEMA_ID = "kvcanary-sim-report/1"
 
@@ -108,14 +108,15 @@ SCHEMA: dict[str, Any] = _obj({
         "prefix_tokens_reused", "rows_recycled", "padding_rows", "tree_evicted_slots", "swa_evicted_slots",
         "peak_running", "peak_slots_used", "sweeps")}),
     "kinds": {"type": "array", "items": _obj({
-        "kind": {"type": "string", "enum": list(FAULT_KINDS)}, "title": _STR, "injected": _INT, "detected": _INT,
+        "kind": {"type": "string", "enum": list(ALL_FAULT_KINDS)}, "title": _STR, "injected": _INT,
+        "detected": _INT,
         "missed": _INT, "status": {"type": "string", "enum": ["detected", "missed", "not injected"]},
         "latency_steps": {"type": ["object", "null"], "properties": {"min": _INT, "median": _NUM, "max": _INT},
                           "required": ["min", "median", "max"]},
         "reasons": _STR_LIST, "violations": _INT,
     })},
     "faults": {"type": "array", "items": _obj({
-        "id": _INT, "kind": {"type": "string", "enum": list(FAULT_KINDS)}, "step": _INT,
+        "id": _INT, "kind": {"type": "string", "enum": list(ALL_FAULT_KINDS)}, "step": _INT,
         "group": {"type": "string", "enum": ["FULL", "SWA", "DRAFT"]}, "request": _INT_OR_NULL,
         "position": _INT_OR_NULL, "slot": _INT_OR_NULL, "detail": _STR, "detected": _BOOL,
         "detection_step": _INT_OR_NULL, "latency_steps": _INT_OR_NULL, "detected_by": _STR_OR_NULL,
@@ -199,7 +200,7 @@ def build_report(sim: Any) -> dict[str, Any]:
     cfg, eng = sim.cfg, sim.engine
     faults = sim.tracker.faults
     kinds = []
-    for name, kind in FAULT_KINDS.items():
+    for name, kind in ALL_FAULT_KINDS.items():
         if name not in cfg.inject:
             continue
         mine = [f for f in faults if f.kind == name]

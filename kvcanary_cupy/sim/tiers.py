@@ -35,7 +35,7 @@ import numpy as np
 
 from ..runtime import CanaryRuntime, OffloadedRecords
 from .engine import Engine
-from .faults import FAULT_KINDS, FaultInjector, FaultTracker
+from .faults import TIER_FAULT_KINDS, FaultInjector, FaultTracker
 from .radix import RadixNode
 from .workload import RequestSpec
 
@@ -349,7 +349,7 @@ class TieredStore:
         return min(due, key=lambda k: (made[k], k))
 
     def _fault(self, name: str, load: Load, detail: str) -> None:
-        fault = self.tracker.new(FAULT_KINDS[name], load.start_step, "FULL",
+        fault = self.tracker.new(TIER_FAULT_KINDS[name], load.start_step, "FULL",
                                  f"{load.tier} load-back started at step {load.start_step}: {detail}",
                                  position=load.page.depth, slot=int(load.slots[0]))
         fault.request = load.rid
