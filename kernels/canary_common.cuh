@@ -53,6 +53,12 @@ KVC_DEVICE u64 splitmix64(u64 x) {
 // Whether `slot` indexes a row of a buffer of `num_slots` rows (any device value may arrive here).
 KVC_DEVICE bool slot_in_range(i64 slot, i64 num_slots) { return slot >= 0 && slot < num_slots; }
 
+// Pages of `page_size` slots, `page_stride` apart (both > 0), that fit whole in a buffer of `num_slots` slots:
+// page p is in the buffer iff 0 <= p < pages_in_buffer(...), decided before any p * page_stride is formed.
+KVC_DEVICE i64 pages_in_buffer(i64 num_slots, i64 page_size, i64 page_stride) {
+  return num_slots < page_size ? 0 : (num_slots - page_size) / page_stride + 1;
+}
+
 // Copy one canary record (the 4 fields of a slot) from `src` to `dst`; a null `src` stores zeros.
 KVC_DEVICE void store_record(i64* dst, const i64* src) {
 #pragma unroll

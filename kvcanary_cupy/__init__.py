@@ -6,7 +6,8 @@ the slots to verify and the write offsets, :func:`launch_canary_verify_kernel` c
 :func:`launch_canary_write_kernel` stamps the new tokens, and violations land in a ring that
 :func:`read_violations` decodes on the host. Between processes (disaggregated prefill and decode), the
 records travel with the KV pages: :func:`gather_canary_records` on the sender, :func:`scatter_canary_records`
-and :class:`ReceivedPrefixVerifier` on the receiver.
+and :class:`ReceivedPrefixVerifier` on the receiver. Down a cache hierarchy (host memory, disk) and back:
+:func:`offload_canary_records` and :meth:`PrefixRestorer.restore`.
 
 Importing this package needs NumPy only; CuPy (CUDA backend), g++ (host backend) and torch (interop) are
 used when present and asked for.
@@ -34,6 +35,7 @@ from .kv_layouts import KvByteLayout
 from .layouts import BlockTable, PageList, SlotLayout, TokenTable
 from .plan import VerifyPlan, WritePlan, launch_canary_plan_kernels
 from .scatter import launch_scatter_req_token_ids
+from .tiers import PrefixRestorer, offload_canary_records, restore_canary_records
 from .transfer import ReceivedPrefixVerifier, gather_canary_records, scatter_canary_records
 from .verify import launch_canary_verify_kernel
 from .violations import Violation, ViolationReport, format_violations, read_violations
@@ -57,6 +59,7 @@ __all__ = [
     "KvByteLayout",
     "PageList",
     "PlanStatus",
+    "PrefixRestorer",
     "RealKvHashMode",
     "RealKvSource",
     "ReceivedPrefixVerifier",
@@ -78,6 +81,8 @@ __all__ = [
     "launch_canary_verify_kernel",
     "launch_canary_write_kernel",
     "launch_scatter_req_token_ids",
+    "offload_canary_records",
     "read_violations",
+    "restore_canary_records",
     "scatter_canary_records",
 ]

@@ -88,13 +88,20 @@ def _seed(text: str) -> int:
     return value
 
 
+def _tiers(text: str) -> tuple[str, ...]:
+    """``--tiers``: ``host`` or ``host,disk`` (validated by SimConfig, with the message naming the option)."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
 def _simulate_epilog() -> str:
     from .sim.disagg.faults import DEFAULT_TRANSFER_RATE, TRANSFER_KINDS
-    from .sim.faults import DEFAULT_RATE, FAULT_KINDS
+    from .sim.faults import DEFAULT_RATE, FAULT_KINDS, TIER_FAULT_KINDS
     from .sim.runner import PRESETS
 
     kinds = "\n".join(f"  {name:<16} {kind.title}" + ("  (needs an SWA preset)" if kind.needs == "swa" else "")
                       for name, kind in FAULT_KINDS.items())
+    tier_kinds = "\n".join(f"  {name:<22} {kind.title}" + ("  (needs host,disk)" if kind.needs == "disk" else "")
+                           for name, kind in TIER_FAULT_KINDS.items())
     transfer_kinds = "\n".join(f"  {name:<20} {kind.title} ({kind.side} side)" for name, kind in TRANSFER_KINDS.items())
     presets = "\n".join(f"  {p.name:<8} {p.description}" for p in PRESETS.values())
     return f"""\
@@ -111,6 +118,9 @@ fault kinds (--inject KIND[:RATE]; RATE = expected injections per step, default 
 'all' = every kind the preset can host; the run tries to inject each requested kind at least once, and a kind
 that finds no target in a small workload is reported as "could not inject"):
 {kinds}
+
+tier fault kinds, with --tiers (injected at a load-back; 'all' adds them when --tiers is given):
+{tier_kinds}
 
 transfer fault kinds, with --disaggregated (RATE = probability per transfer, default {DEFAULT_TRANSFER_RATE};
 the run tries each requested kind on the first transfers after the warm-up, and every fault must be caught
@@ -186,6 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--block-stride", type=_positive, default=None, metavar="N",
                      help="slots between consecutive block ids with --layout block, >= the block size "
                      "(transformers' physical stride; default: the block size)")
+    sim.add_argument("--tiers", type=_tiers, default=(), metavar="host[,disk]",
+                     help="KV hierarchy below the device pool: host (an L2 in host memory) and disk (an L3 of "
+                     "files); evicted prefix-cache paths are written back with their canary records and "
+                     "loaded back asynchronously, restored records verified before a forward reads them; "
+                     "adds the tier-* fault kinds to --inject all")
+    sim.add_argument("--tier-dir", metavar="DIR", default=None,
+                     help="directory of the L3 files with --tiers host,disk (default: a temporary directory); "
+                     "the files are removed at the end")
     sim.add_argument("--with-v", action="store_true", help="add V endpoints next to K")
     sim.add_argument("--real-kv-hash", choices=["all", "partial"], default="all",
                      help="bytes of real KV fingerprinted per slot: all, or the first 16 (default: all)")
@@ -293,13 +311,13 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         raise BadArguments("--kill-decode-worker needs --disaggregated")
     args.preset = args.preset or "mixed"
     try:
-        inject = parse_inject(args.inject, applicable_kinds(args.preset))
+        inject = parse_inject(args.inject, applicable_kinds(args.preset, args.tiers))
         cfg = SimConfig(preset=args.preset, steps=args.steps, requests=args.requests, seed=args.seed,
                         backend=args.backend, inject=inject, sweep_interval=args.sweep_interval,
                         with_v=args.with_v, real_kv_hash=args.real_kv_hash, warmup_steps=args.warmup,
                         cooldown_steps=args.cooldown, ring_capacity=args.ring_capacity,
                         dump_dir=args.dump_failures, layout=args.layout, block_size=args.block_size,
-                        block_stride=args.block_stride)
+                        block_stride=args.block_stride, tiers=args.tiers, tier_dir=args.tier_dir)
         sim = Simulation(cfg)
     except (ValueError, OSError) as exc:
         raise BadArguments(str(exc)) from None
@@ -325,6 +343,9 @@ def _cmd_simulate_transformers(args: argparse.Namespace) -> int:
     try:
         if args.disaggregated:
             raise ValueError("--disaggregated does not apply to --engine transformers")
+        if args.tiers or args.tier_dir is not None:
+            raise ValueError("--tiers applies to the synthetic engine (--engine synthetic); transformers' own CPU "
+                             "offload (cpu_offload_space) needs pinned memory, which CPU-only torch refuses")
         cfg = config_from_args(args)
     except ValueError as exc:
         raise BadArguments(str(exc)) from None
@@ -344,6 +365,11 @@ def _cmd_simulate_disaggregated(args: argparse.Namespace) -> int:
         if args.layout != "token" or args.block_size is not None or args.block_stride is not None:
             raise ValueError("--layout, --block-size and --block-stride do not apply to --disaggregated (its "
                              "engines keep req_to_token)")
+        if args.tiers or args.tier_dir is not None:
+            raise ValueError("--tiers does not apply to --disaggregated: its decode workers keep no prefix cache "
+                             "to write back or load into (each prefix arrives once, from the prefill process, "
+                             "and is verified there by the transfer verify); run --tiers without "
+                             "--disaggregated")
         for option, given in (("--dump-failures", args.dump_failures), ("--cooldown", args.cooldown)):
             if given is not None:
                 raise ValueError(f"{option} does not apply to --disaggregated")

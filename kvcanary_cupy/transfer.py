@@ -23,6 +23,7 @@ Neither allocates, so both can be captured in a CUDA graph.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,28 +39,38 @@ from .layouts import SlotLayout, layout_arrays
 from .plan import OnInvalid, VerifyPlan, WritePlan, _allocate, prepare_plan_launch
 from .verify import prepare_verify_launch
 
+_INT32_MAX = (1 << 31) - 1
 RECORD_BYTES = CANARY_SLOT_BYTES  # one record on the wire: 4 little-endian int64 fields
 
 
 @dataclass(frozen=True)
 class RecordTransferLaunch:
-    """A validated gather or scatter: ``canary`` int64 [num_slots, stride // 8], ``records`` int64 [n, 4],
-    ``slots`` int64 [n], optional ``status`` int32 [1]."""
+    """A validated gather or scatter: ``canary`` int64 [num_slots, stride // 8], ``records`` int64
+    [n * page_size, 4], ``slots`` int64 [n] (slots, or page ids when ``page_size`` > 1: page ``p`` holds
+    slots ``p * page_stride + [0, page_size)``), optional ``status`` int32 [1]."""
 
     canary: Any
     records: Any
     slots: Any
     status: Any | None
     device: Device
+    page_size: int = 1
+    page_stride: int = 1
 
     @property
     def count(self) -> int:
-        return int(self.slots.shape[0])
+        """Records moved: one per slot of every listed page."""
+        return int(self.slots.shape[0]) * self.page_size
 
 
 def prepare_record_transfer(*, canary_buf: Any, records: Any, slots: Any, status: Any | None,
-                            records_written: bool) -> RecordTransferLaunch:
-    """Every host-visible check of a gather (``records_written``) or scatter, for all backends."""
+                            records_written: bool, page_size: int = 1, page_stride: int | None = None,
+                            index_name: str = "slots") -> RecordTransferLaunch:
+    """Every host-visible check of a gather (``records_written``) or scatter, for all backends. With
+    ``page_size`` > 1, ``slots`` (named ``index_name`` in messages) lists page ids, ``page_stride`` slots
+    apart (None: ``page_size``)."""
+    size = int_arg(page_size, "page_size", minimum=1, maximum=_INT32_MAX)
+    step = size if page_stride is None else int_arg(page_stride, "page_stride", minimum=size, maximum=_INT32_MAX)
     buf = array_arg(canary_buf, "canary_buf", dtype=np.uint8, ndim=2, writable=not records_written)
     stride = int(buf.shape[1])
     if stride < CANARY_SLOT_BYTES or stride % 8:
@@ -67,12 +78,12 @@ def prepare_record_transfer(*, canary_buf: Any, records: Any, slots: Any, status
              f"fields, got {stride} bytes")
     if buf.shape[0] < 1:
         fail("canary_buf must hold at least one slot")
-    slot_arr = array_arg(slots, "slots", dtype=np.int64, ndim=1)
-    n = int(slot_arr.shape[0])
+    slot_arr = array_arg(slots, index_name, dtype=np.int64, ndim=1)
+    n = int(slot_arr.shape[0]) * size
     rec = array_arg(records, "records", dtype=np.int64, ndim=2, shape=(n, CANARY_FIELDS_PER_SLOT),
                     writable=records_written)
     status_arr = optional_array_arg(status, "status", dtype=np.int32, ndim=1, shape=(1,), writable=True)
-    named = [("canary_buf", buf), ("records", rec), ("slots", slot_arr), ("status", status_arr)]
+    named = [("canary_buf", buf), ("records", rec), (index_name, slot_arr), ("status", status_arr)]
     device = same_device(named)
     # SPEC §0.8 as for every launcher: each array aligned to its elements (the int64 view of canary_buf
     # included), and what the call writes (records or canary_buf, and status) sharing no byte with anything
@@ -81,7 +92,7 @@ def prepare_record_transfer(*, canary_buf: Any, records: Any, slots: Any, status
     written = {"records", "status"} if records_written else {"canary_buf", "status"}
     check_memory(outputs=[(n, fields if n == "canary_buf" else a) for n, a in named if n in written],
                  inputs=[(n, fields if n == "canary_buf" else a) for n, a in named if n not in written])
-    return RecordTransferLaunch(fields, rec, slot_arr, status_arr, device)
+    return RecordTransferLaunch(fields, rec, slot_arr, status_arr, device, size, step)
 
 
 def gather_canary_records(*, canary_buf: Any, slots: Any, records_out: Any, status: Any | None = None,
@@ -156,47 +167,74 @@ class ReceivedPrefixVerifier:
         :class:`~kvcanary_cupy.layouts.PageList` for a FlashInfer-style one; ``req_pool_indices`` may be None
         when the layout reads batch rows directly.
         """
+        with stream_scope(context, self.plan, req_pool_indices, received_lens, *layout_arrays(req_to_token, layout),
+                          full_to_swa_index_mapping, req_to_verify_expected_tokens,
+                          req_to_verify_expected_tokens_valid_lens):
+            self._plan_and_verify(
+                context=context, req_pool_indices=req_pool_indices, lens=received_lens, lens_name="received_lens",
+                req_to_token=req_to_token, layout=layout, req_to_verify_expected_tokens=req_to_verify_expected_tokens,
+                req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
+                kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, swa_window_size=swa_window_size,
+                full_to_swa_index_mapping=full_to_swa_index_mapping, backend=backend, on_invalid=on_invalid,
+                function="ReceivedPrefixVerifier.verify")
+
+    def _plan_and_verify(self, *, context: VerifyOrWriteContext, req_pool_indices: Any | None, lens: Any,
+                         lens_name: str, req_to_token: Any | None, layout: SlotLayout | None,
+                         req_to_verify_expected_tokens: Any | None,
+                         req_to_verify_expected_tokens_valid_lens: Any | None,
+                         kv_token_id_vs_position_offset: int, swa_window_size: int,
+                         full_to_swa_index_mapping: Any | None, backend: str, on_invalid: OnInvalid | None,
+                         function: str, before_verify: Callable[[], Callable[[], None] | None] | None = None) -> None:
+        """Plan positions ``[0, lens[r])`` of every request as verify entries (extend 0) into ``self.plan``, run
+        ``before_verify`` (a restore's scatter; it returns how to undo itself), then verify.
+
+        Every host-visible argument of both launches is checked before anything runs. The NumPy reference in
+        raise mode refuses device values (a table entry naming a slot outside canary_buf) only once the plan
+        holding them exists: it plans and verifies on private plans, undoes ``before_verify`` if the verify
+        refuses, and publishes the plan only when both ran, so that a refusal leaves self.plan, the canary, the
+        ring and the counters as they were.
+        """
         # The batch size sizes the extend-0 slice below, so it is checked here; the plan checks the rest.
         rows = optional_array_arg(req_pool_indices, "req_pool_indices", dtype=np.int64, ndim=1)
         name = "req_pool_indices"
         if rows is None:  # a layout that reads batch rows directly
-            rows, name = array_arg(received_lens, "received_lens", dtype=np.int64, ndim=1), "received_lens"
+            rows, name = array_arg(lens, lens_name, dtype=np.int64, ndim=1), lens_name
         bs = int(rows.shape[0])
         if bs > self.max_requests:
             fail(f"{name} holds {bs} requests, more than this verifier's max_requests={self.max_requests}")
         plan_inputs = dict(
-            req_pool_indices=req_pool_indices, prefix_lens=received_lens, extend_seq_lens=self._no_extend[:bs],
+            req_pool_indices=req_pool_indices, prefix_lens=lens, extend_seq_lens=self._no_extend[:bs],
             req_to_token=req_to_token, swa_window_size=swa_window_size,
             full_to_swa_index_mapping=full_to_swa_index_mapping, verify_capacity=self.verify_capacity,
             req_to_verify_expected_tokens=req_to_verify_expected_tokens,
             req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
             kv_token_id_vs_position_offset=kv_token_id_vs_position_offset, layout=layout,
-            function="ReceivedPrefixVerifier.verify", prefix_name="received_lens")
+            function=function, prefix_name=lens_name)
         check_tokens = req_to_verify_expected_tokens is not None
-        with stream_scope(context, self.plan, req_pool_indices, received_lens, *layout_arrays(req_to_token, layout),
-                          full_to_swa_index_mapping, req_to_verify_expected_tokens,
-                          req_to_verify_expected_tokens_valid_lens):
-            # Both launches are validated before either runs, so a refused argument writes nothing.
-            verify = prepare_verify_launch(context=context, plan=self.plan, check_verify_expected_token=check_tokens)
-            plan = prepare_plan_launch(verify_plan_out=self.plan, write_plan_out=self._write_plan, **plan_inputs)
-            impl = resolve_backend(backend, verify.device, on_invalid)
-            plan_impl = resolve_backend(backend, plan.device, on_invalid)
-            if getattr(impl, "on_invalid", None) != "raise":  # kernels and "flag" never refuse a device value
-                with device_scope(verify.device):
-                    plan_impl.plan(plan)
-                    impl.verify(verify)
-                return
-            # The NumPy reference refuses device values (a table entry naming a slot outside canary_buf) only
-            # once the plan that holds them exists: plan and verify on private copies, and publish the plan
-            # only when both ran, so that a refusal leaves self.plan, the ring and the counters as they were.
-            shadow_verify, shadow_write = self._shadow_plans()
-            plan = prepare_plan_launch(verify_plan_out=shadow_verify, write_plan_out=shadow_write, **plan_inputs)
-            plan_impl.plan(plan)
+        verify = prepare_verify_launch(context=context, plan=self.plan, check_verify_expected_token=check_tokens)
+        plan = prepare_plan_launch(verify_plan_out=self.plan, write_plan_out=self._write_plan, **plan_inputs)
+        impl = resolve_backend(backend, verify.device, on_invalid)
+        plan_impl = resolve_backend(backend, plan.device, on_invalid)
+        if getattr(impl, "on_invalid", None) != "raise":  # kernels and "flag" never refuse a device value
+            with device_scope(verify.device):
+                plan_impl.plan(plan)
+                if before_verify is not None:
+                    before_verify()
+                impl.verify(verify)
+            return
+        shadow_verify, shadow_write = self._shadow_plans()
+        plan_impl.plan(prepare_plan_launch(verify_plan_out=shadow_verify, write_plan_out=shadow_write, **plan_inputs))
+        undo = before_verify() if before_verify is not None else None
+        try:
             impl.verify(prepare_verify_launch(context=context, plan=shadow_verify,
                                               check_verify_expected_token=check_tokens))
-            for shadow, target in ((shadow_verify, self.plan), (shadow_write, self._write_plan)):
-                for f in dataclasses.fields(shadow):
-                    np.copyto(getattr(target, f.name), getattr(shadow, f.name))
+        except BaseException:
+            if undo is not None:
+                undo()
+            raise
+        for shadow, target in ((shadow_verify, self.plan), (shadow_write, self._write_plan)):
+            for f in dataclasses.fields(shadow):
+                np.copyto(getattr(target, f.name), getattr(shadow, f.name))
 
     def _shadow_plans(self) -> tuple[VerifyPlan, WritePlan]:
         """Host plans of this verifier's capacities, allocated on first use (NumPy reference, raise mode)."""

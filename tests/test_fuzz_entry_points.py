@@ -1220,3 +1220,81 @@ def test_strided_sources_and_the_vllm_presets_refuse_random_bad_arguments():
     for case in range(800):
         call, watched, what = _strided_case(rng)
         refuses(call, watched, f"case {case}: {what}")
+
+# ---- KV hierarchy: offload and restore of records in pages (kvcanary_cupy.tiers) --------------------------------
+
+def _offload_call() -> dict[str, Any]:
+    canary = (np.arange(24 * 40) % 251).astype(np.uint8).reshape(24, 40)
+    return {"canary_buf": canary, "pages": np.array([1, 4], np.int64), "page_size": 4, "page_stride": 5,
+            "records_out": np.zeros((8, 4), np.int64), "status": np.zeros(1, np.int32)}
+
+
+def _restore_records_call() -> dict[str, Any]:
+    return {"records": np.arange(32, dtype=np.int64).reshape(8, 4), "pages": np.array([1, 4], np.int64),
+            "page_size": 4, "canary_buf": np.zeros((24, 32), np.uint8), "status": np.zeros(1, np.int32)}
+
+
+def _prefix_restore_call() -> dict[str, Any]:
+    table = np.zeros((3, 4), np.int32)
+    table[1, :2] = [1, 3]
+    return {"context": _context(), "records": np.arange(32, dtype=np.int64).reshape(8, 4),
+            "pages": np.array([1, 3], np.int64), "page_size": 4, "restored_lens": np.array([8], np.int64),
+            "req_pool_indices": np.array([1], np.int64), "layout": BlockTable(table, 4),
+            "status": np.zeros(1, np.int32)}
+
+
+def _prefix_restore(**kwargs: Any) -> None:
+    kc.PrefixRestorer(verify_capacity=16, max_requests=2).restore(**kwargs)
+
+
+TIER_CALLS = {
+    "offload": (_offload_call, kc.offload_canary_records, {"records_out", "status"}),
+    "restore-records": (_restore_records_call, kc.restore_canary_records, {"canary_buf", "status"}),
+    "prefix-restore": (_prefix_restore_call, _prefix_restore, {"status"}),
+}
+TIER_BAD_SCALARS = {"page_size": [0, -4, 2**31, 1.5, "4", None, 2**64], "page_stride": [3, 0, -5, 2**31, 2.5, "5"]}
+
+
+def _tier_case(name: str, rng: random.Random) -> tuple[dict[str, Any], str]:
+    make, _, outputs = TIER_CALLS[name]
+    call = make()
+    arrays = [k for k, v in call.items() if isinstance(v, np.ndarray)]
+    roll = rng.random()
+    if roll < 0.15:
+        key = rng.choice([k for k in TIER_BAD_SCALARS if k in call or name == "offload"])
+        call[key] = rng.choice(TIER_BAD_SCALARS[key])
+        return call, f"{key}={call[key]!r}"
+    if roll < 0.25:  # both index forms, or neither
+        if rng.random() < 0.5:
+            call["slots"] = np.arange(8, dtype=np.int64)
+            return call, "slots and pages"
+        del call["pages"]
+        return call, "no pages"
+    if roll < 0.32 and name != "prefix-restore":  # an output aliasing an input
+        if "records_out" in outputs:
+            call["records_out"] = _alias(call["records_out"], call["canary_buf"])
+            return call, "records_out aliases canary_buf"
+        call["status"] = call["records"].reshape(-1).view(np.int32)[:1]
+        return call, "status aliases records"
+    key = rng.choice(arrays)
+    label, value = rng.choice(bad_arrays(call[key], output=key in outputs, rng=rng))
+    if key == "status" and label == "None":  # status is optional: None is valid
+        label, value = "dtype", call[key].astype(np.int16)
+    call[key] = value
+    return call, f"{key}: {label}"
+
+
+@pytest.mark.parametrize("name", list(TIER_CALLS))
+def test_tier_offload_and_restore_refuse_random_bad_arguments_and_write_nothing(name):
+    make, entry, _ = TIER_CALLS[name]
+    for backend in BACKENDS:
+        entry(**make(), backend=backend)  # the baseline is valid
+    rng = random.Random(f"tiers-{name}")
+    for case in range(300):
+        call, what = _tier_case(name, rng)
+        watched = [v for v in call.values() if isinstance(v, np.ndarray)]
+        if name == "prefix-restore":
+            ctx = call["context"]
+            watched += [ctx.canary_buf, ctx.violation_ring, ctx.violation_write_index]
+        call["backend"] = rng.choice(BACKENDS)
+        refuses(lambda call=call: entry(**call), watched, f"{name} case {case}: {what}")

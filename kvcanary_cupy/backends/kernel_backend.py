@@ -218,19 +218,19 @@ class KernelBackend:
         return max(1, min(-(-n // block), self.shape.transfer_grid_max)), block
 
     def gather_records(self, launch: Any) -> None:
-        n = launch.count
-        grid, block = self._transfer_grid(n)
+        grid, block = self._transfer_grid(launch.count)
         self.function("transfer.cu", "kvc_gather_records")(
             (grid,), (block,),
-            (launch.canary, _I64(launch.canary.shape[0]), _I64(launch.canary.shape[1]), launch.slots, _I64(n),
-             launch.records, launch.status),
+            (launch.canary, _I64(launch.canary.shape[0]), _I64(launch.canary.shape[1]), launch.slots,
+             _I64(launch.slots.shape[0]), _I64(launch.page_size), _I64(launch.page_stride), launch.records,
+             launch.status),
         )
 
     def scatter_records(self, launch: Any) -> None:
-        n = launch.count
-        grid, block = self._transfer_grid(n)
+        grid, block = self._transfer_grid(launch.count)
         self.function("transfer.cu", "kvc_scatter_records")(
             (grid,), (block,),
-            (launch.records, _I64(n), launch.slots, launch.canary, _I64(launch.canary.shape[0]),
-             _I64(launch.canary.shape[1]), launch.status),
+            (launch.records, launch.slots, _I64(launch.slots.shape[0]), _I64(launch.page_size),
+             _I64(launch.page_stride), launch.canary, _I64(launch.canary.shape[0]), _I64(launch.canary.shape[1]),
+             launch.status),
         )

@@ -20,7 +20,7 @@ from .config import CanaryConfig, Capacities
 from .groups import Endpoint, GroupState
 from .pools import KvGroup, KvPools
 from .reporting import CanaryHealthError, CanaryViolationError, StepReport
-from .runtime import CanaryRuntime, LaunchEvent, SweepSource
+from .runtime import CanaryRuntime, LaunchEvent, OffloadedRecords, SweepSource
 
 __all__ = [
     "CanaryConfig",
@@ -33,6 +33,7 @@ __all__ = [
     "KvGroup",
     "KvPools",
     "LaunchEvent",
+    "OffloadedRecords",
     "StepBatch",
     "StepReport",
     "SweepSource",

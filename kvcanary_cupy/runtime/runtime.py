@@ -11,7 +11,9 @@ capacities, then driven by four calls per step (SPEC §7.2).
    drain the rings, log or raise, check health, log stats, sweep when due, snapshot this step.
 
 Between steps, :meth:`CanaryRuntime.copy_slots` follows a KV copy of the engine (fork, copy-on-write) with the
-canary records of the copied slots.
+canary records of the copied slots; :meth:`CanaryRuntime.offload` takes the records of KV pages the engine copies
+down to a lower tier (host memory, disk), and :meth:`CanaryRuntime.restore` puts them back when the pages are
+loaded into (possibly other) slots and verifies the restored slots before a forward reads them.
 
 Everything is allocated and every launch bound (:mod:`kvcanary_cupy.bind`) at creation; a step allocates no
 device memory and never synchronises with the work it enqueued.
@@ -32,6 +34,7 @@ from .._validate import array_arg, host_int_vector
 from ..bind import BoundLaunch, bind_scatter
 from ..constants import CANARY_FIELDS_PER_SLOT, CanaryStatus
 from ..dlpack import device_of, first_torch_cuda_tensor
+from ..tiers import offload_canary_records, restore_canary_records
 from ..transfer import gather_canary_records, scatter_canary_records
 from ..violations import ViolationReport, decode_row
 from .batch import Buffer, StagedBatch, StagedHistory, StepBatch
@@ -97,6 +100,27 @@ class _Totals:
     sweeps: int = 0
     swept_slots: int = 0
     counters: dict[str, int] = field(default_factory=dict)  # last snapshot's run counters
+
+
+@dataclass
+class OffloadedRecords:
+    """The canary records of ``count`` slots copied down a tier, one ``int64 [count, 4]`` host array per canary
+    buffer (HEAD and TAIL, K and V) of every group of ``model``, keyed ``(group, buffer index)``. Store it next
+    to the pages; :meth:`CanaryRuntime.restore` takes it back. ``nbytes``: what carrying it costs."""
+
+    model: str
+    count: int
+    records: dict[tuple[str, int], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.records.values())
+
+    def select(self, index: Any) -> OffloadedRecords:
+        """The records of the slots ``index`` (a host integer index or boolean mask into ``[0, count)``)."""
+        picked = {k: np.ascontiguousarray(a[index]) for k, a in self.records.items()}
+        count = next(iter(picked.values())).shape[0] if picked else 0
+        return OffloadedRecords(self.model, int(count), picked)
 
 
 class CanaryRuntime:
@@ -440,6 +464,105 @@ class CanaryRuntime:
                         scatter_canary_records(records=records, slots=slots["dst"], canary_buf=buf, status=status,
                                                backend=self.config.backend, on_invalid="flag")
 
+    def _canary_buffers(self, groups: list[GroupState]) -> list[tuple[GroupState, list[Any]]]:
+        """Every distinct canary buffer of each group (SWEEP shares TAIL's), in endpoint order."""
+        return [(state, list({id(ep.verify_ctx.canary_buf): ep.verify_ctx.canary_buf
+                              for ep in state.all_endpoints()}.values())) for state in groups]
+
+    def _group_slots(self, state: GroupState, key: str, m: int) -> Any:
+        """The first ``m`` staged full-pool slots of ``key`` in ``state``'s slot space (through its LUT)."""
+        if state.lut_view is None:
+            return self._copy_in[key].owner[:m]
+        gather_lut(state, self.space.xp, self._copy_in[key].view[:m], self._copy_lut[key].view[:m])
+        return self._copy_lut[key].owner[:m]
+
+    def offload(self, slots: Any, *, model: str = "target") -> OffloadedRecords:
+        """The engine is copying the KV of ``slots`` down to a lower tier: return their canary records (every
+        canary buffer of every group of ``model``), to be stored with the pages.
+
+        ``slots``: a 1-D integer host array in the full pool's slot space (SWA groups gather it through their
+        LUT), in position order. Outside any graph, between steps, before the engine frees the slots. A slot
+        outside a group's buffer gives a zero record (which never verifies) and sets SLOT_OUT_OF_RANGE in the
+        group's status. Synchronises (the records are copied to host memory)."""
+        slot_arr = host_int_vector(slots, "slots")
+        n = int(slot_arr.shape[0])
+        if not self.enabled:
+            return OffloadedRecords(model, n, {})
+        self._outside_capture("offload")
+        buffers = self._canary_buffers(self._groups_of(model))
+        out = {(state.name, b): np.empty((n, CANARY_FIELDS_PER_SLOT), np.int64)
+               for state, bufs in buffers for b in range(len(bufs))}
+        space, cap = self.space, self.capacities.max_tokens
+        with self._timed("offload"), space.scope():
+            for start in range(0, n, cap):
+                m = min(cap, n - start)
+                host = self._copy_host["src"]
+                host[:m] = slot_arr[start : start + m]
+                space.upload(self._copy_in["src"].view[:m], host[:m])
+                for state, bufs in buffers:
+                    src = self._group_slots(state, "src", m)
+                    status = self.scalars.owner(f"{state.name}.status")
+                    for b, buf in enumerate(bufs):
+                        records = self._copy_records.owner[:m]
+                        offload_canary_records(canary_buf=buf, slots=src, records_out=records, status=status,
+                                               backend=self.config.backend, on_invalid="flag")
+                        space.to_host_async(self._copy_records.view[:m], out[(state.name, b)][start : start + m])
+                        space.synchronize()  # the staging buffer is reused by the next buffer
+        return OffloadedRecords(model, n, out)
+
+    def restore(self, records: OffloadedRecords, slots: Any, positions: Any, prev_slots: Any) -> int:
+        """The engine loaded pages back from a lower tier into ``slots``: put their canary records there and
+        verify the restored slots now, before any forward reads them. Returns the number of slots verified.
+
+        ``records``: what :meth:`offload` returned for these pages (or :meth:`OffloadedRecords.select` of it), in
+        the order of ``slots``; ``slots`` the device slots the pages landed in (full pool's slot space,
+        distinct); ``positions`` their positions in the request; ``prev_slots`` the slot of each one's
+        predecessor (``-1`` at position 0): the device slot the first restored page continues, so the chain
+        across the boundary between resident and restored KV is checked too. The real KV must be in place
+        (TAIL fingerprints are re-hashed from the restored bytes) and, for SWA groups, the LUT must map the
+        restored slots. The verify runs on the SWEEP endpoints (chain, position, real KV); violations are
+        reported by the next :meth:`finish_step` like any other. Outside any graph, between steps."""
+        if not isinstance(records, OffloadedRecords):
+            fail(f"records must be the OffloadedRecords of offload(), got {type(records).__name__}")
+        slot_arr = host_int_vector(slots, "slots")
+        pos_arr, prev_arr = host_int_vector(positions, "positions"), host_int_vector(prev_slots, "prev_slots")
+        n = int(slot_arr.shape[0])
+        if not n == pos_arr.shape[0] == prev_arr.shape[0] == records.count:
+            fail(f"slots has {n} entries, positions {pos_arr.shape[0]}, prev_slots {prev_arr.shape[0]} and records "
+                 f"{records.count}; they must match")
+        if np.unique(slot_arr).shape[0] != n:
+            fail("slots must name distinct slots (two pages restored into one slot)")
+        if not self.enabled:
+            return 0
+        self._outside_capture("restore")
+        buffers = self._canary_buffers(self._groups_of(records.model))
+        missing = [(state.name, b) for state, bufs in buffers for b in range(len(bufs))
+                   if (state.name, b) not in records.records]
+        if missing:
+            fail(f"records hold no records for canary buffer {missing[0]} (offloaded from another model or runtime)")
+        for key, arr in records.records.items():
+            if arr.shape != (n, CANARY_FIELDS_PER_SLOT) or arr.dtype != np.int64:
+                fail(f"records of {key} must be int64 [{n}, {CANARY_FIELDS_PER_SLOT}], got {arr.dtype} {arr.shape}")
+        space, cap = self.space, self.capacities.max_tokens
+        with self._timed("restore"), space.scope():
+            for start in range(0, n, cap):
+                m = min(cap, n - start)
+                host = self._copy_host["dst"]
+                host[:m] = slot_arr[start : start + m]
+                space.upload(self._copy_in["dst"].view[:m], host[:m])
+                for state, bufs in buffers:
+                    dst = self._group_slots(state, "dst", m)
+                    status = self.scalars.owner(f"{state.name}.status")
+                    for b, buf in enumerate(bufs):
+                        space.upload(self._copy_records.view[:m], records.records[(state.name, b)][start : start + m])
+                        restore_canary_records(records=self._copy_records.owner[:m], slots=dst, canary_buf=buf,
+                                               status=status, backend=self.config.backend, on_invalid="flag")
+                        space.synchronize()  # the staging buffer is reused by the next buffer
+        groups = self._groups_of(records.model)
+        with self._timed("restore"):
+            self._verify_entries(groups, slot_arr, pos_arr, prev_arr, phase="restore")
+        return n
+
     # -- phase 4 -------------------------------------------------------------------------------------------
 
     def finish_step(self) -> StepReport:
@@ -680,15 +803,26 @@ class CanaryRuntime:
         n = int(slots.shape[0])
         if n == 0:
             return 0
+        with self._timed("sweep"):
+            self._verify_entries(list(self.groups.values()), slots, positions, prevs, phase="sweep")
+        self._totals.sweeps += 1
+        self._totals.swept_slots += n
+        return n
+
+    def _verify_entries(self, groups: list[GroupState], slots: np.ndarray, positions: np.ndarray,
+                        prevs: np.ndarray, *, phase: str) -> None:
+        """Verify ``(slot, position, prev slot)`` entries (full pool's slot space) on the SWEEP endpoints of
+        ``groups``, in chunks of the sweep capacity (the sweep, and the verify of restored slots)."""
+        n = int(slots.shape[0])
         space, xp, cap = self.space, self.space.xp, self._sweep_capacity
-        with self._timed("sweep"), space.scope():
+        with space.scope():
             for start in range(0, n, cap):
                 m = min(cap, n - start)
                 for key, arr in (("slots", slots), ("positions", positions), ("prevs", prevs)):
                     host = self._sweep_host[key]
                     host[:m] = arr[start : start + m]
                     space.upload(self._sweep_in[key].view[:m], host[:m])
-                for state in self.groups.values():
+                for state in groups:
                     views = state.sweep_views
                     src_slots, src_prevs = self._sweep_in["slots"].view[:m], self._sweep_in["prevs"].view[:m]
                     if state.lut_view is not None:
@@ -702,11 +836,8 @@ class CanaryRuntime:
                     views["enable"].fill(1)
                     for ep in state.endpoints["SWEEP"]:
                         assert ep.verify is not None
-                        self._launch(ep.verify, "verify", state.model, state, ep, timer_phase="sweep")
+                        self._launch(ep.verify, "verify", state.model, state, ep, timer_phase=phase)
                     self._sweep_launches[state.name] += 1
-        self._totals.sweeps += 1
-        self._totals.swept_slots += n
-        return n
 
     def run_counters(self) -> dict[tuple[str, str, str], tuple[int, int]]:
         """Synchronise and read every run counter now: ``{(group, tag, "verify"|"write"): (slots, kernels)}``.

@@ -20,7 +20,7 @@ prefill and decode in separate processes and checks the KV transfers between the
 
 from __future__ import annotations
 
-from .faults import DEFAULT_RATE, FAULT_KINDS, Fault, parse_inject
+from .faults import DEFAULT_RATE, FAULT_KINDS, TIER_FAULT_KINDS, Fault, parse_inject
 from .replay import load_case, replay_case, run_replay
 from .report import SCHEMA, deterministic_view, print_report, render_html, render_text, validate
 from .runner import PRESETS, SimConfig, Simulation, applicable_kinds, run_simulation
@@ -30,6 +30,7 @@ __all__ = [
     "FAULT_KINDS",
     "PRESETS",
     "SCHEMA",
+    "TIER_FAULT_KINDS",
     "Fault",
     "SimConfig",
     "Simulation",

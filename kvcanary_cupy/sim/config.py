@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..backends import BACKEND_NAMES, available_backends, unavailable_reason
-from .faults import FAULT_KINDS
+from .faults import ALL_FAULT_KINDS
 from .workload import WorkloadShape
 
 LAYOUTS = ("token", "block", "csr")
@@ -86,6 +86,8 @@ class SimConfig:
     layout: str = "token"  # the slot layout the plan reads: token (req_to_token), block (block table), csr
     block_size: int | None = None  # block and csr layouts: tokens per KV block (None: the preset's page size)
     block_stride: int | None = None  # block layout: slots between consecutive block ids (None: block_size)
+    tiers: tuple[str, ...] = ()  # lower KV tiers: "host" (L2 in host memory), "disk" (L3 files; needs host)
+    tier_dir: str | None = None  # the L3 directory (None: a temporary one)
 
     @property
     def blocks(self) -> tuple[int, int]:
@@ -134,11 +136,23 @@ class SimConfig:
             raise ValueError(f"canary_mode must be 'log' or 'raise', got {self.canary_mode!r}")
         if self.backend not in ("auto", *BACKEND_NAMES):
             raise ValueError(f"--backend {self.backend!r} is unknown; choose from auto, {', '.join(BACKEND_NAMES)}")
+        for tier in self.tiers:
+            if tier not in ("host", "disk"):
+                raise ValueError(f"--tiers takes host and disk (host,disk), got {tier!r}")
+        if self.tiers and (self.tiers[0] != "host" or len(set(self.tiers)) != len(self.tiers)):
+            raise ValueError(f"--tiers must be host or host,disk (pages reach disk through host memory), got "
+                             f"{','.join(self.tiers)}")
+        if self.tier_dir is not None and "disk" not in self.tiers:
+            raise ValueError("--tier-dir applies to --tiers host,disk")
         preset = PRESETS[self.preset]
         for kind in self.inject:
-            if kind not in FAULT_KINDS:
-                raise ValueError(f"unknown fault kind {kind!r}; choose from {', '.join(FAULT_KINDS)}")
-            if FAULT_KINDS[kind].needs == "swa" and not preset.swa_window:
+            if kind not in ALL_FAULT_KINDS:
+                raise ValueError(f"unknown fault kind {kind!r}; choose from {', '.join(ALL_FAULT_KINDS)}")
+            if ALL_FAULT_KINDS[kind].needs in ("tiers", "disk") and not self.tiers:
+                raise ValueError(f"--inject {kind} needs a KV hierarchy (--tiers host,disk)")
+            if ALL_FAULT_KINDS[kind].needs == "disk" and "disk" not in self.tiers:
+                raise ValueError(f"--inject {kind} needs the L3 disk tier (--tiers host,disk)")
+            if ALL_FAULT_KINDS[kind].needs == "swa" and not preset.swa_window:
                 swa_presets = [p.name for p in PRESETS.values() if p.swa_window]
                 raise ValueError(f"--inject {kind} needs an SWA group; preset {self.preset!r} has none "
                                  f"(use --preset {' or '.join(swa_presets)})")
@@ -147,10 +161,11 @@ class SimConfig:
                              f"{self.warmup_steps} and a cool-down of {self.cooldown} steps")
 
 
-def applicable_kinds(preset: str) -> list[str]:
-    """Fault kinds that the preset's engine can host (``--inject all`` means these)."""
-    has_swa = bool(PRESETS[preset].swa_window)
-    return [k for k, kind in FAULT_KINDS.items() if kind.needs != "swa" or has_swa]
+def applicable_kinds(preset: str, tiers: tuple[str, ...] = ()) -> list[str]:
+    """Fault kinds that the preset's engine can host (``--inject all`` means these); the tier kinds only with
+    ``--tiers`` (the disk ones with the disk tier)."""
+    has = {"swa": bool(PRESETS[preset].swa_window), "tiers": bool(tiers), "disk": "disk" in tiers, "": True}
+    return [k for k, kind in ALL_FAULT_KINDS.items() if has[kind.needs]]
 
 
 def resolve_backend(name: str) -> tuple[str, Any, str]:

@@ -61,7 +61,7 @@ import numpy as np
 from ..layouts import BlockTable, PageList
 from .allocator import SlotAllocator
 from .kvstore import KvStore
-from .radix import RadixTree
+from .radix import RadixNode, RadixTree
 from .requests import Batch, Request
 from .workload import RequestSpec
 
@@ -149,6 +149,10 @@ def size_engine(workload: list[RequestSpec], *, max_running: int, **kwargs: Any)
 
 AssignHook = Callable[[Request, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
 SpliceHook = Callable[[int, int], None]
+EvictHook = Callable[[RadixNode], None]
+# (request, its prompt's prefix-cache keys, the device match's slots, the node ending it, step) -> True while the
+# request must wait for a load-back from a lower tier
+LookupHook = Callable[[RequestSpec, np.ndarray, np.ndarray, RadixNode, int], bool]
 
 
 class Engine:
@@ -204,6 +208,8 @@ class Engine:
         self.decoding: list[Request] = []
         self.on_assign: AssignHook | None = None
         self.on_splice: SpliceHook | None = None
+        self.on_evict: EvictHook | None = None  # a tiered cache: write back what leaves the device
+        self.on_lookup: LookupHook | None = None  # a tiered cache: load back a prefix found in a lower tier
         self._table_dirty: list[tuple[int, int, int]] = []
         self.table_overrides: dict[tuple[int, int], int] = {}  # device entries that differ from the host's (faults)
         self._lut_dirty: set[int] = set()
@@ -292,7 +298,7 @@ class Engine:
 
     def _evict_tree(self, want: int) -> None:
         """Evict cached paths until ``want`` allocation units were released."""
-        freed = self.tree.evict(want * self.unit, self._release)
+        freed = self.tree.evict(want * self.unit, self._release, self.on_evict)
         self.stats["tree_evicted_slots"] += freed
 
     def _alloc(self, n: int) -> np.ndarray:
@@ -451,6 +457,8 @@ class Engine:
             return None
         keys = self.keys(spec.tokens[: spec.prompt_len])
         shared, node = self.tree.match(keys, step)
+        if self.on_lookup is not None and self.on_lookup(spec, keys, shared, node, step):
+            return None  # its prefix is being loaded back from a lower tier
         usable = self._usable(shared, min(shared.shape[0], spec.prompt_len - 1))
         if usable < shared.shape[0]:
             shared, node = self.tree.match(keys[:usable], step)

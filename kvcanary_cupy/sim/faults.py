@@ -667,18 +667,85 @@ def _pick_verified_slot(ctx: InjectionContext, exclude: set[int]) -> tuple[Reque
     return _choice(rng, options) if options else None
 
 
+class TierFault(FaultKind):
+    """A KV hierarchy bug (``--tiers``): injected by :class:`~kvcanary_cupy.sim.tiers.TieredStore` at a
+    load-back, never by the step phases. The restore verify (chain, position, real KV of the restored slots)
+    runs before any forward reads the page; what it cannot see (a chain-consistent page of another prefix at
+    position 0) the first forward's verify sees through the expected tokens."""
+
+    phase = "tier"
+    allowed_bits = SLOT_CORRUPTION
+    needs = "tiers"
+
+    def applicable(self, engine: Engine) -> bool:
+        return True
+
+    def inject(self, ctx: InjectionContext) -> Fault | None:
+        return None  # the tiered store injects these itself (see TieredStore._inject_at_start / _finish)
+
+
+class TierHostPageReused(TierFault):
+    name = "tier-host-page-reused"
+    title = "host page evicted and reused during a load-back"
+    summary = ("An L2 host page is evicted and refilled while its asynchronous load-back is in flight (SGLang "
+               "#27444, #31427): the device receives another page's KV under correct records; the restore "
+               "verify's real-KV fingerprints disagree.")
+
+
+class TierWrongKey(TierFault):
+    name = "tier-wrong-key"
+    title = "page restored under another prefix's key"
+    summary = ("The tier answers a prefix lookup with another prefix's page (a key collision, LMCache #4463): "
+               "its records chain to another predecessor and carry other tokens.")
+
+
+class TierDiskBitRot(TierFault):
+    name = "tier-disk-bit-rot"
+    title = "a bit rotting in an L3 file"
+    summary = ("One bit of an L3 file flips on disk (DingoCache #231: every transport counter green); the "
+               "restored slot's real-KV fingerprint disagrees with its record.")
+    needs = "disk"
+
+
+class TierTornWrite(TierFault):
+    name = "tier-torn-write"
+    title = "a torn (short) L3 write"
+    summary = ("An L3 file is shorter than the page written to it; the read-back fills the tail with the staging "
+               "buffer's zeros: zero records and zero KV where the page should be.")
+    needs = "disk"
+
+
+class TierWrongSlots(TierFault):
+    name = "tier-wrong-slots"
+    title = "pages restored into the wrong device slots"
+    summary = ("The load-back copies two positions' KV into each other's device slots while the slot table "
+               "says otherwise (a packed layout misread on restore); the records and the bytes disagree.")
+
+
+class TierStaleCopy(TierFault):
+    name = "tier-stale-copy"
+    title = "stale L2 copy restored after the device page was rewritten"
+    summary = ("The copy to the tier is taken lazily from the page's old device slots after they were given to "
+               "another request and rewritten: the restore brings back that request's KV and records.")
+
+
 FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
     DoubleAllocation(), ReqToTokenCorruption(), KvBitFlip(), KvMisdirectedWrite(), WrongInputToken(),
     PositionOffByOne(), SwaEarlyEviction(), StaleExpectedTokens(),
 )}
+# The KV hierarchy's kinds (``--tiers``), kept apart: a run without tiers can host none of them.
+TIER_FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
+    TierHostPageReused(), TierWrongKey(), TierDiskBitRot(), TierTornWrite(), TierWrongSlots(), TierStaleCopy(),
+)}
+ALL_FAULT_KINDS: dict[str, FaultKind] = {**FAULT_KINDS, **TIER_FAULT_KINDS}
 
 
 def parse_inject(specs: list[str], all_kinds: list[str] | None = None, *, known: Any = None,
                  default_rate: float = DEFAULT_RATE) -> dict[str, float]:
     """``["all", "kv-bitflip:0.1"]`` -> ``{kind: rate}``; raises ValueError with a readable message.
-    ``all`` stands for ``all_kinds`` (default: every kind of ``known``, the engine's :data:`FAULT_KINDS`
-    unless another registry is given)."""
-    known = FAULT_KINDS if known is None else known
+    ``all`` stands for ``all_kinds`` (default: every kind of ``known`` that needs no KV hierarchy; ``known`` is
+    the engine's :data:`ALL_FAULT_KINDS` unless another registry is given)."""
+    known = ALL_FAULT_KINDS if known is None else known
     rates: dict[str, float] = {}
     for spec in specs:
         name, _, rate_text = spec.partition(":")
@@ -692,7 +759,9 @@ def parse_inject(specs: list[str], all_kinds: list[str] | None = None, *, known:
             if not 0 < rate <= 1:
                 raise ValueError(f"--inject {spec!r}: the rate must be in (0, 1], got {rate}")
         if name == "all":
-            for kind in known if all_kinds is None else all_kinds:
+            # without a list, "all" is every kind that needs no KV hierarchy (the tier kinds need --tiers)
+            everything = [k for k, v in known.items() if getattr(v, "needs", "") not in ("tiers", "disk")]
+            for kind in everything if all_kinds is None else all_kinds:
                 rates[kind] = rate
         elif name in known:
             rates[name] = rate
@@ -713,7 +782,7 @@ class FaultInjector:
 
     def __init__(self, rates: dict[str, float], engine: Engine, tracker: FaultTracker, rng: np.random.Generator,
                  *, start: int, stop: int, partial_hash: bool, kv_groups: list[str]) -> None:
-        self.kinds = [FAULT_KINDS[name] for name in FAULT_KINDS if name in rates]
+        self.kinds = [ALL_FAULT_KINDS[name] for name in ALL_FAULT_KINDS if name in rates]
         self.rates = rates
         self.engine = engine
         self.tracker = tracker

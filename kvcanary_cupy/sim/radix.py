@@ -114,13 +114,25 @@ class RadixTree:
             stack.extend(node.children.values())
         return out
 
-    def evict(self, want: int, release: Callable[[np.ndarray], None]) -> int:
-        """Drop unlocked leaves, least recently used first, until ``want`` slots were released."""
+    def path_keys(self, node: RadixNode) -> np.ndarray:
+        """The keys from the root through ``node`` (its whole prefix)."""
+        parts = []
+        while node is not self.root:
+            parts.append(node.key)
+            node = node.parent  # type: ignore[assignment]
+        return np.concatenate(parts[::-1]) if parts else np.empty(0, np.int64)
+
+    def evict(self, want: int, release: Callable[[np.ndarray], None],
+              on_evict: Callable[[RadixNode], None] | None = None) -> int:
+        """Drop unlocked leaves, least recently used first, until ``want`` slots were released. ``on_evict``
+        sees each leaf before its slots are released (a tiered cache writes it back)."""
         heap = [(n.last_use, n.uid, n) for n in self._nodes() if not n.children and n.lock == 0]
         heapq.heapify(heap)
         freed = 0
         while freed < want and heap:
             _, _, node = heapq.heappop(heap)
+            if on_evict is not None:
+                on_evict(node)
             release(node.slots)
             freed += node.slots.shape[0]
             self.size -= node.slots.shape[0]

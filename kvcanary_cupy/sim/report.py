@@ -62,7 +62,7 @@ from typing import Any, TextIO
 
 from .. import __version__
 from ..constants import FailReason, reason_names
-from .faults import FAULT_KINDS
+from .faults import ALL_FAULT_KINDS
 
 SCHEMA_ID = "kvcanary-sim-report/1"
 
@@ -108,14 +108,15 @@ SCHEMA: dict[str, Any] = _obj({
         "prefix_tokens_reused", "rows_recycled", "padding_rows", "tree_evicted_slots", "swa_evicted_slots",
         "peak_running", "peak_slots_used", "sweeps")}),
     "kinds": {"type": "array", "items": _obj({
-        "kind": {"type": "string", "enum": list(FAULT_KINDS)}, "title": _STR, "injected": _INT, "detected": _INT,
+        "kind": {"type": "string", "enum": list(ALL_FAULT_KINDS)}, "title": _STR, "injected": _INT,
+        "detected": _INT,
         "missed": _INT, "status": {"type": "string", "enum": ["detected", "missed", "not injected"]},
         "latency_steps": {"type": ["object", "null"], "properties": {"min": _INT, "median": _NUM, "max": _INT},
                           "required": ["min", "median", "max"]},
         "reasons": _STR_LIST, "violations": _INT,
     })},
     "faults": {"type": "array", "items": _obj({
-        "id": _INT, "kind": {"type": "string", "enum": list(FAULT_KINDS)}, "step": _INT,
+        "id": _INT, "kind": {"type": "string", "enum": list(ALL_FAULT_KINDS)}, "step": _INT,
         "group": {"type": "string", "enum": ["FULL", "SWA", "DRAFT"]}, "request": _INT_OR_NULL,
         "position": _INT_OR_NULL, "slot": _INT_OR_NULL, "detail": _STR, "detected": _BOOL,
         "detection_step": _INT_OR_NULL, "latency_steps": _INT_OR_NULL, "detected_by": _STR_OR_NULL,
@@ -199,7 +200,7 @@ def build_report(sim: Any) -> dict[str, Any]:
     cfg, eng = sim.cfg, sim.engine
     faults = sim.tracker.faults
     kinds = []
-    for name, kind in FAULT_KINDS.items():
+    for name, kind in ALL_FAULT_KINDS.items():
         if name not in cfg.inject:
             continue
         mine = [f for f in faults if f.kind == name]
@@ -275,6 +276,7 @@ def build_report(sim: Any) -> dict[str, Any]:
             "verify_entries_per_s": round(totals["verify_entries"] / verify_time, 1) if verify_time > 0 else 0.0,
         },
         "timeline": {k: list(v) for k, v in tl.items()},
+        **({"tiers": sim.tiers.summary()} if getattr(sim, "tiers", None) is not None else {}),
     }
 
 
@@ -315,9 +317,11 @@ def headline(report: dict[str, Any]) -> str:
     if layout != "token":
         size, stride = engine["block_size"], engine["block_stride"]
         blocks = f", {size}-token blocks" + ("" if stride == size else f" {stride} slots apart")
+    tiers = report.get("tiers")
     return (f"kv-canary: preset {c['preset']}, {report['workload']['steps_run']} steps, "
             f"{c['requests']} requests, seed {c['seed']}, backend {report['cost']['backend']}"
-            + ("" if layout == "token" else f", {layout} layout{blocks}"))
+            + ("" if layout == "token" else f", {layout} layout{blocks}")
+            + ("" if not tiers else f", tiers {','.join(tiers['tiers'])}"))
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:
@@ -432,8 +436,25 @@ class ReportView:
     empty: str = "(clean run: no fault injected)"
 
 
+def tier_lines(report: dict[str, Any]) -> list[str]:
+    """The KV hierarchy's figures (``--tiers``): what went down, what came back, what the records cost."""
+    t = report.get("tiers")
+    if not t:
+        return []
+    lines = [f"tiers: {t['written_back']} pages ({t['written_back_slots']} tokens) written back to L2; "
+             f"{t['l2_hits']} load-backs from L2, {t['l3_hits']} from L3; {t['restored_slots']} restored slots "
+             "verified before a forward read them"]
+    if "disk" in t["tiers"]:
+        lines.append(f"L3: {t['l3_files_written']} files written ({t['l3_bytes_written']} bytes), "
+                     f"{t['l3_bytes_read']} bytes read back, {t['l3_evicted']} deleted by the "
+                     f"{t['l3_capacity_bytes']}-byte cap")
+    lines.append(f"records carried: {t['record_bytes']} bytes with {t['kv_bytes']} bytes of KV "
+                 f"({100 * t['record_bytes_per_kv_byte']:.2f}% more bytes moved)")
+    return lines
+
+
 def _simulate_lines(report: dict[str, Any]) -> list[str]:
-    return summary_lines(report) + _fp_lines(report) + warnings(report)
+    return summary_lines(report) + tier_lines(report) + _fp_lines(report) + warnings(report)
 
 
 def render_text(report: dict[str, Any], width: int = DEFAULT_WIDTH, view: ReportView | None = None) -> str:

@@ -24,6 +24,7 @@ between the warm-up and the cool-down (the last steps, which leave time to detec
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import Counter, defaultdict
@@ -40,11 +41,13 @@ from .faults import FaultInjector, FaultTracker
 from .replay import LaunchRecorder
 from .report import build_report
 from .requests import Batch
+from .tiers import TieredStore
 from .workload import make_workload
 
 __all__ = ["PRESETS", "PhaseTimer", "Preset", "SimConfig", "Simulation", "applicable_kinds", "run_simulation"]
 
 CANARY_LOGGER = "kvcanary_cupy.sim.canary"
+TIERED_FOLLOWUP = 0.5  # --tiers: the share of requests continuing an earlier conversation
 # Every violation row becomes a WARNING record of this logger (the runtime's log mode); the simulation reports
 # them itself, so by default they go nowhere (a handler configured by the caller still sees them).
 logging.getLogger(CANARY_LOGGER).addHandler(logging.NullHandler())
@@ -104,8 +107,10 @@ class Simulation:
         self.cfg = cfg
         self.preset = PRESETS[cfg.preset]
         self.backend, self.xp, self.device = resolve_backend(cfg.backend)
-        self.workload = make_workload(self.preset.shape, cfg.requests, cfg.steps,
-                                      np.random.default_rng([cfg.seed, 0]))
+        shape = self.preset.shape
+        if cfg.tiers:  # KV hierarchies exist for multi-turn reuse: conversations come back after being evicted
+            shape = dataclasses.replace(shape, p_followup=max(shape.p_followup, TIERED_FOLLOWUP))
+        self.workload = make_workload(shape, cfg.requests, cfg.steps, np.random.default_rng([cfg.seed, 0]))
         self.engine_cfg = size_engine(self.workload, max_running=self.preset.max_running,
                                       chunk_size=self.preset.chunk_size, page_size=self.preset.page_size,
                                       swa_window=self.preset.swa_window, eagle=self.preset.eagle, with_v=cfg.with_v,
@@ -123,6 +128,10 @@ class Simulation:
         if cfg.dump_dir:
             self.recorder = LaunchRecorder(cfg.dump_dir, preset=cfg.preset, seed=cfg.seed, backend=self.backend)
         self.runtime = self._install_canary()
+        self.tiers: TieredStore | None = None
+        if cfg.tiers:
+            self.tiers = TieredStore(cfg.tiers, self.engine, self.runtime, self.tracker, self.injector,
+                                     np.random.default_rng([cfg.seed, 2]), tier_dir=cfg.tier_dir)
         if self.recorder is not None:
             self.recorder.attach(req_to_token=self.engine.req_to_token, layout=self.engine.slot_layout(),
                                  expected_pool=self.runtime.expected_token_pool,
@@ -243,9 +252,11 @@ class Simulation:
             self.recorder.begin_step(t)
         if t == self.cfg.warmup_steps:
             rt.mark_init_finished()  # warm-up positions are over
+        before = len(self.tracker.faults)
+        if self.tiers is not None:
+            self.tiers.complete(t)  # load-backs due now: restored and verified before this step's forward
         with timer("engine"):
             batch = eng.schedule(t)
-        before = len(self.tracker.faults)
         inj.begin_step(t)
         inj.run("batch", t, batch)
         targets = ["FULL"] + (["SWA"] if eng.swa else [])
@@ -279,12 +290,16 @@ class Simulation:
     def run(self, progress: ProgressCallback | None = None) -> dict[str, Any]:
         self.compile_s = prepare_backend(self.backend)  # before the clock starts: per-step costs exclude it
         start = time.perf_counter()
-        for t in range(self.cfg.steps):
-            self._step(t)
-            self.steps_run = t + 1
-            if progress is not None:
-                progress(t + 1, self.live_counts())
-        self._attribute(self.runtime.flush(), read_step=self.cfg.steps)
+        try:
+            for t in range(self.cfg.steps):
+                self._step(t)
+                self.steps_run = t + 1
+                if progress is not None:
+                    progress(t + 1, self.live_counts())
+            self._attribute(self.runtime.flush(), read_step=self.cfg.steps)
+        finally:
+            if self.tiers is not None:
+                self.tiers.close()  # the L3 files go, whatever happened
         self.wall = time.perf_counter() - start
         return self.report()
 
