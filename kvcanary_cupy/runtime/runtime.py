@@ -295,8 +295,8 @@ class CanaryRuntime:
         read by every later launch and replay). Synthetic warm-up positions would trip it before.
 
         ``groups``: a list of the names of the groups whose assert goes on (default: every group), for an engine in
-        which some group's write legitimately breaks the "+1 after the seed" rule (see the README's
-        transformers section: a sliding-window ring that overwrites a chunk's own predecessor)."""
+        which some group's write legitimately breaks the "+1 after the seed" rule (see docs/transformers.md:
+        a sliding-window ring that overwrites a chunk's own predecessor)."""
         names = list(self.groups) if groups is None else groups
         if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
             fail(f"groups must be a list of group names, got {groups!r}")
