@@ -44,6 +44,7 @@ PLAN_EXPECTED_TOKEN_BEYOND_POOL_ROW = 8
 STATUS_SLOT_OUT_OF_RANGE = 1
 STATUS_TOKEN_RANGE_OUT_OF_BOUNDS = 2
 STATUS_SCATTER_OUT_OF_RANGE = 4
+STATUS_WRITE_OFFSETS_OUT_OF_ORDER = 8
 
 FIELDS_PER_SLOT = 4
 VIOLATION_FIELDS = 8
@@ -501,13 +502,21 @@ def write_oracle(
 
     state.kernel_run_counter += 1
     active = min(max(_scalar(write_num_valid_reqs), 0), len(seeds))
+    reach = offsets[0] if active else 0  # the largest offset of the requests so far
     for r in range(active):
         lo, hi = offsets[r], offsets[r + 1]
+        reach = max(reach, lo)
         # Exact comparison: a request with hi <= lo owns no token, whatever the magnitudes.
-        if hi <= lo:
+        if hi < lo:
+            state.status |= STATUS_WRITE_OFFSETS_OUT_OF_ORDER  # runs backwards
+            continue
+        if hi == lo:
             continue
         if lo < 0 or hi > num_tokens:
             state.status |= STATUS_TOKEN_RANGE_OUT_OF_BOUNDS
+            continue
+        if lo < reach:  # starts below an earlier offset: skipped whole, so no token is written twice
+            state.status |= STATUS_WRITE_OFFSETS_OUT_OF_ORDER
             continue
         seed = seeds[r]
         if seed >= num_slots:
