@@ -119,9 +119,9 @@ class CanaryStatus(enum.IntFlag):
     SLOT_OUT_OF_RANGE = 1
     TOKEN_RANGE_OUT_OF_BOUNDS = 2
     SCATTER_OUT_OF_RANGE = 4  # scatter: a request row or token segment outside its buffer
-    # write: write_offsets step backwards somewhere. A request that runs backwards owns no token; a request
-    # starting below an earlier offset (its range may overlap what earlier requests wrote) is skipped whole,
-    # so a launch writes each token at most once: its work stays proportional to the tokens passed.
+    # write: write_offsets step backwards (write_offsets[r+1] < write_offsets[r]). That request and every one
+    # after it are skipped (their ranges could overlap earlier ones), so a launch writes each token at most
+    # once and its work stays proportional to the tokens passed.
     WRITE_OFFSETS_OUT_OF_ORDER = 8
 
 

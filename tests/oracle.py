@@ -502,21 +502,17 @@ def write_oracle(
 
     state.kernel_run_counter += 1
     active = min(max(_scalar(write_num_valid_reqs), 0), len(seeds))
-    reach = offsets[0] if active else 0  # the largest offset of the requests so far
-    for r in range(active):
+    # From the first request whose offsets run backwards on, no request is written (and the status says so).
+    first_backward = next((r for r in range(active) if offsets[r + 1] < offsets[r]), active)
+    if first_backward < active:
+        state.status |= STATUS_WRITE_OFFSETS_OUT_OF_ORDER
+    for r in range(first_backward):
         lo, hi = offsets[r], offsets[r + 1]
-        reach = max(reach, lo)
         # Exact comparison: a request with hi <= lo owns no token, whatever the magnitudes.
-        if hi < lo:
-            state.status |= STATUS_WRITE_OFFSETS_OUT_OF_ORDER  # runs backwards
-            continue
-        if hi == lo:
+        if hi <= lo:
             continue
         if lo < 0 or hi > num_tokens:
             state.status |= STATUS_TOKEN_RANGE_OUT_OF_BOUNDS
-            continue
-        if lo < reach:  # starts below an earlier offset: skipped whole, so no token is written twice
-            state.status |= STATUS_WRITE_OFFSETS_OUT_OF_ORDER
             continue
         seed = seeds[r]
         if seed >= num_slots:

@@ -350,8 +350,8 @@ def _overlapping_writes(requests: int, tokens: int):
                                                                                            reason=str(HOST)))])
 def test_overlapping_write_offsets_are_flagged_and_written_once(backend):
     """50,001 offsets (0.4 MB) describing 25,000 x 4,000 = 10^8 token writes: the first request writes its 4,000
-    tokens, every later one runs backwards or starts below an earlier offset and is skipped, with the status
-    bit; the memory stays that of the buffers (the work is that of the 4,000 tokens)."""
+    tokens; the second runs backwards, so it and every later one are skipped, with the status bit; the memory
+    stays that of the buffers (the work is that of the 4,000 tokens)."""
     requests, tokens = 50_000, 4000
     ctx, wp, args = _overlapping_writes(requests, tokens)
     on_invalid = "flag" if backend == "numpy" else None
@@ -382,7 +382,7 @@ def test_write_offsets_out_of_order_are_refused_in_raise_mode_with_nothing_writt
         kc.launch_canary_write_kernel(context=ctx, plan=wp, **args)
 
 
-def test_a_request_starting_below_an_earlier_offset_is_skipped_whole():
+def test_the_requests_from_the_first_backward_step_on_are_skipped():
     """[0, 3, 3, 1, 4]: request 2 runs backwards, request 3 = [1, 4) would overlap request 0 = [0, 3)."""
     ctx = context(num_slots=16, ring_capacity=8)
     wp = kc.WritePlan.from_tensors(write_offsets=np.array([0, 3, 3, 1, 4], np.int64),

@@ -157,9 +157,9 @@ def test_sanitized_differential_run_has_zero_reports(tmp_path: Path):
 @pytest.mark.parametrize("shape", ODD_SHAPES)
 @pytest.mark.parametrize("seed", range(4))
 def test_write_offsets_out_of_order_flag_and_skip_like_the_reference(shape, seed):
-    """Offsets drawn anywhere in the token range (most steps go backwards or start below an earlier offset):
-    the host kernels skip exactly the requests the reference skips, set WRITE_OFFSETS_OUT_OF_ORDER, and write
-    every other byte the same; the scalar oracle agrees."""
+    """Sorted offsets with a few moved anywhere in the token range (a backward step, sometimes late in the
+    batch): the host kernels skip exactly the requests the reference skips, set WRITE_OFFSETS_OUT_OF_ORDER,
+    and write every other byte the same; the scalar oracle agrees."""
     import oracle
 
     import kvcanary_cupy as kc
