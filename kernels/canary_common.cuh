@@ -36,7 +36,7 @@ enum {
   kPlanBeyondBlocks = 32,
   kPlanIndptrInvalid = 64,
 };
-enum { kSlotOutOfRange = 1, kTokenRangeOutOfBounds = 2, kScatterOutOfRange = 4 };
+enum { kSlotOutOfRange = 1, kTokenRangeOutOfBounds = 2, kScatterOutOfRange = 4, kWriteOffsetsOutOfOrder = 8 };
 enum { kHashNone = 0, kHashPartial = 1, kHashAll = 2 };
 enum { kMaxRealKvSources = 4 };
 

@@ -8,8 +8,12 @@
 //              stores each slot's prev_hash, emits input-assert and chain-position rows, and advances the
 //              chain on the actual (token, position) - the serial part.
 //            Negative slots are skipped silently; slots or seeds outside the buffer, and a token range
-//            outside the token arrays, are skipped and reported in `status`. kernel_run_counter += 1 (block
-//            0); slot_run_counter += written entries (one atomic per block). Preconditions (as in SGLang):
+//            outside the token arrays, are skipped and reported in `status`. Offsets out of order: from the
+//            first request whose offsets run backwards (write_offsets[r+1] < write_offsets[r]) on, every
+//            request is skipped and kWriteOffsetsOutOfOrder is set, so the ranges written are disjoint, each
+//            token is written at most once and the work stays proportional to the tokens passed. Each block
+//            finds that request once, all its threads scanning the offsets, before its first request.
+//            kernel_run_counter += 1 (block 0); slot_run_counter += written entries (one atomic per block). Preconditions (as in SGLang):
 //            write slots are distinct and no request's seed slot is written by the same launch.
 #include "canary_common.cuh"
 
@@ -26,20 +30,33 @@ extern "C" __global__ void kvc_write(
   using kvc::u64;
   __shared__ unsigned long long block_written;
   __shared__ int block_status;
+  __shared__ long long block_first_backward;
+  const i64 requested = *write_num_valid_reqs;
+  const i64 active = requested < 0 ? 0 : (requested > write_capacity ? write_capacity : requested);
   if (threadIdx.x == 0) {
     block_written = 0;
     block_status = 0;
+    block_first_backward = active;
     if (blockIdx.x == 0) atomicAdd(reinterpret_cast<unsigned long long*>(kernel_counter), 1ull);
   }
   __syncthreads();
 
+  // The first request whose offsets run backwards: a thread's first hit is its smallest (j increases).
+  for (i64 j = threadIdx.x; j < active; j += blockDim.x) {
+    if (write_offsets[j + 1] < write_offsets[j]) {
+      atomicMin(&block_first_backward, j);
+      break;
+    }
+  }
+  __syncthreads();
+  const i64 first_backward = block_first_backward;
+
   const kvc::RealKvSources sources = KVC_REAL_KV_SOURCES;
-  const i64 requested = *write_num_valid_reqs;
-  const i64 active = requested < 0 ? 0 : (requested > write_capacity ? write_capacity : requested);
   const bool chain_check_enabled = *chain_position_assert != 0;
   u64 written = 0;
   int bits_seen = 0;
-  for (i64 r = blockIdx.x; r < active; r += gridDim.x) {
+  if (first_backward < active) bits_seen |= kvc::kWriteOffsetsOutOfOrder;
+  for (i64 r = blockIdx.x; r < first_backward; r += gridDim.x) {
     const i64 lo = write_offsets[r];
     const i64 hi = write_offsets[r + 1];
     if (!(hi > lo)) continue;  // compared, never subtracted: garbage offsets must not overflow

@@ -119,6 +119,10 @@ class CanaryStatus(enum.IntFlag):
     SLOT_OUT_OF_RANGE = 1
     TOKEN_RANGE_OUT_OF_BOUNDS = 2
     SCATTER_OUT_OF_RANGE = 4  # scatter: a request row or token segment outside its buffer
+    # write: write_offsets step backwards (write_offsets[r+1] < write_offsets[r]). That request and every one
+    # after it are skipped (their ranges could overlap earlier ones), so a launch writes each token at most
+    # once and its work stays proportional to the tokens passed.
+    WRITE_OFFSETS_OUT_OF_ORDER = 8
 
 
 def reason_names(bits: int) -> list[str]:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import fail
+from ._limits import check_allocation
 from ._validate import array_arg, bool_arg, check_memory, data_pointer, int_arg, storage_guards
 from .constants import (
     CANARY_FIELDS_PER_SLOT,
@@ -164,9 +165,11 @@ class VerifyOrWriteContext:
         slot_stride_bytes: int = CANARY_SLOT_BYTES,
         enable_chain_position_assert: bool = False,
         device: Any = "cpu",
+        max_allocation_bytes: int | None = None,
     ) -> VerifyOrWriteContext:
         """A zeroed canary buffer with its own ring, counters and flags on ``device`` ("cpu" or "cuda[:N]").
-        Endpoints that share the ring take this one through :meth:`for_endpoint`."""
+        Endpoints that share the ring take this one through :meth:`for_endpoint`. Refused, before anything is
+        allocated, when the total exceeds the allocation limit (see :mod:`kvcanary_cupy._limits`)."""
         slots = int_arg(num_slots, "num_slots", minimum=1)
         capacity = int_arg(ring_capacity, "ring_capacity", minimum=1)
         stride = int_arg(slot_stride_bytes, "slot_stride_bytes", minimum=CANARY_SLOT_BYTES)
@@ -176,6 +179,7 @@ class VerifyOrWriteContext:
         mode = real_kv_mode_arg(real_kv_hash_mode, "real_kv_hash_mode")
         sources = real_kv_sources_arg(real_kv_sources, "real_kv_sources")
         chain_assert = bool_arg(enable_chain_position_assert, "enable_chain_position_assert")
+        check_context_allocation(slots, capacity, stride, device=device, max_allocation_bytes=max_allocation_bytes)
         return cls(
             canary_buf=_allocate(device, slots * stride, np.uint8, fill=0,
                                  name="num_slots x slot_stride_bytes").reshape(slots, stride),
@@ -207,6 +211,26 @@ class VerifyOrWriteContext:
         if "real_kv_sources" in changes:
             changes["real_kv_sources"] = real_kv_sources_arg(changes["real_kv_sources"], "real_kv_sources")
         return dataclasses.replace(self, **changes)
+
+
+def context_allocation_bytes(num_slots: int, ring_capacity: int, slot_stride_bytes: int) -> int:
+    """Bytes :meth:`VerifyOrWriteContext.allocate` takes: the canary buffer, the ring and five 1-element words."""
+    return num_slots * slot_stride_bytes + ring_capacity * VIOLATION_FIELDS * 8 + 3 * 4 + 2 * 8
+
+
+def check_context_allocation(num_slots: int, ring_capacity: int, slot_stride_bytes: int, *, device: Any,
+                             max_allocation_bytes: int | None = None) -> None:
+    """Refuse a context above the allocation limit, naming the argument behind the larger buffer."""
+    canary = num_slots * slot_stride_bytes
+    ring = ring_capacity * VIOLATION_FIELDS * 8
+    if ring > canary:
+        argument = f"ring_capacity={ring_capacity}"
+    elif slot_stride_bytes > CANARY_SLOT_BYTES:  # a stride beyond the record: name it first
+        argument = f"slot_stride_bytes={slot_stride_bytes} (x num_slots={num_slots})"
+    else:
+        argument = f"num_slots={num_slots} (x slot_stride_bytes={slot_stride_bytes})"
+    check_allocation(context_allocation_bytes(num_slots, ring_capacity, slot_stride_bytes), argument=argument,
+                     what="VerifyOrWriteContext.allocate", device=device, max_allocation_bytes=max_allocation_bytes)
 
 
 def real_kv_mode_arg(value: Any, name: str) -> RealKvHashMode:

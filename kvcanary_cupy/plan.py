@@ -14,6 +14,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ._errors import fail
+from ._limits import check_allocation
 from ._validate import array_arg, check_memory, int_arg, optional_array_arg, same_device
 from .backends import resolve_backend
 from .constants import MAX_PLAN_BATCH_SIZE
@@ -94,12 +95,16 @@ class VerifyPlan:
     status: Any
 
     @classmethod
-    def allocate(cls, *, verify_capacity: int, device: Any = "cpu") -> VerifyPlan:
+    def allocate(cls, *, verify_capacity: int, device: Any = "cpu",
+                 max_allocation_bytes: int | None = None) -> VerifyPlan:
+        """Plan arrays on ``device``; refused above the allocation limit (see :mod:`kvcanary_cupy._limits`)."""
         capacity = int_arg(verify_capacity, "verify_capacity")
         if capacity <= 0:
             fail(f"VerifyPlan verify_capacity must be positive, got {capacity}")
         if capacity > _INT32_MAX:  # verify_num_valid is int32
             fail(f"VerifyPlan verify_capacity must be <= {_INT32_MAX}, got {capacity}")
+        check_allocation(cls.allocation_bytes(capacity), argument=f"verify_capacity={capacity}",
+                         what="VerifyPlan.allocate", device=device, max_allocation_bytes=max_allocation_bytes)
         return cls(
             verify_slot_indices=_allocate(device, capacity, np.int64, name="verify_capacity"),
             verify_expected_tokens=_allocate(device, capacity, np.int64, name="verify_capacity"),
@@ -145,10 +150,14 @@ class WritePlan:
     verify_offsets: Any
 
     @classmethod
-    def allocate(cls, *, write_req_capacity: int, device: Any = "cpu") -> WritePlan:
+    def allocate(cls, *, write_req_capacity: int, device: Any = "cpu",
+                 max_allocation_bytes: int | None = None) -> WritePlan:
+        """Plan arrays on ``device``; refused above the allocation limit (see :mod:`kvcanary_cupy._limits`)."""
         capacity = int_arg(write_req_capacity, "write_req_capacity")
         if capacity <= 0:
             fail(f"WritePlan write_req_capacity must be positive, got {capacity}")
+        check_allocation(cls.allocation_bytes(capacity), argument=f"write_req_capacity={capacity}",
+                         what="WritePlan.allocate", device=device, max_allocation_bytes=max_allocation_bytes)
         return cls._allocate(capacity, device, sized_by="write_req_capacity")
 
     @classmethod

@@ -44,6 +44,7 @@ PLAN_EXPECTED_TOKEN_BEYOND_POOL_ROW = 8
 STATUS_SLOT_OUT_OF_RANGE = 1
 STATUS_TOKEN_RANGE_OUT_OF_BOUNDS = 2
 STATUS_SCATTER_OUT_OF_RANGE = 4
+STATUS_WRITE_OFFSETS_OUT_OF_ORDER = 8
 
 FIELDS_PER_SLOT = 4
 VIOLATION_FIELDS = 8
@@ -546,7 +547,11 @@ def write_oracle(
 
     state.kernel_run_counter += 1
     active = min(max(_scalar(write_num_valid_reqs), 0), len(seeds))
-    for r in range(active):
+    # From the first request whose offsets run backwards on, no request is written (and the status says so).
+    first_backward = next((r for r in range(active) if offsets[r + 1] < offsets[r]), active)
+    if first_backward < active:
+        state.status |= STATUS_WRITE_OFFSETS_OUT_OF_ORDER
+    for r in range(first_backward):
         lo, hi = offsets[r], offsets[r + 1]
         # Exact comparison: a request with hi <= lo owns no token, whatever the magnitudes.
         if hi <= lo:

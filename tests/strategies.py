@@ -610,11 +610,15 @@ def chain_cases(
         if n_req >= 1 and draw(st.integers(0, 3)) == 0:
             r = draw(st.integers(0, n_req - 1))
             if draw(st.booleans()) and r >= 1:
-                # The request before sees hi <= lo (skipped), request r starts below 0 (flagged).
+                # The request before runs backwards (flagged), request r starts below 0 (flagged).
                 write_offsets[r] = -draw(st.integers(1, 3))
             else:
-                # Request r ends past the token arrays (flagged); request r+1 then owns nothing.
+                # Request r ends past the token arrays (flagged); request r+1 then runs backwards (flagged).
                 write_offsets[r + 1] = num_tokens + draw(st.integers(1, 3))
+        if n_req >= 2 and draw(st.integers(0, 3)) == 0:
+            # Offsets out of order: one inner offset moved anywhere in the token range, so that a request may run
+            # backwards (flagged; it and every later request skipped).
+            write_offsets[draw(st.integers(1, n_req - 1))] = draw(st.integers(0, num_tokens))
         if draw(st.integers(0, 4)) == 0:
             write_num_valid_reqs = draw(st.sampled_from([w_cap + 1, w_cap + 100, -1, I32_MIN]))
         for k in range(n_entries):

@@ -45,8 +45,8 @@ def test_the_cuda_graph_example_runs_as_a_script():
     assert done.stdout.rstrip().endswith("2 violation(s), 2 shown from a ring of 64")
 
 
-def test_the_readme_shows_an_excerpt_of_the_example_line_for_line():
-    readme = (ROOT / "README.md").read_text()
+def test_the_docs_show_an_excerpt_of_the_example_line_for_line():
+    readme = (ROOT / "docs" / "cuda-graphs.md").read_text()
     start = readme.index("This is an excerpt of")
     block = readme[readme.rindex("```python\n", 0, start) + len("```python\n"):readme.rindex("```", 0, start)]
     shown = [line.strip() for line in block.splitlines() if line.strip() and line.strip() != "..."]

@@ -166,3 +166,53 @@ def test_sanitized_differential_run_has_zero_reports(tmp_path: Path):
     assert result.returncode == 0, output[-6000:]
     assert "AddressSanitizer" not in output and "runtime error" not in output, output[-6000:]
     assert " passed" in output and "skipped" not in output.split(" passed")[-1], output[-2000:]
+
+
+@pytest.mark.parametrize("shape", ODD_SHAPES)
+@pytest.mark.parametrize("seed", range(4))
+def test_write_offsets_out_of_order_flag_and_skip_like_the_reference(shape, seed):
+    """Sorted offsets with a few moved anywhere in the token range (a backward step, sometimes late in the
+    batch): the host kernels skip exactly the requests the reference skips, set WRITE_OFFSETS_OUT_OF_ORDER,
+    and write every other byte the same; the scalar oracle agrees."""
+    import oracle
+
+    import kvcanary_cupy as kc
+    from kvcanary_cupy.write import prepare_write_launch
+
+    rng = np.random.default_rng(seed)
+    tokens, requests, num_slots = 40, 30, 64
+    offsets = np.sort(rng.integers(0, tokens + 1, requests + 1))
+    moved = rng.choice(np.arange(1, requests), size=6, replace=False)
+    offsets[moved] = rng.integers(0, tokens + 1, moved.shape[0])  # out of order
+    slots = rng.permutation(num_slots)
+    # distinct write slots, and seeds the launch does not write: the requests written never race (SPEC §4)
+    locs = slots[:tokens]
+    seeds = rng.choice(np.append(slots[tokens:], -1), requests)
+    ids, positions = rng.integers(0, 1 << 20, tokens), rng.integers(0, 50, tokens)
+    canary = rng.integers(0, 256, (num_slots, 32), np.uint8)
+    results = []
+    for backend in (host_backend(shape), resolve_backend("numpy", CPU, "flag")):
+        ctx = kc.VerifyOrWriteContext.allocate(num_slots=num_slots, ring_capacity=64,
+                                               enable_chain_position_assert=True)
+        ctx.canary_buf[...] = canary
+        wp = kc.WritePlan.from_tensors(write_offsets=offsets.copy(), write_seed_slot_indices=seeds.copy(),
+                                       write_num_valid_reqs=np.array([requests], np.int32))
+        backend.write(prepare_write_launch(context=ctx, plan=wp, input_ids=ids, positions=positions,
+                                           out_cache_loc=locs, enable_write_input_assert=False,
+                                           expected_input_tokens=None, expected_input_positions=None))
+        results.append(ctx)
+    got, want = results
+    assert int(want.status[0]) & int(kc.CanaryStatus.WRITE_OFFSETS_OUT_OF_ORDER)
+    for name in ("canary_buf", "violation_write_index", "slot_run_counter", "kernel_run_counter", "status"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    rows = int(want.violation_write_index[0])
+    assert sorted(map(tuple, got.violation_ring[:rows])) == sorted(map(tuple, want.violation_ring[:rows]))
+
+    state = oracle.CanaryState.from_arrays(canary, np.zeros((64, 8), np.int64))
+    oracle.write_oracle(state, kernel_kind=int(kc.CanaryLaunchTag.HEAD_K_FULL), write_offsets=offsets,
+                        write_seed_slot_indices=seeds, write_num_valid_reqs=requests, input_ids=ids,
+                        positions=positions, out_cache_loc=locs, enable_write_input_assert=False,
+                        expected_input_tokens=None, expected_input_positions=None, sources=[], mode=0,
+                        enable_chain_position_assert=1)
+    assert state.status == int(want.status[0]) and state.slot_run_counter == int(want.slot_run_counter[0])
+    np.testing.assert_array_equal(np.array(state.fields, np.int64), want.canary_buf.view(np.int64)[:, :4])

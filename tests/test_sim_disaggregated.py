@@ -92,6 +92,7 @@ def test_a_killed_decode_worker_is_reported_and_the_run_fails_fast():
     (["--kill-decode-worker", "3@1"], "the worker must be in 1..2"),
     (["--kill-decode-worker", "soon"], "expected WORKER@STEP"),
     (["--dump-failures", "x"], "--dump-failures does not apply to --disaggregated"),
+    (["--decode-workers", "1000"], "--decode-workers must be in 1..16, got 1000: every worker is a process"),
 ])
 def test_bad_disaggregated_arguments_give_a_message_and_status_2(argv, message, capsys):
     assert main(["simulate", "--disaggregated", *argv]) == 2

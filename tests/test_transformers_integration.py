@@ -385,7 +385,7 @@ def test_install_on_a_manager(models):
 
 
 # Internal transformers methods the integration patches or calls: a change in any of them must fail here,
-# loudly, before it silently breaks the hooks (see the README section on transformers).
+# loudly, before it silently breaks the hooks (see docs/transformers.md).
 INTERNAL_SIGNATURES = {
     FullAttentionCacheAllocator.update: ["self", "key_states", "value_states", "layer_idx", "read_index",
                                          "write_index"],

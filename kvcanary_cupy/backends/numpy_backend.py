@@ -82,6 +82,6 @@ class NumpyBackend:
     def scatter_records(self, launch: Any) -> None:
         # The status word is read-modify-written (it may be shared with other launches, a context's included);
         # the records land in the caller's slots by plain stores, never read back, so two threads scattering
-        # into one canary buffer race on the slots as two CUDA streams would (README, Threads).
+        # into one canary buffer race on the slots as two CUDA streams would (docs/contract.md, Threads).
         with _status_word(launch.status):
             scatter_records_reference(launch, self.on_invalid)

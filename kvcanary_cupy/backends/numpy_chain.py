@@ -114,12 +114,6 @@ def verify_reference(launch: Any, on_invalid: str) -> None:
     ctx.status[0] |= status
 
 
-# Requests are processed in chunks of about this many entries or more (never fewer than the token count):
-# overlapping token ranges (offsets such as [0, T, 0, T, ...]) make the entry count the sum of all ranges,
-# and the reference must stay within memory proportional to its buffers whatever the device values.
-_MIN_CHUNK_ENTRIES = 1 << 16
-
-
 def write_reference(launch: Any, on_invalid: str) -> None:
     ctx = launch.context
     num_slots = ctx.num_slots
@@ -127,27 +121,24 @@ def write_reference(launch: Any, on_invalid: str) -> None:
     active = min(max(int(launch.write_num_valid_reqs[0]), 0), launch.write_req_capacity)
     lo = launch.write_offsets[:active]
     hi = launch.write_offsets[1 : active + 1]
-    has_entries = hi > lo  # compared, never subtracted: garbage offsets must not overflow
+    # From the first request whose offsets run backwards on, every request is skipped (CanaryStatus): the
+    # ranges written are then disjoint, and the work stays proportional to the tokens passed.
+    backwards = hi < lo
+    first_backward = int(np.argmax(backwards)) if backwards.any() else active
+    has_entries = (hi > lo) & (np.arange(active) < first_backward)  # compared, never subtracted
     range_bad = has_entries & ((lo < 0) | (hi > num_tokens))
     reqs = np.flatnonzero(has_entries & ~range_bad)
     req_lo, req_hi = lo[reqs], hi[reqs]
     seeds = launch.write_seed_slot_indices[reqs]
     seed_outside = seeds >= num_slots
-    counts = req_hi - req_lo
-    ends = np.cumsum(counts)
-    limit = max(num_tokens, reqs.shape[0], _MIN_CHUNK_ENTRIES)
-    if reqs.shape[0] == 0 or ends[-1] <= limit:  # one pass: the entries are small enough to list
-        entries = _entries(launch, req_lo, req_hi)
-        outside = entries[0][entries[2] >= num_slots]  # token indices of out-of-range slots
-    else:  # overlapping ranges: the tokens some request reads, found without listing the entries
-        edges = np.bincount(req_lo, minlength=num_tokens + 1) - np.bincount(req_hi, minlength=num_tokens + 1)
-        covered = np.cumsum(edges[:num_tokens]) > 0
-        outside = np.flatnonzero(covered & (launch.out_cache_loc >= num_slots))
-        entries = None
+    entries = _entries(launch, req_lo, req_hi)  # at most num_tokens: the ranges are disjoint
+    outside = entries[0][entries[2] >= num_slots]  # token indices of out-of-range slots
 
     status = 0
     if range_bad.any():
         status |= int(CanaryStatus.TOKEN_RANGE_OUT_OF_BOUNDS)
+    if backwards.any():
+        status |= int(CanaryStatus.WRITE_OFFSETS_OUT_OF_ORDER)
     if seed_outside.any() or outside.size:
         status |= int(CanaryStatus.SLOT_OUT_OF_RANGE)
     if status and on_invalid == "raise":
@@ -155,6 +146,10 @@ def write_reference(launch: Any, on_invalid: str) -> None:
             r = int(np.argmax(range_bad))
             fail(f"plan.write_offsets[{r}:{r + 2}]=({int(lo[r])}, {int(hi[r])}) leaves the {num_tokens} "
                  "tokens of input_ids")
+        if backwards.any():
+            r = first_backward
+            fail(f"plan.write_offsets[{r}:{r + 2}]=({int(lo[r])}, {int(hi[r])}) runs backwards (the offsets must "
+                 "not decrease: later token ranges could overlap earlier ones)")
         if seed_outside.any():
             r = int(reqs[np.argmax(seed_outside)])
             fail(f"plan.write_seed_slot_indices[{r}]={int(launch.write_seed_slot_indices[r])} is outside "
@@ -164,16 +159,7 @@ def write_reference(launch: Any, on_invalid: str) -> None:
 
     # Nothing raises from here on. An out-of-range seed is treated as a chain head (anchor, no position check).
     seeds = np.where(seed_outside, -1, seeds)
-    if entries is not None:
-        written = _write_requests(launch, entries, seeds)
-    else:
-        written = 0
-        first = 0
-        while first < reqs.shape[0]:
-            stop = max(int(np.searchsorted(ends, ends[first] - counts[first] + limit, side="right")), first + 1)
-            entries = _entries(launch, req_lo[first:stop], req_hi[first:stop])
-            written += _write_requests(launch, entries, seeds[first:stop])
-            first = stop
+    written = _write_requests(launch, entries, seeds)
     ctx.kernel_run_counter[0] += 1
     ctx.slot_run_counter[0] += written
     ctx.status[0] |= status

@@ -4,7 +4,7 @@ Per batch row a paged layout gives a *span*: a run of block ids inside one flat 
 block table, or the row's pages in ``kv_page_indices``). Position ``pos`` of the row lives in block
 ``pos // block_size`` of its span, at slot ``id * block_stride + pos % block_size``. Checks, in the order of
 the kernels: the row (table row in range, or a valid indptr range), the position inside the span, the block
-id inside the slot space, then (shared with the token table, :func:`.numpy_plan.finish_entries`) the LUT and
+id inside the slot space, then (shared with the token table, :func:`.numpy_plan_entries.finish_entries`) the LUT and
 the expected-token pool.
 
 Entries are built per *block*, not per entry: the requests' windows are cut into block runs (about
@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..constants import PlanStatus
-from . import numpy_plan
+from . import numpy_plan_entries
 from .workspace import workspace
 
 
@@ -117,7 +117,7 @@ def seeds(launch, needs_seed: np.ndarray, flag) -> np.ndarray:
         _flag_first(launch, bits, reqs, pos, flag)
         ok = bits == 0
         seed_reqs, seed_pos, raw = reqs[ok], pos[ok], raw[ok]
-    numpy_plan.translate_seeds(out, seed_reqs, raw, launch.full_to_swa_index_mapping, flag,
+    numpy_plan_entries.translate_seeds(out, seed_reqs, raw, launch.full_to_swa_index_mapping, flag,
                                lambda k: f"the seed slot of batch row {int(seed_reqs[k])} (position "
                                          f"{int(seed_pos[k])})")
     return out
@@ -134,7 +134,7 @@ def seeds_and_entries(launch, needs_seed, counts, window_start, verify_offsets, 
     paged = launch.paged
     size = paged.block_size
     total = int(verify_offsets[-1])
-    owner, pos = numpy_plan.owners_and_positions(counts, window_start, verify_offsets)
+    owner, pos = numpy_plan_entries.owners_and_positions(counts, window_start, verify_offsets)
 
     # Block runs: for each request with entries, the blocks its window [lo, hi) touches.
     reqs = np.flatnonzero(counts > 0)
@@ -176,10 +176,10 @@ def seeds_and_entries(launch, needs_seed, counts, window_start, verify_offsets, 
         fine = run_bits[run_offsets[1:] - 1][seeded] == 0
         seed_reqs, seed_raw = seed_reqs[fine], seed_raw[fine]
     out = np.full(launch.bs, -1, np.int64)
-    numpy_plan.translate_seeds(out, seed_reqs, seed_raw, launch.full_to_swa_index_mapping, flag,
+    numpy_plan_entries.translate_seeds(out, seed_reqs, seed_raw, launch.full_to_swa_index_mapping, flag,
                                lambda k: f"the seed slot of batch row {int(seed_reqs[k])} (position "
                                          f"{int(launch.prefix_lens[seed_reqs[k]]) - 1})")
-    return out, numpy_plan.finish_entries(
+    return out, numpy_plan_entries.finish_entries(
         launch, verify_offsets, counts, owner, window_start, pos, slot, head_prev, ok, flag,
         lambda r, at: f"slot {_slot_at(launch, r, at)} (batch row {r}, position {at})")
 

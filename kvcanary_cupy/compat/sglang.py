@@ -37,6 +37,7 @@ import numpy as np
 from .. import context as _context
 from .. import plan as _plan
 from .._errors import CanaryArgumentError, fail
+from .._limits import check_allocation
 from .._validate import bool_arg, int_arg
 from ..constants import (
     CANARY_SLOT_BYTES,
@@ -162,11 +163,15 @@ class VerifyPlan(_plan.VerifyPlan):
         _run_parent_post_init(VerifyPlan, self)
 
     @classmethod
-    def allocate(cls, *, verify_capacity: int, device: torch.device | str = "cpu") -> VerifyPlan:
+    def allocate(cls, *, verify_capacity: int, device: torch.device | str = "cpu",
+                 max_allocation_bytes: int | None = None) -> VerifyPlan:
         """torch tensors on ``device``: entries and ``verify_num_valid`` uninitialised, ``enable`` = 1,
         ``status`` = 0 (as SGLang allocated them, plus ``status``)."""
         capacity = _positive(verify_capacity, "VerifyPlan verify_capacity")
         device = _device(device)
+        check_allocation(_plan.VerifyPlan.allocation_bytes(capacity), argument=f"verify_capacity={capacity}",
+                         what="VerifyPlan.allocate", device=str(device),
+                         max_allocation_bytes=max_allocation_bytes)
         return _allocating("VerifyPlan", device, f"verify_capacity={capacity}",
                            _plan.VerifyPlan.allocation_bytes(capacity), lambda: cls(
             verify_slot_indices=torch.empty(capacity, dtype=torch.int64, device=device),
@@ -204,10 +209,14 @@ class WritePlan(_plan.WritePlan):
         _run_parent_post_init(WritePlan, self)
 
     @classmethod
-    def allocate(cls, *, write_req_capacity: int, device: torch.device | str = "cpu") -> WritePlan:
+    def allocate(cls, *, write_req_capacity: int, device: torch.device | str = "cpu",
+                 max_allocation_bytes: int | None = None) -> WritePlan:
         """torch tensors on ``device``, uninitialised like SGLang's; the scratch is zeroed."""
         capacity = _positive(write_req_capacity, "WritePlan write_req_capacity")
         device = _device(device)
+        check_allocation(_plan.WritePlan.allocation_bytes(capacity), argument=f"write_req_capacity={capacity}",
+                         what="WritePlan.allocate", device=str(device),
+                         max_allocation_bytes=max_allocation_bytes)
         return _allocating("WritePlan", device, f"write_req_capacity={capacity}",
                            _plan.WritePlan.allocation_bytes(capacity), lambda: cls(
             write_offsets=torch.empty(capacity + 1, dtype=torch.int64, device=device),
@@ -246,6 +255,7 @@ class VerifyOrWriteContext(_context.VerifyOrWriteContext):
         slot_stride_bytes: int = CANARY_SLOT_BYTES,
         enable_chain_position_assert: bool = False,
         device: torch.device | str = "cpu",
+        max_allocation_bytes: int | None = None,
     ) -> VerifyOrWriteContext:
         """Like the core's ``allocate``, with torch tensors on ``device``: a zeroed canary buffer, ring,
         counters and status, and the chain-position flag set to ``enable_chain_position_assert``."""
@@ -259,6 +269,8 @@ class VerifyOrWriteContext(_context.VerifyOrWriteContext):
         sources = _context.real_kv_sources_arg(real_kv_sources, "real_kv_sources")
         chain_assert = bool_arg(enable_chain_position_assert, "enable_chain_position_assert")
         device = _device(device)
+        _context.check_context_allocation(slots, capacity, stride, device=str(device),
+                                          max_allocation_bytes=max_allocation_bytes)
 
         def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .._errors import fail
+from .._limits import check_allocation
 from .._validate import array_arg, host_int_vector
 from ..bind import BoundLaunch, bind_scatter
 from ..constants import CANARY_FIELDS_PER_SLOT, CanaryStatus
@@ -39,6 +40,7 @@ from ..transfer import gather_canary_records, scatter_canary_records
 from ..violations import ViolationReport, decode_row
 from .batch import Buffer, StagedBatch, StagedHistory, StepBatch
 from .config import CanaryConfig, Capacities
+from .footprint import runtime_footprint
 from .groups import Endpoint, GroupState, bind_group, build_group, counter_name, gather_lut, reserve_scalars
 from .pools import KvPools, row_less
 from .reporting import StepReport, publish
@@ -134,7 +136,8 @@ class CanaryRuntime:
     def __init__(self, config: CanaryConfig, pools: KvPools, capacities: Capacities, *, device: Any = "cpu",
                  framework: str = "numpy", sweep_source: SweepSource | Callable[[], Any] | None = None,
                  observer: Callable[[LaunchEvent], None] | None = None,
-                 timer: Callable[[str], contextlib.AbstractContextManager] | None = None) -> None:
+                 timer: Callable[[str], contextlib.AbstractContextManager] | None = None,
+                 max_allocation_bytes: int | None = None) -> None:
         if not isinstance(config, CanaryConfig):
             fail(f"config must be a CanaryConfig, got {type(config).__name__}")
         if not isinstance(pools, KvPools):
@@ -165,6 +168,7 @@ class CanaryRuntime:
         self._pending: _Snapshot | None = None
         self._health_offsets: dict[str, int] = {}
         self._init_finished = False
+        self._max_allocation_bytes = max_allocation_bytes
         if config.enabled:
             self._build()
 
@@ -172,17 +176,21 @@ class CanaryRuntime:
     def create(cls, config: CanaryConfig, pools: KvPools, capacities: Capacities, *, device: Any = "cpu",
                framework: str = "numpy", sweep_source: SweepSource | Callable[[], Any] | None = None,
                observer: Callable[[LaunchEvent], None] | None = None,
-               timer: Callable[[str], contextlib.AbstractContextManager] | None = None) -> CanaryRuntime:
+               timer: Callable[[str], contextlib.AbstractContextManager] | None = None,
+               max_allocation_bytes: int | None = None) -> CanaryRuntime:
         """Validate everything host-visible, allocate every buffer and bind every launch.
 
         ``device``: "cpu" or "cuda[:N]". ``framework``: "numpy" (NumPy/CuPy buffers) or "torch" (torch
         tensors: on CUDA every runtime copy and launch then runs on ``torch.cuda.current_stream()``).
         ``sweep_source``: see :class:`SweepSource`. ``observer`` and ``timer`` are debugging hooks (a
         :class:`LaunchEvent` before and after every launch; a context manager per phase name); they run host
-        code, so leave them None in an engine that captures CUDA graphs.
+        code, so leave them None in an engine that captures CUDA graphs. ``max_allocation_bytes``: the most
+        every buffer together may take (default: ``KVCANARY_MAX_ALLOCATION_BYTES``, else half the physical
+        memory on the CPU, the GPU's memory on CUDA); a creation above it is refused before anything is
+        allocated, naming the argument that asked for most.
         """
         return cls(config, pools, capacities, device=device, framework=framework, sweep_source=sweep_source,
-                   observer=observer, timer=timer)
+                   observer=observer, timer=timer, max_allocation_bytes=max_allocation_bytes)
 
     # -- creation ------------------------------------------------------------------------------------------
 
@@ -203,6 +211,10 @@ class CanaryRuntime:
                 fail("Capacities.pool_rows and Capacities.max_context_len are required with verify_token_assert "
                      "when the pools have no req_to_token")
             pool_shape = (rows, width)
+        footprint = runtime_footprint(cfg, pools, caps, pool_shape)
+        check_allocation(sum(footprint.values()), argument=max(footprint, key=lambda k: footprint[k]),
+                         what="CanaryRuntime.create", device=str(space.device),
+                         max_allocation_bytes=self._max_allocation_bytes)
         self.scalars = Scalars()
         for group in pools.groups:
             reserve_scalars(self.scalars, group)
@@ -295,8 +307,8 @@ class CanaryRuntime:
         read by every later launch and replay). Synthetic warm-up positions would trip it before.
 
         ``groups``: a list of the names of the groups whose assert goes on (default: every group), for an engine in
-        which some group's write legitimately breaks the "+1 after the seed" rule (see the README's
-        transformers section: a sliding-window ring that overwrites a chunk's own predecessor)."""
+        which some group's write legitimately breaks the "+1 after the seed" rule (see docs/transformers.md:
+        a sliding-window ring that overwrites a chunk's own predecessor)."""
         names = list(self.groups) if groups is None else groups
         if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
             fail(f"groups must be a list of group names, got {groups!r}")

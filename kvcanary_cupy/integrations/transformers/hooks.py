@@ -1,6 +1,6 @@
 """Installing the canary into transformers' continuous batching, and removing it again.
 
-Where it hooks (transformers 5.24; see the README section "The canary in Hugging Face transformers"):
+Where it hooks (transformers 5.24; see docs/transformers.md):
 
 * **batch** -- a forward pre-hook on the model (``nn.Module.register_forward_pre_hook(with_kwargs=True)``, public
   torch API). Calls whose ``cache`` is not a ``PagedAttentionCache`` (plain ``generate``) are ignored. The

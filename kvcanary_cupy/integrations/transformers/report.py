@@ -25,7 +25,7 @@ from .faults import FAULT_KINDS
 
 if TYPE_CHECKING:
     from .canary import StepViolation
-    from .simulate import RunResult, TransformersSimulation
+    from .results import RunResult, SimulationRecord
 
 SCHEMA_ID = "kvcanary-transformers-report/1"
 OUTCOMES = {"passed": 0, "failed": 1, "inconclusive": 4}  # the synthetic engine's exit statuses
@@ -39,7 +39,7 @@ def _violation_row(v: StepViolation, run: RunResult) -> dict[str, Any]:
             "expected_token": x.expected_token, "reasons": list(x.reasons), "workload": run.workload}
 
 
-def build_report(sim: TransformersSimulation) -> dict[str, Any]:
+def build_report(sim: SimulationRecord) -> dict[str, Any]:
     import transformers
 
     from .workloads import workloads

@@ -18,105 +18,23 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from .canary import CanaryOptions, StepViolation
+from .canary import CanaryOptions
 from .faults import FAULT_KINDS, Injector, make_injector
 from .hooks import TransformersCanary, install
-from .workloads import MODEL_SIZES, Workload, build_model, workloads
+from .report import build_report
+from .results import RunResult, SimulationRecord, TransformersSimConfig, WorkloadStats
+from .workloads import Workload, build_model, workloads
 
-
-@dataclass(frozen=True)
-class TransformersSimConfig:
-    model_size: str = "small"
-    inject: tuple[str, ...] = ()
-    seed: int = 0
-    backend: str = "auto"
-    real_kv_hash: str = "partial"
-    with_v: bool = True
-    inject_at: int = 4
-    sweep_interval: int = 8
-    workloads: tuple[str, ...] = ()  # empty: all
-
-    def validate(self) -> None:
-        from ..._errors import fail
-        from ._version import check_version
-
-        check_version()
-        if self.model_size not in MODEL_SIZES:
-            fail(f"--model-size must be one of {', '.join(MODEL_SIZES)}, got {self.model_size!r}")
-        for kind in self.inject:
-            if kind not in FAULT_KINDS:
-                fail(f"unknown fault kind {kind!r} for --engine transformers; choose from {', '.join(FAULT_KINDS)}")
-        if self.backend not in ("auto", "numpy", "host"):
-            fail(f"--backend {self.backend} is not available with --engine transformers on a CPU model "
-                 "(use auto, numpy or host)")
-        known = workloads()
-        for name in self.workloads:
-            if name not in known:
-                fail(f"unknown workload {name!r}; choose from {', '.join(known)}")
-
-
-class WorkloadStats:
-    """Counts what the engine did in a run, from the canary's batch hook (no engine internals beyond it)."""
-
-    def __init__(self) -> None:
-        self.prefill_tokens = 0
-        self.decode_tokens = 0
-        self.prefix_tokens_reused = 0
-        self.soft_resets = 0
-        self.peak_batch = 0
-        self._seen: dict[str, int] = {}
-
-    def before_batch(self, canary: Any, step: int, kwargs: dict[str, Any], requests: list[Any], cache: Any) -> None:
-        self.peak_batch = max(self.peak_batch, len(requests))
-        for future in requests:
-            state, q = future.state, int(future.query_length)
-            past = int(state.position_offset) - q
-            rid = state.request_id
-            if rid not in self._seen:
-                self.prefix_tokens_reused += past
-            elif past == 0 and self._seen[rid] > 0:
-                self.soft_resets += 1
-            self._seen[rid] = past + q
-            prompt = max(0, min(past + q, len(state.initial_tokens)) - past)
-            self.prefill_tokens += prompt
-            self.decode_tokens += q - prompt
-
-    def on_layer_write(self, canary: Any, step: int, allocator: Any, layer_idx: int, write_index: Any) -> Any:
-        return write_index
-
-    def after_forward(self, canary: Any, step: int, batch: Any, cache: Any) -> None:
-        return None
+__all__ = ["RunResult", "TransformersSimConfig", "TransformersSimulation", "WorkloadStats", "config_from_args",
+           "run_quietly"]
 
 
 @dataclass
-class RunResult:
-    workload: str
-    kind: str | None
-    steps: int
-    step_offset: int
-    tokens: dict[str, list[int]]
-    errors: dict[str, str]
-    violations: list[StepViolation]
-    fault: Any
-    stats: WorkloadStats
-    seconds: dict[str, float]
-    wall: float
-    counters: dict[str, int]
-    status_bits: int
-    dropped: int
-    health_problems: list[tuple[int, str]]
-
-
-@dataclass
-class TransformersSimulation:
-    cfg: TransformersSimConfig
-    runs: list[RunResult] = field(default_factory=list)
-    token_exact: dict[str, bool] = field(default_factory=dict)
-    reference_wall: dict[str, float] = field(default_factory=dict)
-    model_params: int = 0
+class TransformersSimulation(SimulationRecord):
+    """Runs the configured workloads (reference, clean, one per fault kind) and records them."""
 
     def _run(self, model: Any, w: Workload, kind: str | None, offset: int, injector: Injector | None) -> RunResult:
         opts = CanaryOptions(mode="log", real_kv_hash=self.cfg.real_kv_hash, with_v=self.cfg.with_v,
@@ -188,8 +106,6 @@ class TransformersSimulation:
                     progress(done, total, f"{name}: {kind}")
         self.wall = time.perf_counter() - start
         self.total_steps = offset
-        from .report import build_report
-
         return build_report(self)
 
 

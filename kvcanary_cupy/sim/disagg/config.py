@@ -15,6 +15,10 @@ from ..config import PRESETS, SimConfig
 from .faults import TRANSFER_KINDS
 
 DEFAULT_PRESET = "decode"
+# Every decode worker is a process of its own (its own interpreter, engine, KV pool and gloo connection, a few
+# hundred MB), all forked at start-up and served one after the other by the single prefill process: past this
+# many the run measures the machine's process table, not the canary.
+MAX_DECODE_WORKERS = 16
 
 
 @dataclass(frozen=True)
@@ -46,8 +50,10 @@ class DisaggConfig:
             plain = [p.name for p in PRESETS.values() if not p.swa_window and not p.eagle]
             raise ValueError(f"--disaggregated ships the full KV pool only; preset {self.preset!r} has an SWA or "
                              f"EAGLE group (use --preset {' or '.join(plain)})")
-        if self.decode_workers < 1:
-            raise ValueError(f"--decode-workers must be >= 1, got {self.decode_workers}")
+        if not 1 <= self.decode_workers <= MAX_DECODE_WORKERS:
+            raise ValueError(f"--decode-workers must be in 1..{MAX_DECODE_WORKERS}, got {self.decode_workers}: every "
+                             "worker is a process of its own (interpreter, engine and KV pool), all started at once "
+                             "and fed by one prefill process")
         for kind, rate in self.inject.items():
             if kind not in TRANSFER_KINDS:
                 raise ValueError(f"unknown transfer fault kind {kind!r}; choose from {', '.join(TRANSFER_KINDS)}")
