@@ -31,7 +31,7 @@ from .constants import (
     RealKvHashMode,
 )
 from .context import RealKvSource, VerifyOrWriteContext
-from .kv_layouts import KvByteLayout
+from .kv_bytes import KvByteLayout
 from .layouts import BlockTable, PageList, SlotLayout, TokenTable
 from .plan import VerifyPlan, WritePlan, launch_canary_plan_kernels
 from .scatter import launch_scatter_req_token_ids

@@ -30,7 +30,7 @@ from .constants import (
 )
 from .dlpack import as_byte_rows, as_byte_span, device_of
 from .hashing import RealKvBytes
-from .kv_layouts import KvByteLayout, contiguous_layout
+from .kv_bytes import KvByteLayout, contiguous_layout
 from .plan import _allocate
 
 

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .constants import CANARY_CHAIN_ANCHOR, REAL_KV_PARTIAL_BYTES, RealKvHashMode
-from .kv_layouts import KvByteLayout
+from .kv_bytes import KvByteLayout
 
 _MUL1 = np.uint64(0xBF58476D1CE4E5B9)
 _MUL2 = np.uint64(0x94D049BB133111EB)

@@ -35,17 +35,17 @@ def allocations(monkeypatch):
     made: list[int] = []
     real_alloc, real_host, real_allocate = ArraySpace.alloc, ArraySpace.host, plan_module._allocate
 
-    def alloc(self, shape, dtype, fill=0):
+    def alloc(self, shape, dtype, fill=0, **named):
         made.append(int(np.prod(shape)) * np.dtype(dtype).itemsize)
-        return real_alloc(self, shape, dtype, fill)
+        return real_alloc(self, shape, dtype, fill, **named)
 
-    def host(self, shape, dtype):
+    def host(self, shape, dtype, **named):
         made.append(int(np.prod(shape)) * np.dtype(dtype).itemsize)
-        return real_host(self, shape, dtype)
+        return real_host(self, shape, dtype, **named)
 
-    def allocate(device, shape, dtype, fill=None):
+    def allocate(device, shape, dtype, fill=None, **named):
         made.append(int(np.prod(shape)) * np.dtype(dtype).itemsize)
-        return real_allocate(device, shape, dtype, fill)
+        return real_allocate(device, shape, dtype, fill, **named)
 
     monkeypatch.setattr(ArraySpace, "alloc", alloc)
     monkeypatch.setattr(ArraySpace, "host", host)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..constants import MAX_REAL_KV_SOURCES
-from ..kv_layouts import ACCESS_TOKEN_RUN
+from ..kv_bytes import ACCESS_TOKEN_RUN
 
 KERNEL_FILES = ("plan.cu", "verify.cu", "write.cu", "scatter.cu", "transfer.cu")
 _I64, _I32 = np.int64, np.int32

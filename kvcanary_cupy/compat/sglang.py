@@ -49,7 +49,7 @@ from ..constants import (
 )
 from ..context import RealKvSource
 from ..dlpack import as_array
-from ..kv_layouts import KvByteLayout
+from ..kv_bytes import KvByteLayout
 from ..layouts import BlockTable, PageList, SlotLayout, TokenTable
 from ..scatter import launch_scatter_req_token_ids as _core_scatter
 from ..verify import launch_canary_verify_kernel as _core_verify

@@ -41,7 +41,7 @@ import numpy as np
 from .._errors import CanaryArgumentError
 from ..constants import CANARY_SLOT_BYTES, MAX_REAL_KV_SOURCES, FailReason, RealKvHashMode
 from ..context import RealKvSource, VerifyOrWriteContext
-from ..kv_layouts import KvByteLayout
+from ..kv_bytes import KvByteLayout
 from ..layouts import BlockTable, PageList
 from ..plan import VerifyPlan, WritePlan, launch_canary_plan_kernels
 from ..verify import launch_canary_verify_kernel

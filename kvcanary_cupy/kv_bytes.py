@@ -1,0 +1,119 @@
+"""The descriptor of where a token's KV bytes lie inside an engine's KV tensor: :class:`KvByteLayout`.
+
+A :class:`~kvcanary_cupy.RealKvSource` without a layout reads each slot's bytes as one contiguous run (one
+row of pages, ``num_bytes_per_token`` apart). Engines do not all store a token that way: vLLM's CPU attention
+stores K column-major inside a block, FlashInfer puts heads before tokens. A :class:`KvByteLayout` describes
+any such layout by byte strides from the tensor's first byte; the fingerprint then hashes a slot's *logical*
+byte stream (heads in order, each head's elements in order), read in place. A layout describing the
+contiguous case hashes exactly as the contiguous source does.
+
+This module owns the descriptor, its validation, the coverage arithmetic (how many leading slots a tensor
+holds) and the access kind the kernels dispatch on; :mod:`kvcanary_cupy.kv_layouts` holds the presets that
+build sources over engines' KV tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._errors import fail
+from ._validate import int_arg
+from .constants import REAL_KV_ALIGN_BYTES
+
+ELEMENT_BYTES = (1, 2, 4, 8, 16)
+
+# How the kernels walk a slot's logical bytes (kernels/canary_common.cuh, enum RealKvAccess).
+ACCESS_TOKEN_RUN = 0  # the whole logical stream is one 16-byte aligned run: 128-bit loads from the token start
+ACCESS_HEAD_RUNS = 1  # each head's elements are one 16-byte aligned run: 128-bit loads per head
+ACCESS_ELEMENTS = 2  # anything else: one load per element (or per 8 bytes of a 16-byte element)
+
+# Coverage of a layout whose pages all alias one page (page_stride 0): every slot, whatever the buffer.
+UNBOUNDED_SLOTS = 1 << 62
+
+
+@dataclass(frozen=True)
+class KvByteLayout:
+    """Byte strides, relative to the tensor's first byte, of one token's K (or V) bytes.
+
+    Slot ``s``'s logical byte stream is: for each head ``h`` in ``range(num_heads)``, for each element ``e``
+    in ``range(elements_per_head)``, the ``element_bytes`` bytes at ``(s // page_size) * page_stride +
+    (s % page_size) * token_stride + h * head_stride + e * element_stride``. Strides are non-negative
+    multiples of ``element_bytes`` (so every element is naturally aligned when the tensor starts 16-byte
+    aligned); ``element_bytes`` is 1, 2, 4, 8 or 16.
+    """
+
+    page_stride: int
+    token_stride: int
+    head_stride: int
+    element_stride: int
+    num_heads: int
+    elements_per_head: int
+    element_bytes: int
+
+    def __post_init__(self) -> None:
+        eb = int_arg(self.element_bytes, "KvByteLayout.element_bytes")
+        if eb not in ELEMENT_BYTES:
+            fail(f"KvByteLayout.element_bytes must be one of {', '.join(map(str, ELEMENT_BYTES))}, got {eb}")
+        int_arg(self.num_heads, "KvByteLayout.num_heads", minimum=1, maximum=1 << 31)
+        int_arg(self.elements_per_head, "KvByteLayout.elements_per_head", minimum=1, maximum=1 << 31)
+        for name in ("page_stride", "token_stride", "head_stride", "element_stride"):
+            stride = int_arg(getattr(self, name), f"KvByteLayout.{name}", minimum=0, maximum=1 << 48)
+            if stride % eb:
+                fail(f"KvByteLayout.{name} must be a multiple of element_bytes={eb} (elements are loaded "
+                     f"naturally aligned), got {stride}")
+        for name in ("page_stride", "token_stride", "head_stride", "element_stride", "num_heads",
+                     "elements_per_head", "element_bytes"):
+            object.__setattr__(self, name, int(getattr(self, name)))
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Length of one slot's logical byte stream."""
+        return self.num_heads * self.elements_per_head * self.element_bytes
+
+    @property
+    def head_bytes(self) -> int:
+        return self.elements_per_head * self.element_bytes
+
+    def last_byte_in_token(self) -> int:
+        """Offset, from a token's first byte, of the last byte any of its elements occupies."""
+        return ((self.num_heads - 1) * self.head_stride + (self.elements_per_head - 1) * self.element_stride
+                + self.element_bytes - 1)
+
+    def slots_covered(self, page_size: int, span_bytes: int) -> int:
+        """How many leading slots (0, 1, ... N-1) have every byte inside a tensor of ``span_bytes`` bytes."""
+        last = self.last_byte_in_token()
+        ps, ts = self.page_stride, self.token_stride
+
+        def fitting_offsets(page_start: int) -> int:  # slots of one page that fit (monotonic in the offset)
+            room = span_bytes - 1 - last - page_start
+            if room < 0:
+                return 0
+            return page_size if ts == 0 else min(page_size, room // ts + 1)
+
+        if fitting_offsets(0) < page_size:
+            return fitting_offsets(0)
+        if ps == 0:
+            return UNBOUNDED_SLOTS
+        full_pages = (span_bytes - 1 - last - (page_size - 1) * ts) // ps + 1
+        return min(UNBOUNDED_SLOTS, full_pages * page_size + fitting_offsets(full_pages * ps))
+
+    def access_kind(self) -> int:
+        """The kernels' walk for this layout (``ACCESS_*``): the widest loads its alignment allows."""
+        eb, align = self.element_bytes, REAL_KV_ALIGN_BYTES
+        if self.element_stride != eb or self.page_stride % align or self.token_stride % align:
+            return ACCESS_ELEMENTS
+        if self.num_heads == 1 or self.head_stride == self.head_bytes:
+            return ACCESS_TOKEN_RUN if self.bytes_per_token % align == 0 else ACCESS_ELEMENTS
+        if self.head_bytes % align == 0 and self.head_stride % align == 0:
+            return ACCESS_HEAD_RUNS
+        return ACCESS_ELEMENTS
+
+
+def contiguous_layout(page_stride: int, bytes_per_token: int) -> KvByteLayout:
+    """The layout of a contiguous source: one run of ``bytes_per_token`` bytes per token, pages
+    ``page_stride`` bytes apart (what a source without a layout reads)."""
+    return KvByteLayout(page_stride=page_stride, token_stride=bytes_per_token, head_stride=0,
+                        element_stride=REAL_KV_ALIGN_BYTES, num_heads=1,
+                        elements_per_head=bytes_per_token // REAL_KV_ALIGN_BYTES, element_bytes=REAL_KV_ALIGN_BYTES)
+
+
