@@ -336,7 +336,8 @@ def test_write_then_verify_with_a_strided_source_catches_one_flipped_kv_element(
 
 
 def test_public_names():
-    assert kc.KvByteLayout.__module__ == "kvcanary_cupy.kv_layouts"
+    assert kc.KvByteLayout.__module__ == "kvcanary_cupy.kv_bytes"
+    assert kc.kv_layouts.KvByteLayout is kc.KvByteLayout  # the presets module re-exports it
     assert kc.RealKvSource(np.zeros((1, 16), np.uint8), 1, 16, 16).layout is None
     with pytest.raises(TypeError):
         kc.RealKvSource(np.zeros(64, np.uint8), 1, 16, 16, layout())  # layout is keyword-only
