@@ -148,8 +148,8 @@ def longest_wait(lists: list[list[int]], verified: list[list[int]]) -> int:
     return worst
 
 
-@pytest.mark.parametrize("n", [5, 12, 24, 61])
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("n", [5, 12, 61])
+@pytest.mark.parametrize("seed", [0])
 def test_window_is_the_cursor_models_and_its_wait_within_the_bound(n: int, seed: int) -> None:
     engine, recorder = GrowingEngine(seed), WindowRecorder()
     rt = make(engine, n, "numpy", recorder)
@@ -195,7 +195,7 @@ def test_an_unchanging_list_is_covered_every_ceil_live_over_n_steps() -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("victim_index", [0, 37, 150])
+@pytest.mark.parametrize("victim_index", [0, 150])
 def test_a_fault_planted_in_a_live_slot_is_reported_within_the_bound(backend: str, victim_index: int) -> None:
     n, plant_step = 20, 60
     engine = GrowingEngine(5)
