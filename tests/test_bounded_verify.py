@@ -246,3 +246,24 @@ def test_latency_bound_formula() -> None:
     assert verify_latency_bound(1000, 64) == 16
     assert verify_latency_bound(1000, 64, growth_per_step=8) == 2 * 18
     assert verify_latency_bound(1000, 8, growth_per_step=8) == -1
+
+
+def test_the_simulators_fault_runs_detect_every_kind_within_the_bound() -> None:
+    from kvcanary_cupy.sim import SimConfig, Simulation
+    from kvcanary_cupy.sim.config import applicable_kinds
+    from kvcanary_cupy.sim.report import summary_lines, validate
+
+    kinds = applicable_kinds("prefill")
+    cfg = SimConfig(preset="prefill", steps=120, requests=24, backend="numpy", max_verify_entries=256,
+                    inject={k: 0.05 for k in kinds})
+    report = Simulation(cfg).run()
+    assert validate(report) == []
+    assert report["outcome"] == "passed"
+    assert all(k["status"] == "detected" for k in report["kinds"])
+    vb = report["verify_bound"]
+    assert vb["entries_per_step"] == 256 and vb["live_max"] > 256  # the window really bounded the verify
+    assert vb["bound_steps"] == math.ceil(vb["live_max"] / 256)
+    assert vb["bound_steps_growing"] == verify_latency_bound(vb["live_max"], 256, growth_per_step=vb["growth_max"])
+    assert 0 < vb["slowest_steps"] <= vb["bound_steps_growing"]
+    assert max(k["latency_steps"]["max"] for k in report["kinds"]) == vb["slowest_steps"]
+    assert any(line.startswith("bounded verify: 256 entries/step/group") for line in summary_lines(report))
