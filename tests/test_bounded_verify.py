@@ -235,7 +235,7 @@ def test_the_default_is_the_full_verify_and_bad_sizes_are_refused() -> None:
     assert all(state.window_plan is None for state in rt.groups.values())
     assert rt.stats()["verify_bound_steps"] == 1
     for bad in (-1, 1.5, True, 1 << 31):
-        with pytest.raises(CanaryArgumentError, match="kv-canary: .*CanaryConfig.max_verify_entries_per_step"):
+        with pytest.raises(CanaryArgumentError, match=r"kv-canary: .*CanaryConfig\.max_verify_entries_per_step"):
             CanaryConfig(max_verify_entries_per_step=bad)
 
 
