@@ -38,6 +38,11 @@ deterministic function of the run's arguments (same seed, same report).
   (entries / verify and sweep time).
 * ``timeline``: per step ``0..steps`` (index = step), lists ``violations``, ``explained``,
   ``false_positives`` and ``detected`` (counted at the step they were read) and ``injected``.
+* ``verify_bound`` (synthetic runs; optional in the schema): the bounded verify (``--max-verify-entries``) —
+  ``entries_per_step`` (0: full verify), ``live_max`` (most live prefix entries of a group's plan), ``growth_max``
+  (most new tokens of one forward), ``bound_steps`` (every live slot of an unchanging set of prefixes is verified
+  within it), ``bound_steps_growing`` (the bound while ``growth_max`` entries a step are added; -1: none holds),
+  ``slowest_steps`` (the longest detection latency of the run; null when nothing was detected).
 
 ``rich`` (terminal table, progress bar) and ``matplotlib`` (the HTML plot) are optional: without them the
 table is plain text and the HTML page has no plot.
