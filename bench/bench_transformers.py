@@ -39,12 +39,14 @@ def _prompts(spec: dict[str, Any], vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (spec["prompt"],), generator=g).tolist() for _ in range(spec["requests"])]
 
 
-def run_once(model: Any, spec: dict[str, Any], backend: str | None) -> dict[str, float]:
-    """One ``generate_batch``; with ``backend`` the canary is installed for it. Wall and canary seconds."""
+def run_once(model: Any, spec: dict[str, Any], backend: str | None,
+             options: CanaryOptions | None = None) -> dict[str, float]:
+    """One ``generate_batch``; with ``backend`` the canary is installed for it (``options``: default PARTIAL
+    hashing of K and V). Wall and canary seconds."""
     prompts = _prompts(spec, int(model.config.vocab_size))
     canary = None
     if backend is not None:
-        canary = install(model, CanaryOptions(backend=backend, real_kv_hash="partial", with_v=True))
+        canary = install(model, options or CanaryOptions(backend=backend, real_kv_hash="partial", with_v=True))
     start = time.perf_counter()
     try:
         out = model.generate_batch(inputs=prompts, generation_config=generation_config(spec["new"]),

@@ -73,6 +73,7 @@ class BoundLaunch:
     follows_torch_stream: bool
     arguments: tuple[Any, ...] = ()
     guards: tuple[StorageGuard, ...] = ()
+    runner: Callable[[], None] | None = None  # the kernel launches prepared once (kernel backends), else None
 
     def check(self) -> None:
         """The storage check of every bound torch tensor, alone: a caller that runs several bound launches
@@ -84,12 +85,14 @@ class BoundLaunch:
         """Run the bound launch once on the buffers' current contents. No conversion, no validation beyond
         the storage check of bound torch tensors (a pointer and size comparison each)."""
         self.check()
-        run = getattr(self.backend, self.step)
         if self.device.kind == "cpu":
-            run(self.launch)
+            if self.runner is not None:
+                self.runner()
+            else:
+                getattr(self.backend, self.step)(self.launch)
             return
         with self._cuda_scope():
-            run(self.launch)
+            getattr(self.backend, self.step)(self.launch)
 
     @contextlib.contextmanager
     def _cuda_scope(self) -> Iterator[None]:
@@ -136,7 +139,11 @@ def _bind(step: str, arguments: dict[str, Any], prepare: Callable[[], Any], back
         resolved = resolve_backend(backend, launch.device, on_invalid)
     follows_torch = launch.device.kind == "cuda" and first_torch_cuda_tensor(values) is not None
     named = [leaf for name, value in arguments.items() for leaf in _named_leaves(name, value)]
-    return BoundLaunch(step, launch, resolved, launch.device, follows_torch, values, storage_guards(named))
+    # On the CPU the host backend's launches are packed once here; a CUDA launch keeps building its arguments
+    # per call (CuPy packs them itself, and the first call may compile).
+    prepare_launch = getattr(resolved, "prepare", None)
+    runner = prepare_launch(step, launch) if launch.device.kind == "cpu" and prepare_launch is not None else None
+    return BoundLaunch(step, launch, resolved, launch.device, follows_torch, values, storage_guards(named), runner)
 
 
 def bind_plan(

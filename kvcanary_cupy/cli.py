@@ -186,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="inject a fault kind (repeatable; 'all' for every kind)")
     sim.add_argument("--sweep-interval", type=_non_negative, default=8, metavar="N",
                      help="verify every prefix-cache slot every N steps (0: never; default: 8)")
+    sim.add_argument("--max-verify-entries", type=_non_negative, default=0, metavar="N",
+                     help="bounded verify: at most N prefix entries verified per step and group, round-robin over "
+                          "the live prefixes (0: every prefix slot every step, the default); the report states the "
+                          "detection-latency bound")
     sim.add_argument("--layout", choices=["token", "block", "csr"], default="token",
                      help="slot layout the plan reads: token (SGLang's req_to_token; KV allocated per token), "
                      "block (a batch-row block table, vLLM-style) or csr (page lists, FlashInfer-style); in "
@@ -316,6 +320,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                         backend=args.backend, inject=inject, sweep_interval=args.sweep_interval,
                         with_v=args.with_v, real_kv_hash=args.real_kv_hash, warmup_steps=args.warmup,
                         cooldown_steps=args.cooldown, ring_capacity=args.ring_capacity,
+                        max_verify_entries=args.max_verify_entries,
                         dump_dir=args.dump_failures, layout=args.layout, block_size=args.block_size,
                         block_stride=args.block_stride, tiers=args.tiers, tier_dir=args.tier_dir)
         sim = Simulation(cfg)

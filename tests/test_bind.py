@@ -182,3 +182,30 @@ def test_a_replaced_tensor_is_not_seen_until_bound_again():
 def test_bind_is_importable_from_the_package_module():
     assert kvcanary_cupy.bind.__all__ == ["BoundLaunch", "bind_plan", "bind_scatter", "bind_verify", "bind_write"]
     assert kvcanary_cupy._validate is not None and kvcanary_cupy.dlpack is not None
+
+
+@pytest.mark.skipif(unavailable_reason("host") is not None, reason=f"host backend: {unavailable_reason('host')}")
+def test_host_bound_calls_pack_their_kernel_arguments_once(monkeypatch):
+    from kvcanary_cupy.backends.kernel_backend import KernelBackend
+    from kvcanary_cupy.hostcuda import HostKernel
+
+    bound, reference = numpy_engine(), numpy_engine()
+    launches = [bind_plan(**bound.plan_kwargs(), backend="host", on_invalid="flag"),
+                bind_verify(**bound.verify_kwargs(), backend="host", on_invalid="flag"),
+                bind_write(**bound.write_kwargs(), backend="host", on_invalid="flag")]
+    assert all(launch.runner is not None for launch in launches)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("kernel arguments built or packed during a bound call")
+
+    for step in range(len(STEPS)):
+        for target in (HostKernel, KernelBackend):
+            for name in ("_marshal", "plan", "verify", "write", "__call__"):
+                if hasattr(target, name) and (target, name) != (KernelBackend, "__call__"):
+                    monkeypatch.setattr(target, name, forbidden)
+        bound.refill(step)
+        for launch in launches:
+            launch()
+        monkeypatch.undo()
+        run_unbound(reference, step)
+        assert_same_state(bound.state(), reference.state(), step)

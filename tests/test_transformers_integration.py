@@ -84,6 +84,24 @@ def test_generation_is_token_exact_and_clean_with_the_canary(models, name):
         assert len(with_canary) == w.num_results and any("__child#" in rid for rid in with_canary)
 
 
+def test_a_bounded_verify_runs_clean_and_verifies_at_most_its_window_per_step(models):
+    w = WORKLOADS["mixed-lengths"]
+    model = models[w.arch]
+    reference = generate(model, w)
+    canary = install(model, CanaryOptions(max_verify_entries_per_step=8, sweep_interval=0))
+    assert generate(model, w) == reference
+    canary.finish()
+    canary.remove()
+    (state,) = canary.states.values()
+    assert canary.violations == [] and state.health_problems == [] and state.status_bits == 0
+    stats = state.rt.stats()
+    assert stats["verify_entries_per_step"] == 8 and stats["verify_live_max"] > 8
+    for g in state.rt.groups.values():
+        for ep in g.endpoints["HEAD"] + g.endpoints["TAIL"]:
+            verified = int(ep.verify_ctx.slot_run_counter[0])
+            assert 0 < verified <= 8 * canary.steps
+
+
 def test_mode_off_launches_nothing_and_changes_nothing(models):
     w = WORKLOADS["mixed-lengths"]
     model = models[w.arch]

@@ -120,6 +120,7 @@ class KernelBackend:
         self.shape = shape
         self._null = null
         self._functions: dict[str, Any] = {}
+        self._recording: list[tuple[str, str, Any, Any, tuple[Any, ...]]] | None = None
 
     def load_all(self) -> None:
         """Build (or load from the cache) every kernel module now rather than at its first launch."""
@@ -142,6 +143,38 @@ class KernelBackend:
             self._functions[key] = fn
         return fn
 
+    def _kernel(self, file: str, name: str, grid: Any, block: Any, args: tuple[Any, ...]) -> None:
+        if self._recording is not None:
+            self._recording.append((file, name, grid, block, args))
+            return
+        self.function(file, name)(grid, block, args)
+
+    def prepare(self, step: str, launch: Any) -> Callable[[], None]:
+        """``step``'s kernel launches for ``launch`` with their arguments built once (and, on the host, packed
+        once): a bound launch's buffers and scalars never change, so only the launches themselves remain per
+        call. Nothing here reads device memory, so the launches recorded are exactly those a call would run."""
+        self._recording = []
+        try:
+            getattr(self, step)(launch)
+            recorded, self._recording = self._recording, None
+        finally:
+            self._recording = None
+        calls: list[Callable[[], None]] = []
+        for file, name, grid, block, args in recorded:
+            kernel = self._load_module(file).get_function(name)
+            if self._null is None and hasattr(kernel, "prepared"):
+                calls.append(kernel.prepared(grid, block, args))
+            else:
+                calls.append(functools.partial(self.function(file, name), grid, block, args))
+        if len(calls) == 1:
+            return calls[0]
+
+        def run_all() -> None:
+            for call in calls:
+                call()
+
+        return run_all
+
     def plan(self, launch: Any) -> None:
         shape = self.shape
         vp, wp = launch.verify, launch.write
@@ -157,14 +190,14 @@ class KernelBackend:
         else:
             suffix = "_paged"
             layout = _paged_args(launch.paged)
-        self.function("plan.cu", "kvc_plan_offsets" + suffix)(
+        self._kernel("plan.cu", "kvc_plan_offsets" + suffix,
             (1,), (shape.plan_offsets_block,),
             (launch.req_pool_indices, launch.prefix_lens, launch.extend_seq_lens, _I64(bs), *layout,
              lut, _I64(lut_len), _I64(launch.swa_window_size), _I64(launch.verify_capacity),
              _I64(launch.write_req_capacity), wp.verify_offsets, wp.write_offsets, wp.write_seed_slot_indices,
              vp.verify_num_valid, vp.enable, wp.write_num_valid_reqs, vp.status),
         )
-        self.function("plan.cu", "kvc_plan_entries" + suffix)(
+        self._kernel("plan.cu", "kvc_plan_entries" + suffix,
             (shape.plan_entries_grid,), (shape.plan_entries_block,),
             (launch.req_pool_indices, launch.prefix_lens, _I64(bs), *layout,
              lut, _I64(lut_len), _I64(launch.swa_window_size), pool, _I64(pool_rows), _I64(pool_width),
@@ -176,7 +209,7 @@ class KernelBackend:
 
     def verify(self, launch: Any) -> None:
         ctx = launch.context
-        self.function("verify.cu", "kvc_verify")(
+        self._kernel("verify.cu", "kvc_verify",
             (self.shape.verify_grid,), (self.shape.verify_block,),
             (ctx.canary, _I64(ctx.num_slots), _I64(ctx.canary.shape[1]), launch.slots, launch.expected_tokens,
              launch.expected_positions, launch.prev_slots, launch.num_valid, launch.enable,
@@ -189,7 +222,7 @@ class KernelBackend:
         ctx = launch.context
         capacity = launch.write_req_capacity
         grid = max(1, min(capacity, self.shape.write_grid_max))
-        self.function("write.cu", "kvc_write")(
+        self._kernel("write.cu", "kvc_write",
             (grid,), (self.shape.write_block,),
             (ctx.canary, _I64(ctx.num_slots), _I64(ctx.canary.shape[1]), launch.write_offsets,
              launch.write_seed_slot_indices, launch.write_num_valid_reqs, _I64(capacity), launch.input_ids,
@@ -207,7 +240,7 @@ class KernelBackend:
         block = self.shape.scatter_block
         column_tiles = max(1, min(-(-min(width, total) // block), 65535))
         grid = (max(1, min(bs, self.shape.scatter_grid_max)), column_tiles)
-        self.function("scatter.cu", "kvc_scatter")(
+        self._kernel("scatter.cu", "kvc_scatter",
             grid, (block,),
             (launch.flat_in, _I64(total), launch.offsets, launch.req_pool_indices, _I64(bs), launch.pool_out,
              _I64(rows), _I64(width), launch.status),
@@ -218,8 +251,9 @@ class KernelBackend:
         return max(1, min(-(-n // block), self.shape.transfer_grid_max)), block
 
     def gather_records(self, launch: Any) -> None:
-        grid, block = self._transfer_grid(launch.count)
-        self.function("transfer.cu", "kvc_gather_records")(
+        n = launch.count
+        grid, block = self._transfer_grid(n)
+        self._kernel("transfer.cu", "kvc_gather_records",
             (grid,), (block,),
             (launch.canary, _I64(launch.canary.shape[0]), _I64(launch.canary.shape[1]), launch.slots,
              _I64(launch.slots.shape[0]), _I64(launch.page_size), _I64(launch.page_stride), launch.records,
@@ -227,8 +261,9 @@ class KernelBackend:
         )
 
     def scatter_records(self, launch: Any) -> None:
-        grid, block = self._transfer_grid(launch.count)
-        self.function("transfer.cu", "kvc_scatter_records")(
+        n = launch.count
+        grid, block = self._transfer_grid(n)
+        self._kernel("transfer.cu", "kvc_scatter_records",
             (grid,), (block,),
             (launch.records, launch.slots, _I64(launch.slots.shape[0]), _I64(launch.page_size),
              _I64(launch.page_stride), launch.canary, _I64(launch.canary.shape[0]), _I64(launch.canary.shape[1]),

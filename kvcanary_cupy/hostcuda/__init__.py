@@ -42,7 +42,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -741,3 +741,23 @@ class HostKernel:
         del storage
         if rc != 0:
             raise HostLaunchError(err.value.decode(errors="replace"))
+
+    def prepared(self, grid: int | tuple[int, ...], block: int | tuple[int, ...], args: tuple[Any, ...], *,
+                 shared_mem: int = 0) -> Callable[[], None]:
+        """A launch of fixed shape and arguments, marshalled once: calling it runs the kernel to completion
+        like ``kern(grid, block, args)``, without re-packing the argument block (for launches bound once and
+        called every step; the arrays in ``args`` are kept alive and read afresh by every call)."""
+        if operator.index(shared_mem) != 0:
+            raise ValueError("prepared launches take no dynamic shared memory")
+        grid3, block3 = (ctypes.c_uint * 3)(*_dims(grid, "grid")), (ctypes.c_uint * 3)(*_dims(block, "block"))
+        storage, argv = self._marshal(args)
+        launch, index = self.module._lib.kvc_host_abi_launch, self._index
+        held = (storage, tuple(args))  # the argument block and the arrays its pointers name
+
+        def run() -> None:
+            err = ctypes.create_string_buffer(_ERROR_BUFFER)
+            if launch(index, grid3, block3, 0, argv, err, _ERROR_BUFFER) != 0:
+                raise HostLaunchError(err.value.decode(errors="replace"))
+
+        run.held = held  # type: ignore[attr-defined]
+        return run

@@ -16,7 +16,7 @@ words and their snapshots), :mod:`.space` (device, framework, streams, pinned me
 from __future__ import annotations
 
 from .batch import StepBatch
-from .config import CanaryConfig, Capacities
+from .config import CanaryConfig, Capacities, verify_latency_bound
 from .groups import Endpoint, GroupState
 from .pools import KvGroup, KvPools
 from .reporting import CanaryHealthError, CanaryViolationError, StepReport
@@ -37,4 +37,5 @@ __all__ = [
     "StepBatch",
     "StepReport",
     "SweepSource",
+    "verify_latency_bound",
 ]

@@ -50,6 +50,12 @@ class CanaryConfig:
         health_check: check the kernel and slot run counters every step (one step late).
         backend: "auto", "numpy", "cuda" or "host", as for the launchers.
         logger: name of the :mod:`logging` logger every record goes to.
+        max_verify_entries_per_step: 0 (default) verifies every prefix slot of every request on every step
+            (the full verify). N > 0 bounds the HEAD and TAIL verify of each group to at most N entries per
+            step, taken round-robin through the plan's list of live prefix entries (a cursor that moves N entries
+            a step and wraps to the start after the last one), so that a set of L live prefix entries is
+            verified completely every ``ceil(L / N)`` steps (see :func:`~kvcanary_cupy.runtime.verify_latency_bound`).
+            The write's checks of the step's new tokens and the sweep stay complete.
     """
 
     mode: str = "log"
@@ -62,12 +68,15 @@ class CanaryConfig:
     health_check: bool = True
     backend: str = "auto"
     logger: str = "kvcanary_cupy.runtime"
+    max_verify_entries_per_step: int = 0
 
     def __post_init__(self) -> None:
         _choice(self.mode, "CanaryConfig.mode", MODES)
         int_arg(self.ring_capacity, "CanaryConfig.ring_capacity", minimum=1, maximum=(1 << 31) - 1)
         int_arg(self.sweep_interval, "CanaryConfig.sweep_interval", minimum=0)
         int_arg(self.stats_interval, "CanaryConfig.stats_interval", minimum=0)
+        int_arg(self.max_verify_entries_per_step, "CanaryConfig.max_verify_entries_per_step", minimum=0,
+                maximum=(1 << 31) - 1)
         object.__setattr__(self, "real_kv_hash_mode", hash_mode(self.real_kv_hash_mode,
                                                                 "CanaryConfig.real_kv_hash_mode"))
         for flag in ("write_input_assert", "verify_token_assert", "health_check"):
@@ -79,6 +88,29 @@ class CanaryConfig:
     @property
     def enabled(self) -> bool:
         return self.mode != "off"
+
+    @property
+    def bounded_verify(self) -> bool:
+        return self.max_verify_entries_per_step > 0
+
+
+def verify_latency_bound(live_entries: int, max_entries_per_step: int, *, growth_per_step: int = 0) -> int:
+    """Steps within which the bounded verify reaches every live prefix entry (its detection-latency bound).
+
+    ``live_entries`` L: the entries of the plan's verify list; ``max_entries_per_step`` N (0: full verify, bound
+    1); ``growth_per_step`` G: entries a step may insert into the list ahead of an entry (in decode, one per
+    request row that grows). With an unchanging list the cursor visits every entry once in ``ceil(L / N)``
+    steps. When entries are inserted, an entry waits at most for the rest of the cursor's current pass (it may
+    have been inserted just behind the cursor) and then for its place in the next pass, and a pass over a list
+    that grows by G entries a step takes at most ``ceil(L / (N - G))`` steps: the bound is twice that, for
+    N > G (otherwise the cursor may never catch up and no bound holds: -1)."""
+    if max_entries_per_step <= 0 or live_entries <= max_entries_per_step:
+        return 1
+    if growth_per_step == 0:
+        return -(-live_entries // max_entries_per_step)
+    if max_entries_per_step <= growth_per_step:
+        return -1
+    return 2 * -(-live_entries // (max_entries_per_step - growth_per_step))
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,9 @@ def runtime_footprint(config: CanaryConfig, pools: KvPools, caps: Capacities,
             += 4 * verify * _I64
         by[sweep_arg] += 4 * sweep * _I64
         by[batch_arg] += (3 * batch + 2) * _I64
+        window = config.max_verify_entries_per_step
+        if window:  # the bounded verify's window plan, its index and arange scratch
+            by[f"CanaryConfig.max_verify_entries_per_step={window}"] += 6 * window * _I64
         if group.is_swa:
             scratch = max(tokens, sweep)
             by[tokens_arg] += tokens * _I64

@@ -24,6 +24,8 @@ from .scalars import Scalars
 from .space import ArraySpace
 
 ROLES = ("HEAD", "TAIL", "SWEEP")
+VERIFY_ENTRY_FIELDS = ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions",
+                       "verify_prev_slot_indices")
 
 
 @dataclass
@@ -57,6 +59,12 @@ class GroupState:
     mask: Any = None  # bool scratch for LUT gathers
     plan: BoundLaunch | None = None
     sweep_views: dict[str, Any] = field(default_factory=dict)
+    # bounded verify (CanaryConfig.max_verify_entries_per_step): the window of the forward plan the HEAD and
+    # TAIL verify read, its views, the full plan's views it is gathered from, and int64/bool scratch
+    window_plan: VerifyPlan | None = None
+    window_views: dict[str, Any] = field(default_factory=dict)
+    plan_views: dict[str, Any] = field(default_factory=dict)
+    window_scratch: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -75,10 +83,12 @@ def reserve_scalars(scalars: Scalars, group: KvGroup) -> None:
     g = group.name
     for what, fill in (("write_index", 0), ("status", 0), ("chain_assert", 0), ("plan.num_valid", 0),
                        ("plan.enable", 1), ("plan.status", 0), ("write.num_valid", 0), ("sweep.num_valid", 0),
-                       ("sweep.enable", 1), ("sweep.status", 0)):
+                       ("sweep.enable", 1), ("sweep.status", 0), ("window.num_valid", 0)):
         scalars.reserve(f"{g}.{what}", np.int32, fill)
     scalars.reserve(f"{g}.lost", np.int64, 0)
     scalars.reserve(f"{g}.drain_temp", np.int64, 0)
+    for what in ("window.cursor", "window.live", "window.temp", "window.flag"):
+        scalars.reserve(f"{g}.{what}", np.int64, 0)
     for role, kv in _endpoint_keys(group):
         tag = _tag(role, kv, group)
         for op in ("verify", "write") if role != "SWEEP" else ("verify",):
@@ -105,7 +115,8 @@ def counter_name(group: GroupState | KvGroup, ep: Endpoint, op: str, what: str) 
 
 
 def build_group(group: KvGroup, space: ArraySpace, scalars: Scalars, *, ring_capacity: int, verify_capacity: int,
-                max_batch_size: int, sweep_capacity: int, max_tokens: int, mode: RealKvHashMode) -> GroupState:
+                max_batch_size: int, sweep_capacity: int, max_tokens: int, mode: RealKvHashMode,
+                window: int = 0) -> GroupState:
     """Allocate the group's buffers and plans; launches are bound later (:func:`bind_group`)."""
     g = group.name
 
@@ -138,20 +149,21 @@ def build_group(group: KvGroup, space: ArraySpace, scalars: Scalars, *, ring_cap
 
         endpoints[role].append(Endpoint(role, kv, tag, ctx("verify"), None if role == "SWEEP" else ctx("write")))
 
-    def verify_plan(capacity: int, prefix: str, sized_by: str) -> tuple[VerifyPlan, dict[str, Any]]:
+    def verify_plan(capacity: int, prefix: str, sized_by: str,
+                    flags: str | None = None) -> tuple[VerifyPlan, dict[str, Any]]:
         views: dict[str, Any] = {}
         owners: dict[str, Any] = {}
-        for name in ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions",
-                     "verify_prev_slot_indices"):
+        for name in VERIFY_ENTRY_FIELDS:
             owners[name], views[name] = alloc(capacity, np.int64, -1 if name == "verify_expected_tokens" else 0,
                                               name=sized_by)
+        flags = flags or prefix  # the window shares the forward plan's enable and status words
         plan = VerifyPlan(**owners, verify_num_valid=scalars.owner(f"{g}.{prefix}.num_valid"),
-                          enable=scalars.owner(f"{g}.{prefix}.enable"), status=scalars.owner(f"{g}.{prefix}.status"))
+                          enable=scalars.owner(f"{g}.{flags}.enable"), status=scalars.owner(f"{g}.{flags}.status"))
         views["verify_num_valid"] = scalars.view(f"{g}.{prefix}.num_valid")
-        views["enable"] = scalars.view(f"{g}.{prefix}.enable")
+        views["enable"] = scalars.view(f"{g}.{flags}.enable")
         return plan, views
 
-    vp, _ = verify_plan(verify_capacity, "plan", "Capacities.verify_capacity")
+    vp, plan_views = verify_plan(verify_capacity, "plan", "Capacities.verify_capacity")
     sweep_plan, sweep_views = verify_plan(sweep_capacity, "sweep", "Capacities.max_sweep_slots")
     rows = "Capacities.max_batch_size"
     write_plan = WritePlan(write_offsets=alloc(max_batch_size + 1, np.int64, name=rows)[0],
@@ -159,7 +171,19 @@ def build_group(group: KvGroup, space: ArraySpace, scalars: Scalars, *, ring_cap
                            write_num_valid_reqs=scalars.owner(f"{g}.write.num_valid"),
                            verify_offsets=alloc(max_batch_size + 1, np.int64, name=rows)[0])
     state = GroupState(spec=group, ring=ring, verify_plan=vp, write_plan=write_plan, sweep_plan=sweep_plan,
-                       endpoints=endpoints, ring_view=ring_view, ring_scratch=scratch, sweep_views=sweep_views)
+                       endpoints=endpoints, ring_view=ring_view, ring_scratch=scratch, sweep_views=sweep_views,
+                       plan_views=plan_views)
+    if window:
+        sized_by = "CanaryConfig.max_verify_entries_per_step"
+        state.window_plan, state.window_views = verify_plan(window, "window", sized_by, flags="plan")
+        arange = alloc(window, np.int64, name=sized_by)[1]
+        with space.scope():
+            space.upload(arange, np.arange(window, dtype=np.int64))
+        state.window_scratch = {
+            "arange": arange, "index": alloc(window, np.int64, name=sized_by)[1],
+            "cursor": scalars.view(f"{g}.window.cursor"),
+            "live": scalars.view(f"{g}.window.live"), "temp": scalars.view(f"{g}.window.temp"),
+            "flag": scalars.view(f"{g}.window.flag")}
     if group.is_swa:
         state.lut_view = as_array(group.full_to_swa_index_mapping, f"KvGroup {g!r}.full_to_swa_index_mapping")
         state.swa_out_cache_loc = Buffer(*alloc(max_tokens, np.int64, -1, name="Capacities.max_tokens"))
@@ -191,8 +215,9 @@ def bind_group(state: GroupState, stage: StagedBatch, *, layout: tuple[str, Any]
             ep.verify = bind_verify(context=ep.verify_ctx, plan=state.sweep_plan, check_verify_expected_token=False,
                                     backend=backend, on_invalid="flag")
             continue
-        ep.verify = bind_verify(context=ep.verify_ctx, plan=state.verify_plan,
-                                check_verify_expected_token=check_tokens, backend=backend, on_invalid="flag")
+        plan = state.window_plan if state.window_plan is not None else state.verify_plan
+        ep.verify = bind_verify(context=ep.verify_ctx, plan=plan, check_verify_expected_token=check_tokens,
+                                backend=backend, on_invalid="flag")
         assert ep.write_ctx is not None
         ep.write = bind_write(
             context=ep.write_ctx, plan=state.write_plan, input_ids=stage.owner("input_ids"),
@@ -214,3 +239,29 @@ def gather_lut(state: GroupState, xp: Any, src: Any, dst: Any) -> None:
     xp.copyto(dst, src, where=mask)
     xp.greater_equal(src, int(lut.shape[0]), out=mask)
     xp.copyto(dst, xp.int64(state.spec.num_slots), where=mask)
+
+
+def select_window(state: GroupState, xp: Any) -> None:
+    """The bounded verify's entries of this step: the next ``N`` entries of the forward plan's verify list from
+    the group's cursor (fewer at the end of the list), copied into the window plan; then the cursor moves ``N``
+    on, back to 0 once it has passed the last live entry. Device operations only (no host read, capture-safe):
+    a cursor beyond a list that shrank starts again at 0. An overflowed plan (enable 0) leaves the window
+    disabled too (it shares the plan's enable word)."""
+    plan, win, sc = state.plan_views, state.window_views, state.window_scratch
+    capacity = int(plan["verify_slot_indices"].shape[0])
+    n = int(win["verify_slot_indices"].shape[0])
+    cursor, live, temp, flag, index = sc["cursor"], sc["live"], sc["temp"], sc["flag"], sc["index"]
+    xp.copyto(live, plan["verify_num_valid"], casting="unsafe")
+    xp.clip(live, 0, capacity, out=live)
+    xp.less(cursor, live, out=flag)
+    xp.multiply(cursor, flag, out=cursor)  # a list that shrank below the cursor: start again
+    xp.add(sc["arange"], cursor, out=index)
+    xp.minimum(index, capacity - 1, out=index)  # entries past the window's count are never read
+    for name in VERIFY_ENTRY_FIELDS:
+        xp.take(plan[name], index, out=win[name])
+    xp.subtract(live, cursor, out=temp)
+    xp.clip(temp, 0, n, out=temp)
+    xp.copyto(win["verify_num_valid"], temp, casting="unsafe")
+    cursor += n
+    xp.less(cursor, live, out=flag)
+    xp.multiply(cursor, flag, out=cursor)

@@ -39,9 +39,18 @@ from ..tiers import offload_canary_records, restore_canary_records
 from ..transfer import gather_canary_records, scatter_canary_records
 from ..violations import ViolationReport, decode_row
 from .batch import Buffer, StagedBatch, StagedHistory, StepBatch
-from .config import CanaryConfig, Capacities
+from .config import CanaryConfig, Capacities, verify_latency_bound
 from .footprint import runtime_footprint
-from .groups import Endpoint, GroupState, bind_group, build_group, counter_name, gather_lut, reserve_scalars
+from .groups import (
+    Endpoint,
+    GroupState,
+    bind_group,
+    build_group,
+    counter_name,
+    gather_lut,
+    reserve_scalars,
+    select_window,
+)
 from .pools import KvPools, row_less
 from .reporting import StepReport, publish
 from .scalars import Scalars
@@ -102,6 +111,8 @@ class _Totals:
     sweeps: int = 0
     swept_slots: int = 0
     counters: dict[str, int] = field(default_factory=dict)  # last snapshot's run counters
+    live_max: dict[str, int] = field(default_factory=dict)  # bounded verify: most live entries of a group's plan
+    step_tokens_max: int = 0  # bounded verify: most new tokens of one forward (entries a step adds to the lists)
 
 
 @dataclass
@@ -241,7 +252,8 @@ class CanaryRuntime:
             state = build_group(group, space, self.scalars, ring_capacity=cfg.ring_capacity,
                                 verify_capacity=caps.verify_capacity or 3 * group.num_slots,
                                 max_batch_size=caps.max_batch_size, sweep_capacity=sweep_cap,
-                                max_tokens=caps.max_tokens, mode=cfg.real_kv_hash_mode)
+                                max_tokens=caps.max_tokens, mode=cfg.real_kv_hash_mode,
+                                window=cfg.max_verify_entries_per_step)
             bind_group(state, self.stages[group.model], layout=pools.layout_of(group),
                        expected_pool=self.expected_token_pool, check_tokens=cfg.verify_token_assert,
                        backend=cfg.backend)
@@ -336,6 +348,8 @@ class CanaryRuntime:
         groups = self._groups_of(model)
         stage = self.stages[model]
         views = stage.validate(batch)
+        if self.config.bounded_verify:
+            self._totals.step_tokens_max = max(self._totals.step_tokens_max, int(views["input_ids"].shape[0]))
         history = None
         if self._history is not None:
             history = self._history.validate(batch)
@@ -366,6 +380,9 @@ class CanaryRuntime:
         for state in groups:
             assert state.plan is not None
             self._launch(state.plan, "plan", model, state)
+            if state.window_plan is not None:
+                with self._timed("window"), self.space.scope():
+                    select_window(state, self.space.xp)
             self._run_endpoints(state, "HEAD", model)
 
     def post_forward(self, *, model: str = "target", out_cache_loc: Any = None) -> None:
@@ -699,6 +716,9 @@ class CanaryRuntime:
             report.dropped += dropped
             totals.dropped += dropped
             totals.status_bits |= status
+            if state.window_plan is not None and sc.value(host, f"{name}.plan.enable"):
+                live = sc.value(host, f"{name}.plan.num_valid")
+                totals.live_max[name] = max(totals.live_max.get(name, 0), live)
             plan_status = sc.value(host, f"{name}.plan.status")
             if plan_status:
                 report.plan_status[name] = plan_status
@@ -884,9 +904,33 @@ class CanaryRuntime:
             "swept_slots": t.swept_slots, "violations": t.violations, "violations_by_group": dict(t.by_group),
             "dropped": t.dropped, "status_bits": t.status_bits, "overflows": dict(t.overflows),
             "health_failures": t.health_failures, "init_finished": self._init_finished,
+            **self.verify_bound(),
         }
+
+    def verify_bound(self) -> dict[str, Any]:
+        """The bounded verify's detection-latency bound, from what the run has seen so far (one step late).
+
+        ``verify_entries_per_step``: N (0: full verify, every live slot every step). ``verify_live_max``: the
+        most live prefix entries any group's plan listed. ``verify_bound_steps``: every live slot of an
+        unchanging set of prefixes is verified within this many steps (``ceil(live / N)``).
+        ``verify_bound_steps_growing``: the bound while every step adds up to ``verify_growth_max`` entries (the
+        most new tokens of one forward) to the lists; -1 when N does not exceed that growth (see
+        :func:`~kvcanary_cupy.runtime.verify_latency_bound`)."""
+        n = self.config.max_verify_entries_per_step
+        live = max(self._totals.live_max.values(), default=0)
+        growth = self._totals.step_tokens_max
+        return {"verify_entries_per_step": n, "verify_live_max": live, "verify_growth_max": growth,
+                "verify_bound_steps": verify_latency_bound(live, n),
+                "verify_bound_steps_growing": verify_latency_bound(live, n, growth_per_step=growth)}
 
     def stats_line(self) -> str:
         s = self.stats()
-        return (f"kv-canary: protected {s['protected_tokens']} tokens, {s['sweeps']} sweep passes, "
+        line = (f"kv-canary: protected {s['protected_tokens']} tokens, {s['sweeps']} sweep passes, "
                 f"{s['violations']} violations")
+        if s["verify_entries_per_step"]:
+            grow = s["verify_bound_steps_growing"]
+            line += (f"; bounded verify of {s['verify_entries_per_step']} entries/step/group: every live slot "
+                     f"verified within {s['verify_bound_steps']} steps ({s['verify_live_max']} live entries), "
+                     + (f"within {grow} while {s['verify_growth_max']} entries are added per step" if grow > 0 else
+                        f"no bound while {s['verify_growth_max']} entries are added per step"))
+        return line

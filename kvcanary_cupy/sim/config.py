@@ -88,6 +88,7 @@ class SimConfig:
     block_stride: int | None = None  # block layout: slots between consecutive block ids (None: block_size)
     tiers: tuple[str, ...] = ()  # lower KV tiers: "host" (L2 in host memory), "disk" (L3 files; needs host)
     tier_dir: str | None = None  # the L3 directory (None: a temporary one)
+    max_verify_entries: int = 0  # the bounded verify: at most N verify entries per step and group (0: full verify)
 
     @property
     def blocks(self) -> tuple[int, int]:
@@ -116,6 +117,9 @@ class SimConfig:
                                  "injections per step)")
         if self.sweep_interval < 0:
             raise ValueError(f"--sweep-interval must be >= 0 (0 disables the sweep), got {self.sweep_interval}")
+        if not 0 <= self.max_verify_entries <= (1 << 31) - 1:
+            raise ValueError(f"--max-verify-entries must lie in [0, {(1 << 31) - 1}] (0: full verify), got "
+                             f"{self.max_verify_entries}")
         if self.real_kv_hash not in ("all", "partial"):
             raise ValueError(f"--real-kv-hash must be 'all' or 'partial', got {self.real_kv_hash!r}")
         if self.warmup_steps < 0 or self.cooldown < 0:

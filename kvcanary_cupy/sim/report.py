@@ -38,6 +38,11 @@ deterministic function of the run's arguments (same seed, same report).
   (entries / verify and sweep time).
 * ``timeline``: per step ``0..steps`` (index = step), lists ``violations``, ``explained``,
   ``false_positives`` and ``detected`` (counted at the step they were read) and ``injected``.
+* ``verify_bound`` (synthetic runs; optional in the schema): the bounded verify (``--max-verify-entries``) —
+  ``entries_per_step`` (0: full verify), ``live_max`` (most live prefix entries of a group's plan), ``growth_max``
+  (most new tokens of one forward), ``bound_steps`` (every live slot of an unchanging set of prefixes is verified
+  within it), ``bound_steps_growing`` (the bound while ``growth_max`` entries a step are added; -1: none holds),
+  ``slowest_steps`` (the longest detection latency of the run; null when nothing was detected).
 
 ``rich`` (terminal table, progress bar) and ``matplotlib`` (the HTML plot) are optional: without them the
 table is plain text and the HTML page has no plot.
@@ -140,6 +145,16 @@ SCHEMA: dict[str, Any] = _obj({
     }),
     "timeline": _obj({k: _INT_LIST for k in ("violations", "explained", "false_positives", "detected", "injected")}),
 })
+
+# The bounded verify (--max-verify-entries): present in every synthetic report, optional in the schema (the
+# disaggregated and transformers reports have none). ``entries_per_step`` N (0: full verify), ``live_max`` (most
+# live prefix entries of a group's plan), ``growth_max`` (most new tokens of one forward), ``bound_steps``
+# (ceil(live_max / N): every live slot of an unchanging set of prefixes is verified within it),
+# ``bound_steps_growing`` (the bound while growth_max entries a step are added; -1: none holds), ``slowest_steps``
+# (the longest detection latency of any fault, null when none was detected).
+SCHEMA["properties"]["verify_bound"] = _obj({
+    "entries_per_step": _INT, "live_max": _INT, "growth_max": _INT, "bound_steps": _INT,
+    "bound_steps_growing": _INT, "slowest_steps": _INT_OR_NULL})
 
 NONDETERMINISTIC = ("cost", "generated")  # everything else is reproducible from the arguments
 
@@ -277,7 +292,16 @@ def build_report(sim: Any) -> dict[str, Any]:
         },
         "timeline": {k: list(v) for k, v in tl.items()},
         **({"tiers": sim.tiers.summary()} if getattr(sim, "tiers", None) is not None else {}),
+        "verify_bound": _verify_bound(sim.runtime.verify_bound(), faults),
     }
+
+
+def _verify_bound(bound: dict[str, Any], faults: list[Any]) -> dict[str, Any]:
+    latencies = [int(f.latency) for f in faults if f.detected and f.latency is not None]
+    return {"entries_per_step": bound["verify_entries_per_step"], "live_max": bound["verify_live_max"],
+            "growth_max": bound["verify_growth_max"], "bound_steps": bound["verify_bound_steps"],
+            "bound_steps_growing": bound["verify_bound_steps_growing"],
+            "slowest_steps": max(latencies) if latencies else None}
 
 
 def _status_names(bits: int) -> list[str]:
@@ -337,6 +361,15 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         f"canary cost per step ({cost['backend']}): {cost['canary_ms_per_step']:.2f} ms = {phases} ms "
         f"(engine {ms['engine']:.2f} ms); {cost['verify_entries_per_s']:,.0f} entries verified/s",
     ]
+    vb = report.get("verify_bound")
+    if vb and vb["entries_per_step"]:
+        grow = vb["bound_steps_growing"]
+        slowest = "no fault detected" if vb["slowest_steps"] is None else \
+            f"slowest detection {vb['slowest_steps']} steps"
+        lines.append(f"bounded verify: {vb['entries_per_step']} entries/step/group; every live slot verified within "
+                     f"{vb['bound_steps']} steps ({vb['live_max']} live entries), "
+                     + (f"within {grow} while {vb['growth_max']} entries are added per step" if grow > 0 else
+                        f"no bound while {vb['growth_max']} entries are added per step") + f"; {slowest}")
     if cost["backend"] != "numpy":
         lines.append(f"kernel compile/load before the run: {cost['compile_s']:.2f} s (not in the costs above)")
     if v["status"]:

@@ -165,7 +165,7 @@ class Simulation:
         config = CanaryConfig(mode=cfg.canary_mode, ring_capacity=cfg.ring_capacity,
                               sweep_interval=cfg.sweep_interval, real_kv_hash_mode=cfg.real_kv_hash,
                               write_input_assert=True, verify_token_assert=True, backend=self.backend,
-                              logger=CANARY_LOGGER)
+                              logger=CANARY_LOGGER, max_verify_entries_per_step=cfg.max_verify_entries)
         capacities = Capacities(
             max_batch_size=ecfg.max_batch_rows,
             max_tokens=ecfg.chunk_size + ecfg.max_padded_batch,  # a prefill budget plus one token per decode row

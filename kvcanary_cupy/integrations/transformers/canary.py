@@ -119,6 +119,7 @@ class CanaryOptions:
     endpoints next to K; ``backend`` as for the launchers (``auto``, ``numpy``, ``host``); the write-input and
     verify-token asserts compare with the engine's request state (prompt + generated ids). ``sweep_interval``:
     every N steps verify every slot of the blocks the engine keeps cached for prefix reuse (0: never).
+    ``max_verify_entries_per_step``: the runtime's bounded verify (0, the default: every prefix slot every step).
     """
 
     mode: str = "log"
@@ -128,6 +129,7 @@ class CanaryOptions:
     ring_capacity: int = 4096
     sweep_interval: int = 8
     logger: str = "kvcanary_cupy.transformers"
+    max_verify_entries_per_step: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -151,7 +153,8 @@ class CanaryOptions:
         self.validate()
         return CanaryConfig(mode=self.mode, ring_capacity=self.ring_capacity, real_kv_hash_mode=self.real_kv_hash,
                             write_input_assert=True, verify_token_assert=True, backend=self.backend,
-                            sweep_interval=self.sweep_interval, logger=self.logger)
+                            sweep_interval=self.sweep_interval, logger=self.logger,
+                            max_verify_entries_per_step=self.max_verify_entries_per_step)
 
 
 class TransformersCanaryState:
