@@ -64,6 +64,11 @@ class LaunchShape:
     scatter_block: int
     transfer_grid_max: int = 64  # record gather/scatter: min(n, grid_max * block) threads, grid-strided
     transfer_block: int = 256
+    # Work-sized grids (0: off). Plan entries, verify, write and record transfer launch at most
+    # ceil(work / min_work_per_block) blocks (work: entries, tokens or records) and at most
+    # blocks_per_thread blocks per OS thread of the backend; the kernels are correct for any grid.
+    min_work_per_block: int = 0
+    blocks_per_thread: int = 0
 
 
 def _real_kv_args(ctx: Any) -> tuple[Any, ...]:
@@ -101,12 +106,25 @@ class KernelBackend:
     host launcher takes ``None`` itself.
     """
 
-    def __init__(self, name: str, load_module: Callable[[str], Any], shape: LaunchShape, null: Any = None) -> None:
+    def __init__(self, name: str, load_module: Callable[[str], Any], shape: LaunchShape, null: Any = None,
+                 threads: Callable[[], int] | None = None) -> None:
         self.name = name
         self._load_module = load_module
         self.shape = shape
         self._null = null
+        self._threads = threads
         self._functions: dict[str, Any] = {}
+
+    def grid(self, max_grid: int, work: int) -> int:
+        """Blocks for a launch of ``work`` items: ``max_grid``, less where the shape sizes grids to the work
+        and to the OS threads that will run them."""
+        shape = self.shape
+        grid = max_grid
+        if shape.min_work_per_block > 0:
+            grid = min(grid, -(-max(work, 1) // shape.min_work_per_block))
+        if shape.blocks_per_thread > 0 and self._threads is not None:
+            grid = min(grid, shape.blocks_per_thread * self._threads())
+        return max(1, grid)
 
     def load_all(self) -> None:
         """Build (or load from the cache) every kernel module now rather than at its first launch."""
@@ -152,7 +170,7 @@ class KernelBackend:
              vp.verify_num_valid, vp.enable, wp.write_num_valid_reqs, vp.status),
         )
         self.function("plan.cu", "kvc_plan_entries" + suffix)(
-            (shape.plan_entries_grid,), (shape.plan_entries_block,),
+            (self.grid(shape.plan_entries_grid, launch.verify_capacity),), (shape.plan_entries_block,),
             (launch.req_pool_indices, launch.prefix_lens, _I64(bs), *layout,
              lut, _I64(lut_len), _I64(launch.swa_window_size), pool, _I64(pool_rows), _I64(pool_width),
              launch.req_to_verify_expected_tokens_valid_lens, _I32(pool is not None),
@@ -164,7 +182,7 @@ class KernelBackend:
     def verify(self, launch: Any) -> None:
         ctx = launch.context
         self.function("verify.cu", "kvc_verify")(
-            (self.shape.verify_grid,), (self.shape.verify_block,),
+            (self.grid(self.shape.verify_grid, launch.capacity),), (self.shape.verify_block,),
             (ctx.canary, _I64(ctx.num_slots), _I64(ctx.canary.shape[1]), launch.slots, launch.expected_tokens,
              launch.expected_positions, launch.prev_slots, launch.num_valid, launch.enable,
              _I64(launch.capacity), _I32(launch.check_verify_expected_token), _I64(ctx.kernel_kind), ctx.ring,
@@ -175,7 +193,7 @@ class KernelBackend:
     def write(self, launch: Any) -> None:
         ctx = launch.context
         capacity = launch.write_req_capacity
-        grid = max(1, min(capacity, self.shape.write_grid_max))
+        grid = max(1, min(capacity, self.grid(self.shape.write_grid_max, int(launch.input_ids.shape[0]))))
         self.function("write.cu", "kvc_write")(
             (grid,), (self.shape.write_block,),
             (ctx.canary, _I64(ctx.num_slots), _I64(ctx.canary.shape[1]), launch.write_offsets,
@@ -202,7 +220,7 @@ class KernelBackend:
 
     def _transfer_grid(self, n: int) -> tuple[int, int]:
         block = self.shape.transfer_block
-        return max(1, min(-(-n // block), self.shape.transfer_grid_max)), block
+        return max(1, min(-(-n // block), self.grid(self.shape.transfer_grid_max, n))), block
 
     def gather_records(self, launch: Any) -> None:
         n = launch.count

@@ -40,6 +40,7 @@ import os
 import posixpath
 import re
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -720,6 +721,24 @@ def _dims(value: Any, what: str) -> tuple[int, int, int]:
 _KIND_NAMES = {_PARAM_INTEGER: "integer", _PARAM_FLOAT: "floating-point", _PARAM_OTHER: "struct"}
 
 
+class _ArgumentBlock:
+    """One OS thread's launch buffers for one kernel: the argv table and value slots, grid, block, error."""
+
+    def __init__(self, size: int, offsets: Sequence[int], count: int) -> None:
+        self.buffer = ctypes.create_string_buffer(size + 16)
+        base = ctypes.addressof(self.buffer)
+        self.shift = (-base) % 16
+        self.table_bytes = (8 * max(count, 1) + 15) // 16 * 16
+        start = base + self.shift
+        table = (ctypes.c_void_p * max(count, 1)).from_address(start)
+        for i, offset in enumerate(offsets):
+            table[i] = start + offset
+        self.argv = ctypes.cast(start, ctypes.POINTER(ctypes.c_void_p))
+        self.grid = (ctypes.c_uint * 3)()
+        self.block = (ctypes.c_uint * 3)()
+        self.error = ctypes.create_string_buffer(_ERROR_BUFFER)
+
+
 class HostKernel:
     """Host counterpart of ``cupy.RawKernel``: ``kern(grid, block, args, shared_mem=0)``.
 
@@ -741,13 +760,34 @@ class HostKernel:
         self._kinds = tuple(kinds[i] for i in range(count))
         self.param_is_pointer = tuple(k == _PARAM_POINTER for k in self._kinds)
         self._max_dynamic_smem = _DEFAULT_MAX_DYNAMIC_SMEM
-        # Per parameter: 16-byte aligned slot in the argument block (kernels may take 16-aligned structs).
-        self._offsets = []
-        offset = 0
+        # The argument block: the argv table (one address per parameter), then a 16-byte aligned slot per
+        # parameter (kernels may take 16-aligned structs). One block per calling OS thread, reused: the
+        # table never changes, a launch packs only the values (one struct.pack_into).
+        offset = (8 * max(count, 1) + 15) // 16 * 16
+        self._offsets: list[int] = []
         for size in self.param_sizes:
             self._offsets.append(offset)
             offset += max(16, (size + 15) // 16 * 16)
         self._block_bytes = offset
+        self._values_format = struct.Struct(self._format())
+        self._per_thread = threading.local()
+
+    def _format(self) -> str:
+        parts = ["<"]
+        at = (8 * max(self.num_params, 1) + 15) // 16 * 16
+        for offset, size, kind in zip(self._offsets, self.param_sizes, self._kinds, strict=True):
+            if offset > at:
+                parts.append(f"{offset - at}x")
+            parts.append("Q" if kind == _PARAM_POINTER else f"{size}s")
+            at = offset + (8 if kind == _PARAM_POINTER else size)
+        return "".join(parts)
+
+    def _thread_block(self) -> Any:
+        block = getattr(self._per_thread, "block", None)
+        if block is None:
+            block = _ArgumentBlock(self._block_bytes, self._offsets, self.num_params)
+            self._per_thread.block = block
+        return block
 
     def __repr__(self) -> str:
         return f"<HostKernel {self.name!r} params={self.num_params}>"
@@ -765,47 +805,42 @@ class HostKernel:
             raise ValueError(f"max_dynamic_shared_size_bytes must be within [0, {_MAX_DYNAMIC_SMEM}], got {value}")
         self._max_dynamic_smem = value
 
-    def _marshal(self, args: Sequence[Any]) -> tuple[np.ndarray, ctypes.Array[ctypes.c_void_p]]:
+    def _marshal(self, args: Sequence[Any]) -> Any:
+        """Checks ``args`` and packs them into this thread's argument block, which it returns."""
         if not isinstance(args, tuple | list):
             raise TypeError(f"kernel {self.name!r}: args must be a tuple, got {type(args).__name__}")
         if len(args) != self.num_params:
             raise TypeError(f"kernel {self.name!r} takes {self.num_params} arguments, {len(args)} given")
-        storage = np.zeros(self._block_bytes + 16, dtype=np.uint8)
-        base = storage.ctypes.data
-        shift = (-base) % 16
-        argv = (ctypes.c_void_p * max(self.num_params, 1))()
+        values: list[Any] = []
         for i, arg in enumerate(args):
-            start = shift + self._offsets[i]
             size = self.param_sizes[i]
             kind = self._kinds[i]
-            where = f"kernel {self.name!r} argument {i}"
             if kind == _PARAM_POINTER:
                 if arg is None:
-                    address = 0
+                    values.append(0)
                 elif isinstance(arg, np.ndarray):
-                    address = arg.ctypes.data
+                    values.append(arg.ctypes.data)
                 else:
-                    raise TypeError(f"{where} is a pointer parameter: pass a numpy.ndarray or None, "
-                                    f"not {type(arg).__name__}")
-                storage[start:start + 8] = np.frombuffer(address.to_bytes(8, "little"), dtype=np.uint8)
-            else:
-                if isinstance(arg, np.ndarray):
-                    raise TypeError(f"{where} is a {size}-byte value parameter: pass a NumPy scalar, not an array")
-                if not isinstance(arg, np.generic):
-                    raise TypeError(
-                        f"{where} is a {size}-byte {_KIND_NAMES[kind]} value parameter: pass a NumPy scalar of "
-                        f"that width (e.g. np.int64(...) / np.float32(...)), not a bare {type(arg).__name__}"
-                    )
-                if arg.itemsize != size:
-                    raise TypeError(
-                        f"{where}: the parameter is {size} bytes but {arg.dtype} is {arg.itemsize} bytes"
-                    )
-                np_kind = arg.dtype.kind
-                if (kind == _PARAM_INTEGER and np_kind not in "biu") or (kind == _PARAM_FLOAT and np_kind != "f"):
-                    raise TypeError(f"{where} is a {_KIND_NAMES[kind]} parameter, got {arg.dtype}")
-                storage[start:start + size] = np.frombuffer(arg.tobytes(), dtype=np.uint8)
-            argv[i] = base + start
-        return storage, argv
+                    raise TypeError(f"kernel {self.name!r} argument {i} is a pointer parameter: pass a "
+                                    f"numpy.ndarray or None, not {type(arg).__name__}")
+                continue
+            where = f"kernel {self.name!r} argument {i}"
+            if isinstance(arg, np.ndarray):
+                raise TypeError(f"{where} is a {size}-byte value parameter: pass a NumPy scalar, not an array")
+            if not isinstance(arg, np.generic):
+                raise TypeError(
+                    f"{where} is a {size}-byte {_KIND_NAMES[kind]} value parameter: pass a NumPy scalar of "
+                    f"that width (e.g. np.int64(...) / np.float32(...)), not a bare {type(arg).__name__}"
+                )
+            if arg.itemsize != size:
+                raise TypeError(f"{where}: the parameter is {size} bytes but {arg.dtype} is {arg.itemsize} bytes")
+            np_kind = arg.dtype.kind
+            if (kind == _PARAM_INTEGER and np_kind not in "biu") or (kind == _PARAM_FLOAT and np_kind != "f"):
+                raise TypeError(f"{where} is a {_KIND_NAMES[kind]} parameter, got {arg.dtype}")
+            values.append(arg.tobytes())
+        block = self._thread_block()
+        self._values_format.pack_into(block.buffer, block.shift + block.table_bytes, *values)
+        return block
 
     def __call__(
         self,
@@ -837,18 +872,11 @@ class HostKernel:
                 f"max_dynamic_shared_size_bytes={self.max_dynamic_shared_size_bytes} (raise it as on CuPy, up to "
                 f"{_MAX_DYNAMIC_SMEM})"
             )
-        storage, argv = self._marshal(args)
-        err = ctypes.create_string_buffer(_ERROR_BUFFER)
+        block = self._marshal(args)
+        block.grid[0], block.grid[1], block.grid[2] = grid3
+        block.block[0], block.block[1], block.block[2] = block3
         rc = self.module._lib.kvc_host_abi_launch(
-            self._index,
-            (ctypes.c_uint * 3)(*grid3),
-            (ctypes.c_uint * 3)(*block3),
-            shared,
-            argv,
-            nthreads,
-            err,
-            _ERROR_BUFFER,
+            self._index, block.grid, block.block, shared, block.argv, nthreads, block.error, _ERROR_BUFFER
         )
-        del storage
         if rc != 0:
-            raise HostLaunchError(err.value.decode(errors="replace"))
+            raise HostLaunchError(block.error.value.decode(errors="replace"))

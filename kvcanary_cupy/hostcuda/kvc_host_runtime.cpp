@@ -84,6 +84,7 @@
 
 thread_local kvc_host_regs_t kvc_host_regs;
 thread_local char* kvc_host_dynamic_smem;
+unsigned int kvc_host_tsan_fence_word;
 
 namespace {
 
