@@ -660,10 +660,11 @@ class HostModule:
 
     def runtime_stats(self) -> dict[str, int]:
         """Counters of this module's runtime, over every OS thread that ran its blocks: context switches, fiber
-        starts, blocks, launches, fiber stacks mapped, pool workers started."""
-        out = (ctypes.c_ulonglong * 6)()
+        starts, blocks, launches, fiber stacks mapped, pool workers started, blocks run by pool workers."""
+        names = ("switches", "fiber_starts", "blocks", "launches", "stacks", "workers", "worker_blocks")
+        out = (ctypes.c_ulonglong * len(names))()
         self._lib.kvc_host_abi_stats(out)
-        return dict(zip(("switches", "fiber_starts", "blocks", "launches", "stacks", "workers"), out, strict=True))
+        return dict(zip(names, out, strict=True))
 
     def __repr__(self) -> str:
         return f"<HostModule {self.name!r} kernels={list(self.kernel_names)} sanitizer={self.sanitizer}>"

@@ -209,6 +209,7 @@ struct State {
     unsigned long long stat_fiber_starts;
     unsigned long long stat_blocks;
     State* next_state;  // registry of live states (stats)
+    bool pool_worker;   // this state's thread is a pool worker (not a launching thread)
 };
 
 thread_local State* g;
@@ -809,7 +810,7 @@ const kvc_host_kernel_entry* kernel_table(int* count) { return kvc_host_module_k
 pthread_mutex_t g_states_mutex = PTHREAD_MUTEX_INITIALIZER;
 State* g_states;  // every live State, for the counters
 // Counters of states whose threads have exited, and of launches (one launch spans several states).
-unsigned long long g_retired[3];
+unsigned long long g_retired[4];
 unsigned long long g_launches;
 pthread_key_t g_state_key;
 pthread_once_t g_state_key_once = PTHREAD_ONCE_INIT;
@@ -827,6 +828,7 @@ void destroy_state(void* p) {
     g_retired[0] += s->stat_switches;
     g_retired[1] += s->stat_fiber_starts;
     g_retired[2] += s->stat_blocks;
+    if (s->pool_worker) g_retired[3] += s->stat_blocks;
     pthread_mutex_unlock(&g_states_mutex);
     const size_t per = kGuardSize + kColorPage + kStackSize;
     for (unsigned i = 0; i < s->nchunks; ++i) munmap(s->chunks[i], per * kStacksPerChunk);
@@ -936,10 +938,10 @@ Pool g_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND
 
 void* worker_main(void*) {
     pthread_mutex_lock(&g_pool.mutex);
-    unsigned long long seen = g_pool.epoch;
+    // Epochs start at 1: a worker created for the launch that is already open joins it.
+    unsigned long long seen = 0;
     for (;;) {
         while (g_pool.launch == nullptr || g_pool.epoch == seen || g_pool.joined >= g_pool.helpers) {
-            if (g_pool.launch != nullptr && g_pool.epoch != seen) seen = g_pool.epoch;  // full: skip it
             pthread_cond_wait(&g_pool.wake, &g_pool.mutex);
         }
         seen = g_pool.epoch;
@@ -948,7 +950,10 @@ void* worker_main(void*) {
         ++g_pool.running;
         pthread_mutex_unlock(&g_pool.mutex);
         // A worker that cannot get memory simply does not help; the others (the caller at least) run the blocks.
-        if (ensure_state() && ensure_stacks(l->nthreads)) run_blocks(l);
+        if (ensure_state() && ensure_stacks(l->nthreads)) {
+            g->pool_worker = true;
+            run_blocks(l);
+        }
         pthread_mutex_lock(&g_pool.mutex);
         if (--g_pool.running == 0) pthread_cond_signal(&g_pool.done);
     }
@@ -1268,7 +1273,7 @@ KVC_HOST_EXPORT int kvc_host_abi_launch(int index, const unsigned int* grid, con
 }
 
 // Counters for tests and measurements, summed over every OS thread that ran blocks: switches, fiber starts,
-// blocks, launches, stacks mapped, pool workers.
+// blocks, launches, stacks mapped, pool workers started, blocks run by pool workers.
 KVC_HOST_EXPORT void kvc_host_abi_stats(unsigned long long* out) {
     pthread_mutex_lock(&g_launch_mutex);
     pthread_mutex_lock(&g_states_mutex);
@@ -1276,11 +1281,13 @@ KVC_HOST_EXPORT void kvc_host_abi_stats(unsigned long long* out) {
     out[1] = g_retired[1];
     out[2] = g_retired[2];
     out[4] = 0;
+    out[6] = g_retired[3];
     for (const State* st = g_states; st != nullptr; st = st->next_state) {
         out[0] += st->stat_switches;
         out[1] += st->stat_fiber_starts;
         out[2] += st->stat_blocks;
         out[4] += st->total_stacks;
+        if (st->pool_worker) out[6] += st->stat_blocks;
     }
     out[3] = g_launches;
     pthread_mutex_unlock(&g_states_mutex);
