@@ -178,6 +178,7 @@ def test_sanitized_differential_run_has_zero_reports(tmp_path: Path):
         "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
         "KVCANARY_HOST_SANITIZE": "1",
         "KVCANARY_DIFFERENTIAL_SCALE": "0.15",
+        "KVCANARY_HOST_THREADS": "4",
         "PYTHONFAULTHANDLER": "1",
     }
     tests_dir = Path(__file__).parent
@@ -189,4 +190,33 @@ def test_sanitized_differential_run_has_zero_reports(tmp_path: Path):
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     assert "AddressSanitizer" not in output and "runtime error" not in output, output[-6000:]
+    assert " passed" in output and "skipped" not in output.split(" passed")[-1], output[-2000:]
+
+
+def test_thread_sanitized_differential_run_has_zero_reports(tmp_path: Path):
+    """A smaller slice under ThreadSanitizer, blocks on 4 OS threads: the child must pass with no report."""
+    from kvcanary_cupy.hostcuda import sanitizer_preload
+
+    preload = sanitizer_preload("thread")
+    if not Path(preload).is_file():
+        pytest.skip(f"g++ has no ThreadSanitizer runtime ({preload})")
+    env = {
+        **os.environ,
+        "LD_PRELOAD": preload,
+        "TSAN_OPTIONS": "halt_on_error=1:report_signal_unsafe=0",
+        "KVCANARY_HOST_SANITIZE": "thread",
+        "KVCANARY_DIFFERENTIAL_SCALE": "0.03",
+        "KVCANARY_HOST_THREADS": "4",
+        "PYTHONFAULTHANDLER": "1",
+    }
+    tests_dir = Path(__file__).parent
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:benchmark",
+         str(Path(__file__)), "-k", "not sanitized and not 70000 and not boundaries", "--rootdir",
+         str(tests_dir.parent)],
+        env=env, cwd=tests_dir.parent, capture_output=True, text=True, timeout=1500,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert "ThreadSanitizer" not in output, output[-6000:]
     assert " passed" in output and "skipped" not in output.split(" passed")[-1], output[-2000:]
