@@ -155,9 +155,7 @@ def test_thread_pool_results_equal_one_thread(chain_case, plan_case, n_threads, 
 
 def test_host_modules_match_the_sanitize_request():
     """In the sanitized child below this proves the kernels really ran instrumented; here, that they did not."""
-    from kvcanary_cupy.backends import host_sanitize_requested
-
-    from kvcanary_cupy.backends import host_sanitizer_requested
+    from kvcanary_cupy.backends import host_sanitize_requested, host_sanitizer_requested
 
     module = resolve_backend("host", CPU)._load_module("plan.cu")
     assert module.sanitize is host_sanitize_requested()

@@ -1,8 +1,9 @@
 """The ``host`` backend: the very same ``kernels/*.cu`` compiled by g++ and run on the CPU.
 
-Blocks run on a pool of OS threads and the threads of a block as cooperative fibers
-(:mod:`kvcanary_cupy.hostcuda`), so barriers and warp shuffles behave as on a GPU. This is how CI executes the kernels, and how a user replays
-a GPU batch on a laptop, optionally under AddressSanitizer and UBSan (``sanitize=True``, which needs the
+Blocks run on a pool of OS threads (docs/host-threads.md) and the threads of a block as cooperative fibers
+(:mod:`kvcanary_cupy.hostcuda`), so barriers and warp shuffles behave as on a GPU. This is how CI executes the
+kernels, how a CPU engine runs the canary on every core, and how a user replays a GPU batch on a laptop,
+optionally under AddressSanitizer and UBSan (``sanitize=True``, which needs the
 sanitizer runtime preloaded: ``LD_PRELOAD=$(g++ -print-file-name=libasan.so)``).
 """
 

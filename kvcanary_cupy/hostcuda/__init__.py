@@ -57,11 +57,11 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "SHARED_MEMORY_POISON_WORD",
+    "THREADS_ENV",
     "HostBuildError",
     "HostKernel",
     "HostLaunchError",
     "HostModule",
-    "THREADS_ENV",
     "default_host_threads",
     "find_compiler",
     "host_threads",
@@ -586,14 +586,16 @@ class HostModule:
             kernel_text,
             unit,
         )
-        target = host_module_dir() / f"{stem}-{key[:32]}{'' if self.sanitizer is None else '-' + self.sanitizer[0] + 'san'}.so"
+        flavour = "" if self.sanitizer is None else f"-{self.sanitizer[0]}san"  # -asan / -tsan
+        target = host_module_dir() / f"{stem}-{key[:32]}{flavour}.so"
         self.library_path = target
         self.from_cache = target.exists()
         if self.from_cache:
             touch(target)
             log.debug("host module %r: cached build %s", name, target)
         else:
-            log.info("compiling host module %r with %s%s", name, cxx, f" ({self.sanitizer} sanitizer)" if self.sanitize else "")
+            log.info("compiling host module %r with %s%s", name, cxx,
+                     f" ({self.sanitizer} sanitizer)" if self.sanitize else "")
             started = time.perf_counter()
             runtime = _runtime_object(cxx, version, runtime_flags, sources)
 
@@ -783,8 +785,8 @@ class HostKernel:
             at = offset + (8 if kind == _PARAM_POINTER else size)
         return "".join(parts)
 
-    def _thread_block(self) -> Any:
-        block = getattr(self._per_thread, "block", None)
+    def _thread_block(self) -> _ArgumentBlock:
+        block: _ArgumentBlock | None = getattr(self._per_thread, "block", None)
         if block is None:
             block = _ArgumentBlock(self._block_bytes, self._offsets, self.num_params)
             self._per_thread.block = block
@@ -806,7 +808,7 @@ class HostKernel:
             raise ValueError(f"max_dynamic_shared_size_bytes must be within [0, {_MAX_DYNAMIC_SMEM}], got {value}")
         self._max_dynamic_smem = value
 
-    def _marshal(self, args: Sequence[Any]) -> Any:
+    def _marshal(self, args: Sequence[Any]) -> _ArgumentBlock:
         """Checks ``args`` and packs them into this thread's argument block, which it returns."""
         if not isinstance(args, tuple | list):
             raise TypeError(f"kernel {self.name!r}: args must be a tuple, got {type(args).__name__}")
@@ -873,11 +875,11 @@ class HostKernel:
                 f"max_dynamic_shared_size_bytes={self.max_dynamic_shared_size_bytes} (raise it as on CuPy, up to "
                 f"{_MAX_DYNAMIC_SMEM})"
             )
-        block = self._marshal(args)
-        block.grid[0], block.grid[1], block.grid[2] = grid3
-        block.block[0], block.block[1], block.block[2] = block3
+        packed = self._marshal(args)
+        packed.grid[0], packed.grid[1], packed.grid[2] = grid3
+        packed.block[0], packed.block[1], packed.block[2] = block3
         rc = self.module._lib.kvc_host_abi_launch(
-            self._index, block.grid, block.block, shared, block.argv, nthreads, block.error, _ERROR_BUFFER
+            self._index, packed.grid, packed.block, shared, packed.argv, nthreads, packed.error, _ERROR_BUFFER
         )
         if rc != 0:
-            raise HostLaunchError(block.error.value.decode(errors="replace"))
+            raise HostLaunchError(packed.error.value.decode(errors="replace"))
