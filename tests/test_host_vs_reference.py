@@ -153,6 +153,19 @@ def test_thread_pool_results_equal_one_thread(chain_case, plan_case, n_threads, 
         np.testing.assert_array_equal(got_plan[name], want_plan[name], err_msg=name)
 
 
+@settings(max_examples=examples(12), deadline=None)
+@given(strategies.chain_cases(hostile=True, max_reqs=64, max_tokens=200), st.sampled_from(THREADS[1:]))
+def test_thread_pool_grids_of_large_launches_equal_one_thread(case, n_threads):
+    """Launches of thousands of entries: the default host shape gives them one block per 1,024 on the pool."""
+    backend = host_backend(HOST_SHAPE)
+    with host_threads(1):
+        want = run_chain(backend, case)
+    with host_threads(n_threads):
+        got = run_chain(backend, case)
+    for g, w in zip(got, want, strict=True):
+        chain_results_equal(g, w)
+
+
 def test_host_modules_match_the_sanitize_request():
     """In the sanitized child below this proves the kernels really ran instrumented; here, that they did not."""
     from kvcanary_cupy.backends import host_sanitize_requested, host_sanitizer_requested

@@ -14,24 +14,24 @@ from typing import Any
 
 from .kernel_backend import KernelBackend, LaunchShape, kernel_source, kernels_dir, source_hash
 
-# Few threads per block: each host thread is a fiber, and the kernels are correct for any grid. Grids follow
-# the work and the OS threads (docs/host-threads.md): at least HOST_MIN_WORK_PER_BLOCK entries, tokens or
-# records per block, and at most HOST_BLOCKS_PER_THREAD blocks per OS thread (a few, so that a thread the OS
-# delays holds up only a small share). A launch with less than 2 x HOST_MIN_WORK_PER_BLOCK of work is one
-# block, and a one-block launch runs on the calling thread alone: waking a pool worker costs more than it saves.
+# Few threads per block: each host thread is a fiber, and the kernels are correct for any grid. On a pool of
+# OS threads (docs/host-threads.md) a launch with at least 2 x HOST_MIN_WORK_PER_BLOCK entries, tokens or
+# records gets one block per HOST_MIN_WORK_PER_BLOCK of them, at most HOST_BLOCKS_PER_THREAD per OS thread (a
+# few, so that a thread the OS delays holds up only a small share of the launch); a smaller launch keeps
+# the grids below and runs on the calling thread alone, since waking a pool worker costs more than it saves.
 HOST_MIN_WORK_PER_BLOCK = 1024
 HOST_BLOCKS_PER_THREAD = 4
 HOST_SHAPE = LaunchShape(
     plan_offsets_block=256,
-    plan_entries_grid=256,
+    plan_entries_grid=2,
     plan_entries_block=64,
-    verify_grid=256,
+    verify_grid=2,
     verify_block=64,
-    write_grid_max=256,
+    write_grid_max=8,
     write_block=32,
     scatter_grid_max=8,
     scatter_block=64,
-    transfer_grid_max=256,
+    transfer_grid_max=4,
     transfer_block=64,
     min_work_per_block=HOST_MIN_WORK_PER_BLOCK,
     blocks_per_thread=HOST_BLOCKS_PER_THREAD,

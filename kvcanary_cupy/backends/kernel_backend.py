@@ -64,9 +64,9 @@ class LaunchShape:
     scatter_block: int
     transfer_grid_max: int = 64  # record gather/scatter: min(n, grid_max * block) threads, grid-strided
     transfer_block: int = 256
-    # Work-sized grids (0: off). Plan entries, verify, write and record transfer launch at most
-    # ceil(work / min_work_per_block) blocks (work: entries, tokens or records) and at most
-    # blocks_per_thread blocks per OS thread of the backend; the kernels are correct for any grid.
+    # Host backend on a pool of OS threads (0: off; see KernelBackend.pool_grid): plan entries, verify, write
+    # and record transfer with at least 2 * min_work_per_block items (entries, tokens, records) get up to
+    # blocks_per_thread blocks per OS thread; smaller launches keep the grids above and one OS thread.
     min_work_per_block: int = 0
     blocks_per_thread: int = 0
 
@@ -115,16 +115,21 @@ class KernelBackend:
         self._threads = threads
         self._functions: dict[str, Any] = {}
 
-    def grid(self, max_grid: int, work: int) -> int:
-        """Blocks for a launch of ``work`` items: ``max_grid``, less where the shape sizes grids to the work
-        and to the OS threads that will run them."""
+    def pool_grid(self, base: int, work: int, cap: int = 2**31 - 1) -> tuple[int, dict[str, int]]:
+        """Blocks for a launch of ``work`` items whose grid is ``base`` (at most ``cap``), and the keyword
+        arguments of the launch. A backend without OS threads (``cuda``) keeps ``base``. On the host backend
+        a launch too small to gain (fewer than 2 * min_work_per_block items) runs on the calling thread
+        alone with ``base``, exactly as with one thread; a larger one gets one block per min_work_per_block
+        items, at most blocks_per_thread per OS thread, never fewer than ``base``."""
+        base = max(1, min(base, cap))
         shape = self.shape
-        grid = max_grid
-        if shape.min_work_per_block > 0:
-            grid = min(grid, -(-max(work, 1) // shape.min_work_per_block))
-        if shape.blocks_per_thread > 0 and self._threads is not None:
-            grid = min(grid, shape.blocks_per_thread * self._threads())
-        return max(1, grid)
+        if self._threads is None or shape.min_work_per_block <= 0:
+            return base, {}
+        threads = self._threads()
+        if threads <= 1 or work < 2 * shape.min_work_per_block:
+            return base, {"threads": 1}
+        sized = min(cap, -(-work // shape.min_work_per_block), shape.blocks_per_thread * threads)
+        return max(base, sized), {"threads": threads}
 
     def load_all(self) -> None:
         """Build (or load from the cache) every kernel module now rather than at its first launch."""
@@ -169,31 +174,35 @@ class KernelBackend:
              _I64(launch.write_req_capacity), wp.verify_offsets, wp.write_offsets, wp.write_seed_slot_indices,
              vp.verify_num_valid, vp.enable, wp.write_num_valid_reqs, vp.status),
         )
+        grid, threads = self.pool_grid(shape.plan_entries_grid, launch.verify_capacity)
         self.function("plan.cu", "kvc_plan_entries" + suffix)(
-            (self.grid(shape.plan_entries_grid, launch.verify_capacity),), (shape.plan_entries_block,),
+            (grid,), (shape.plan_entries_block,),
             (launch.req_pool_indices, launch.prefix_lens, _I64(bs), *layout,
              lut, _I64(lut_len), _I64(launch.swa_window_size), pool, _I64(pool_rows), _I64(pool_width),
              launch.req_to_verify_expected_tokens_valid_lens, _I32(pool is not None),
              _I32(launch.kv_token_id_vs_position_offset), wp.verify_offsets, vp.enable,
              _I64(launch.verify_capacity), vp.verify_slot_indices, vp.verify_expected_tokens,
              vp.verify_expected_positions, vp.verify_prev_slot_indices, vp.status),
+            **threads,
         )
 
     def verify(self, launch: Any) -> None:
         ctx = launch.context
+        grid, threads = self.pool_grid(self.shape.verify_grid, launch.capacity)
         self.function("verify.cu", "kvc_verify")(
-            (self.grid(self.shape.verify_grid, launch.capacity),), (self.shape.verify_block,),
+            (grid,), (self.shape.verify_block,),
             (ctx.canary, _I64(ctx.num_slots), _I64(ctx.canary.shape[1]), launch.slots, launch.expected_tokens,
              launch.expected_positions, launch.prev_slots, launch.num_valid, launch.enable,
              _I64(launch.capacity), _I32(launch.check_verify_expected_token), _I64(ctx.kernel_kind), ctx.ring,
              _I64(ctx.ring.shape[0]), ctx.write_index, ctx.slot_run_counter, ctx.kernel_run_counter, ctx.status,
              *_real_kv_args(ctx)),
+            **threads,
         )
 
     def write(self, launch: Any) -> None:
         ctx = launch.context
         capacity = launch.write_req_capacity
-        grid = max(1, min(capacity, self.grid(self.shape.write_grid_max, int(launch.input_ids.shape[0]))))
+        grid, threads = self.pool_grid(self.shape.write_grid_max, int(launch.input_ids.shape[0]), cap=capacity)
         self.function("write.cu", "kvc_write")(
             (grid,), (self.shape.write_block,),
             (ctx.canary, _I64(ctx.num_slots), _I64(ctx.canary.shape[1]), launch.write_offsets,
@@ -203,6 +212,7 @@ class KernelBackend:
              launch.expected_input_positions, ctx.chain_assert, _I64(ctx.kernel_kind), ctx.ring,
              _I64(ctx.ring.shape[0]), ctx.write_index, ctx.slot_run_counter, ctx.kernel_run_counter, ctx.status,
              *_real_kv_args(ctx)),
+            **threads,
         )
 
     def scatter(self, launch: Any) -> None:
@@ -211,31 +221,35 @@ class KernelBackend:
         rows, width = launch.pool_out.shape
         block = self.shape.scatter_block
         column_tiles = max(1, min(-(-min(width, total) // block), 65535))
-        grid = (max(1, min(bs, self.shape.scatter_grid_max)), column_tiles)
+        requests, threads = self.pool_grid(self.shape.scatter_grid_max, total, cap=max(1, bs))
         self.function("scatter.cu", "kvc_scatter")(
-            grid, (block,),
+            (requests, column_tiles), (block,),
             (launch.flat_in, _I64(total), launch.offsets, launch.req_pool_indices, _I64(bs), launch.pool_out,
              _I64(rows), _I64(width), launch.status),
+            **threads,
         )
 
-    def _transfer_grid(self, n: int) -> tuple[int, int]:
+    def _transfer_grid(self, n: int) -> tuple[int, int, dict[str, int]]:
         block = self.shape.transfer_block
-        return max(1, min(-(-n // block), self.grid(self.shape.transfer_grid_max, n))), block
+        grid, threads = self.pool_grid(self.shape.transfer_grid_max, n, cap=max(1, -(-n // block)))
+        return grid, block, threads
 
     def gather_records(self, launch: Any) -> None:
         n = launch.count
-        grid, block = self._transfer_grid(n)
+        grid, block, threads = self._transfer_grid(n)
         self.function("transfer.cu", "kvc_gather_records")(
             (grid,), (block,),
             (launch.canary, _I64(launch.canary.shape[0]), _I64(launch.canary.shape[1]), launch.slots, _I64(n),
              launch.records, launch.status),
+            **threads,
         )
 
     def scatter_records(self, launch: Any) -> None:
         n = launch.count
-        grid, block = self._transfer_grid(n)
+        grid, block, threads = self._transfer_grid(n)
         self.function("transfer.cu", "kvc_scatter_records")(
             (grid,), (block,),
             (launch.records, _I64(n), launch.slots, launch.canary, _I64(launch.canary.shape[0]),
              _I64(launch.canary.shape[1]), launch.status),
+            **threads,
         )
