@@ -9,13 +9,16 @@ quotes (target: >= 1.7x on a quiet 2-core machine).
 
 Rows run one after another, so a change in the machine's load between them lands in the ratio. Each
 multi-thread row therefore also records ``alternating_speedup``: the median over 31 pairs of back-to-back
-1-thread and N-thread calls of their time ratio, and the 1-minute load average while it was measured.
+1-thread and N-thread calls of their time ratio; ``cpu_per_wall``: the process's CPU seconds per wall
+second during the N-thread calls of those pairs (close to N when the cores were free for it, below 1 when
+other work took them); and the 1-minute load average while it was measured.
 Before any timing, each group checks that the outputs are bit-identical with 1 and with N threads.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import time
 from collections.abc import Callable
 from typing import Any
@@ -44,15 +47,26 @@ def _backends() -> dict[int, Any]:
     return {n: make_host_backend(threads=n) for n in THREAD_COUNTS}
 
 
-def _alternating_speedup(one: Callable[[], Any], many: Callable[[], Any]) -> float:
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _alternating_speedup(one: Callable[[], Any], many: Callable[[], Any]) -> tuple[float, float]:
+    """Median time ratio of back-to-back (one, many) calls, and CPU seconds per wall second of ``many``."""
     ratios = []
+    wall = cpu = 0.0
     for _ in range(PAIRS):
         start = time.perf_counter()
         one()
         mid = time.perf_counter()
+        cpu_start = _cpu_seconds()
         many()
-        ratios.append((mid - start) / (time.perf_counter() - mid))
-    return float(np.median(ratios))
+        end = time.perf_counter()
+        cpu += _cpu_seconds() - cpu_start
+        wall += end - mid
+        ratios.append((mid - start) / (end - mid))
+    return float(np.median(ratios)), cpu / wall
 
 
 def _label(threads: int) -> str:
@@ -64,7 +78,7 @@ def _rows(measure, group: str, entries: int, key: str, calls: dict[int, Callable
     if threads > 1:
         calls[1]()
         calls[threads]()
-        info["alternating_speedup"] = _alternating_speedup(calls[1], calls[threads])
+        info["alternating_speedup"], info["cpu_per_wall"] = _alternating_speedup(calls[1], calls[threads])
         info["load_avg_1min"] = os.getloadavg()[0]
     measure(calls[threads], group=group, label=_label(threads), entries=entries, key=f"{key}.t{threads}",
             role="baseline" if threads == 1 else "subject", **info)
