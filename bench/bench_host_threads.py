@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -73,7 +73,7 @@ def _label(threads: int) -> str:
     return f"host backend, {threads} OS thread{'s' if threads > 1 else ''}"
 
 
-def _rows(measure, group: str, entries: int, key: str, calls: dict[int, Callable[[], Any]], threads: int) -> None:
+def _rows(measure, group: str, entries: int, key: str, calls: Mapping[int, Callable[[], Any]], threads: int) -> None:
     info: dict[str, Any] = {"threads": threads, "cores": CORES}
     if threads > 1:
         calls[1]()
