@@ -5,6 +5,8 @@ Outputs start from a sentinel fill, so "left untouched" is part of what two back
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +22,18 @@ from kvcanary_cupy.verify import prepare_verify_launch
 from kvcanary_cupy.write import prepare_write_launch
 
 SENTINEL = 0x5A5A5A5A
+
+
+@contextlib.contextmanager
+def host_threads(threads: int) -> Iterator[None]:
+    """Host launches inside the block run on ``threads`` OS threads (the process default afterwards)."""
+    from kvcanary_cupy.hostcuda import set_host_threads
+
+    set_host_threads(threads)
+    try:
+        yield
+    finally:
+        set_host_threads(None)
 
 
 def run_plan(backend: Any, case: Any) -> dict[str, np.ndarray]:

@@ -805,7 +805,8 @@ def test_sanitized_clean_kernel_runs_silently(sanitized_build, host_cache_dir):
 def test_sanitized_shared_overflow_is_reported(sanitized_build, host_cache_dir):
     proc = _run_sanitized_child("shared_overflow", host_cache_dir)
     assert proc.returncode != 0
-    assert "AddressSanitizer: global-buffer-overflow" in proc.stderr
+    # Sanitized builds keep each __shared__ variable in a per-OS-thread heap block, which has redzones.
+    assert "AddressSanitizer: heap-buffer-overflow" in proc.stderr
     assert "sanitized_toy.cu" in proc.stderr
 
 
@@ -851,3 +852,166 @@ def test_toy_kernels_are_valid_cuda_for_nvrtc():
             raise AssertionError(f"{name}:\n{nvrtc.getProgramLog(program)}") from exc
         log = nvrtc.getProgramLog(program)
         assert "warning" not in log.lower(), log
+
+
+# ---- blocks on a pool of OS threads ---------------------------------------------------------------------------
+
+WAIT_NS = 10 * 10**9  # how long block 0 waits for block 1 before giving up (only a single thread gives up)
+
+
+def _wait_for_block_one(mod: HostModule, threads: int, *, racy: int = 0, timeout_ns: int = WAIT_NS) -> tuple[int, int]:
+    flag = np.zeros(1, np.int32)
+    seen = np.full(1, -1, np.int32)
+    counter = np.zeros(1, np.int32)
+    mod.get_function("wait_for_block_one")(2, 32, (flag, seen, counter, np.int32(racy), np.int64(timeout_ns)),
+                                           threads=threads)
+    return int(seen[0]), int(counter[0])
+
+
+def test_blocks_of_one_launch_run_at_the_same_time_on_two_os_threads(toy):
+    before = toy.runtime_stats()["worker_blocks"]
+    assert _wait_for_block_one(toy, 2) == (1, 2)
+    assert toy.runtime_stats()["worker_blocks"] > before
+    # One thread runs block 0 to the end first: it can only time out.
+    assert _wait_for_block_one(toy, 1, timeout_ns=2_000_000) == (0, 2)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_atomics_barriers_and_shared_memory_under_several_os_threads(toy, threads):
+    grid, block = 24, 128
+    data = _rng(threads).integers(-(10**12), 10**12, 4 * grid * block, dtype=np.int64)
+    out = np.zeros_like(data)
+    grand = np.zeros(1, np.uint64)
+    toy.get_function("segmented_scan4")(grid, block, (data, out, grand), threads=threads)
+    np.testing.assert_array_equal(out, np.cumsum(data.reshape(grid, -1), axis=1).ravel())
+    assert int(grand[0]) == int(data.sum()) % 2**64
+    counter = np.zeros(1, np.int32)
+    toy.get_function("atomics")(
+        37, 96,
+        (counter, np.zeros(1, np.uint64), np.zeros(1, np.float32), np.zeros(1, np.float64),
+         np.array([-1, 0], np.int32), np.array([0, FULL, 0], np.uint32), np.zeros(1, np.uint32),
+         np.zeros(1, np.uint32), np.array([100_000], np.uint32), np.zeros(1, np.uint64)),
+        threads=threads,
+    )
+    assert counter[0] == 37 * 96
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+def test_failure_reports_the_lowest_failing_block_and_the_next_launch_works(toy, threads):
+    grid, block = 48, 32
+    out = np.zeros(grid * block, np.int32)
+    with pytest.raises(HostLaunchError) as info:
+        toy.get_function("trap_from_block")(grid, block, (out, np.int32(29)), threads=threads)
+    assert "kernel 'trap_from_block' block (29,0,0) thread (3,0,0)" in str(info.value)
+    assert (out[: 29 * block] == 1).all()  # every block below the failing one ran, as with one thread
+    with pytest.raises(HostLaunchError, match=r"block \(0,0,0\) thread \(32,0,0\).*deadlock|deadlock"):
+        toy.get_function("skip_barrier_warp")(16, 64, (np.zeros(64, np.int32),), threads=threads)
+    with pytest.raises(HostLaunchError, match="v < limit"):
+        toy.get_function("maybe_assert")(8, 32, (np.arange(32, dtype=np.int32), np.int32(20)), threads=threads)
+    out[:] = 0
+    toy.get_function("trap_from_block")(grid, block, (out, np.int32(grid)), threads=threads)
+    assert (out == 1).all()
+
+
+def test_one_block_launch_stays_on_the_calling_thread(host_cache_dir):
+    mod = HostModule(TOY_SOURCE.read_text(), options=("-DKVC_FRESH_POOL=1",), name="toy_fresh_pool")
+    out = np.zeros(64, np.int32)
+    mod.get_function("maybe_trap")(1, 64, (out, np.int32(-1), np.int32(-1)), threads=4)
+    assert mod.runtime_stats()["workers"] == 0
+    mod.get_function("maybe_trap")(2, 32, (out, np.int32(-1), np.int32(-1)), threads=4)
+    assert mod.runtime_stats()["workers"] == 1  # never more helpers than blocks beyond the caller's
+    mod.get_function("maybe_trap")(8, 8, (out, np.int32(-1), np.int32(-1)), threads=4)
+    assert mod.runtime_stats()["workers"] == 3
+
+
+def test_thread_count_comes_from_launch_module_setting_env_then_affinity(monkeypatch, host_cache_dir):
+    from kvcanary_cupy import CanaryArgumentError
+
+    monkeypatch.delenv(hostcuda.THREADS_ENV, raising=False)
+    assert hostcuda.default_host_threads() == len(os.sched_getaffinity(0))
+    monkeypatch.setenv(hostcuda.THREADS_ENV, "3")
+    assert hostcuda.default_host_threads() == hostcuda.host_threads() == 3
+    hostcuda.set_host_threads(5)
+    try:
+        assert hostcuda.host_threads() == 5
+    finally:
+        hostcuda.set_host_threads(None)
+    assert hostcuda.host_threads() == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(hostcuda.THREADS_ENV, bad)
+        with pytest.raises(CanaryArgumentError, match=f"kv-canary: {hostcuda.THREADS_ENV}"):
+            hostcuda.host_threads()
+    monkeypatch.delenv(hostcuda.THREADS_ENV)
+    with pytest.raises(CanaryArgumentError, match="kv-canary: threads must be >= 1"):
+        hostcuda.set_host_threads(0)
+    with pytest.raises(CanaryArgumentError, match="kv-canary: threads must be an int"):
+        HostModule("extern \"C\" __global__ void k() {}", threads=2.0, name="bad_threads")  # type: ignore[arg-type]
+
+
+# ---- ThreadSanitizer -------------------------------------------------------------------------------------------
+
+TSAN_CHILD = r"""
+import sys
+import numpy as np
+sys.path.insert(0, sys.argv[2])
+from test_host_runtime import TOY_SOURCE, _wait_for_block_one
+from kvcanary_cupy.hostcuda import HostLaunchError, HostModule
+
+mod = HostModule(TOY_SOURCE.read_text(), sanitize="thread", name="toy_tsan")
+if sys.argv[1] == "race":
+    print("race", _wait_for_block_one(mod, 2, racy=1))
+else:
+    print("clean", _wait_for_block_one(mod, 2))
+    grid, block = 16, 64
+    data = np.arange(4 * grid * block, dtype=np.int64)
+    out = np.zeros_like(data)
+    grand = np.zeros(1, np.uint64)
+    for threads in (2, 4):
+        mod.get_function("segmented_scan4")(grid, block, (data, out, grand), threads=threads)
+        assert (out == np.cumsum(data.reshape(grid, -1), axis=1).ravel()).all()
+        flags = np.zeros(grid * block, np.int32)
+        try:
+            mod.get_function("trap_from_block")(grid, block, (flags, np.int32(5)), threads=threads)
+        except HostLaunchError as exc:
+            assert "block (5,0,0)" in str(exc)
+        else:
+            raise SystemExit("trap did not raise")
+    print("done", int(grand[0]))
+"""
+
+
+def _tsan_runtime() -> str | None:
+    path = sanitizer_preload("thread")
+    return path if os.path.isfile(path) else None
+
+
+needs_tsan = pytest.mark.skipif(_tsan_runtime() is None, reason="g++ ships no ThreadSanitizer runtime (libtsan.so)")
+
+
+def _run_tsan_child(what: str, host_cache_dir: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = sanitizer_preload("thread")
+    env["TSAN_OPTIONS"] = "halt_on_error=1:report_signal_unsafe=0"
+    env["KVCANARY_CACHE_DIR"] = str(host_cache_dir)
+    env["OPENBLAS_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", TSAN_CHILD, what, str(Path(__file__).parent)],
+                          capture_output=True, text=True, env=env, timeout=300, check=False)
+
+
+@needs_tsan
+def test_thread_sanitizer_reports_a_race_between_blocks(host_cache_dir):
+    proc = _run_tsan_child("race", host_cache_dir)
+    assert proc.returncode != 0
+    assert "ThreadSanitizer: data race" in proc.stderr
+    assert "wait_for_block_one" in proc.stderr
+
+
+@needs_tsan
+def test_thread_sanitizer_is_silent_on_atomics_barriers_and_aborts(host_cache_dir):
+    proc = _run_tsan_child("clean", host_cache_dir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "ThreadSanitizer" not in proc.stderr
+    assert "clean (1, 2)" in proc.stdout
+    total = int(np.arange(4 * 16 * 64).sum())
+    assert f"done {total * 2}" in proc.stdout

@@ -2,8 +2,10 @@
 
 Thousands of random batches per run (padding, SWA, LUTs, expected tokens, overflow, bs up to 70,000, and
 hostile device values compared with the reference's ``on_invalid="flag"`` output and status bits). Launch
-shapes are drawn too: the kernels must be correct for any grid. The last test reruns a slice of this file
-with the host backend built under AddressSanitizer and UBSan, in a child process, and requires zero reports.
+shapes are drawn too: the kernels must be correct for any grid; so is the number of OS threads the blocks
+run on (1, 2 or 4), and the pool's results must equal one thread's. The last tests rerun a slice of this
+file with the host backend built under AddressSanitizer and UBSan, and under ThreadSanitizer, in child
+processes, and require zero reports.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import strategies
-from differential import chain_results_equal, run_chain, run_plan, run_scatter
+from differential import chain_results_equal, host_threads, run_chain, run_plan, run_scatter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -42,7 +44,14 @@ ODD_SHAPES = (
                 write_grid_max=1, write_block=32, scatter_grid_max=1, scatter_block=32),
     LaunchShape(plan_offsets_block=1024, plan_entries_grid=5, plan_entries_block=96, verify_grid=3,
                 verify_block=160, write_grid_max=3, write_block=64, scatter_grid_max=3, scatter_block=128),
+    # Many small blocks: the most interleaving between the OS threads of the pool.
+    LaunchShape(plan_offsets_block=64, plan_entries_grid=16, plan_entries_block=32, verify_grid=16,
+                verify_block=32, write_grid_max=16, write_block=32, scatter_grid_max=16, scatter_block=32,
+                transfer_grid_max=16, transfer_block=32),
 )
+MANY_BLOCKS = ODD_SHAPES[-1]
+#: OS threads a host launch runs on; more than this machine's cores is fine (and interleaves more).
+THREADS = (1, 2, 4)
 
 
 def host_backend(shape: LaunchShape) -> KernelBackend:
@@ -51,6 +60,7 @@ def host_backend(shape: LaunchShape) -> KernelBackend:
 
 
 shapes = st.sampled_from(ODD_SHAPES)
+threads = st.sampled_from(THREADS)
 
 
 def assert_same_plan(got: dict[str, np.ndarray], want: dict[str, np.ndarray], bs: int) -> None:
@@ -62,15 +72,19 @@ def assert_same_plan(got: dict[str, np.ndarray], want: dict[str, np.ndarray], bs
 
 
 @settings(max_examples=examples(700))
-@given(strategies.plan_cases(max_bs=16), shapes)
-def test_plan_matches_reference(case, shape):
-    assert_same_plan(run_plan(host_backend(shape), case), run_plan("numpy", case), case.bs)
+@given(strategies.plan_cases(max_bs=16), shapes, threads)
+def test_plan_matches_reference(case, shape, n_threads):
+    with host_threads(n_threads):
+        got = run_plan(host_backend(shape), case)
+    assert_same_plan(got, run_plan("numpy", case), case.bs)
 
 
 @settings(max_examples=examples(400))
-@given(strategies.plan_cases(max_bs=12, hostile=True), shapes)
-def test_plan_flags_hostile_values_like_the_reference(case, shape):
-    assert_same_plan(run_plan(host_backend(shape), case), run_plan("numpy", case), case.bs)
+@given(strategies.plan_cases(max_bs=12, hostile=True), shapes, threads)
+def test_plan_flags_hostile_values_like_the_reference(case, shape, n_threads):
+    with host_threads(n_threads):
+        got = run_plan(host_backend(shape), case)
+    assert_same_plan(got, run_plan("numpy", case), case.bs)
 
 
 @settings(max_examples=examples(25))
@@ -96,16 +110,20 @@ def test_plan_batch_size_boundaries(bs):
 
 
 @settings(max_examples=examples(500))
-@given(strategies.chain_cases(), shapes)
-def test_write_and_verify_match_reference(case, shape):
-    for got, want in zip(run_chain(host_backend(shape), case), run_chain("numpy", case), strict=True):
+@given(strategies.chain_cases(), shapes, threads)
+def test_write_and_verify_match_reference(case, shape, n_threads):
+    with host_threads(n_threads):
+        results = run_chain(host_backend(shape), case)
+    for got, want in zip(results, run_chain("numpy", case), strict=True):
         chain_results_equal(got, want)
 
 
 @settings(max_examples=examples(300))
-@given(strategies.chain_cases(hostile=True), shapes)
-def test_write_and_verify_flag_hostile_values_like_the_reference(case, shape):
-    for got, want in zip(run_chain(host_backend(shape), case), run_chain("numpy", case), strict=True):
+@given(strategies.chain_cases(hostile=True), shapes, threads)
+def test_write_and_verify_flag_hostile_values_like_the_reference(case, shape, n_threads):
+    with host_threads(n_threads):
+        results = run_chain(host_backend(shape), case)
+    for got, want in zip(results, run_chain("numpy", case), strict=True):
         chain_results_equal(got, want)
 
 
@@ -124,20 +142,51 @@ def test_strided_kv_layouts_with_hostile_values_match_reference(case, shape):
 
 
 @settings(max_examples=examples(200))
-@given(strategies.scatter_cases(hostile=True), shapes)
-def test_scatter_matches_reference(case, shape):
-    got_pool, got_status = run_scatter(host_backend(shape), case)
+@given(strategies.scatter_cases(hostile=True), shapes, threads)
+def test_scatter_matches_reference(case, shape, n_threads):
+    with host_threads(n_threads):
+        got_pool, got_status = run_scatter(host_backend(shape), case)
     want_pool, want_status = run_scatter("numpy", case)
     np.testing.assert_array_equal(got_pool, want_pool)
     assert got_status == want_status
 
 
+@settings(max_examples=examples(150))
+@given(strategies.chain_cases(hostile=True), strategies.plan_cases(max_bs=12, hostile=True),
+       st.sampled_from(THREADS[1:]), st.sampled_from((HOST_SHAPE, MANY_BLOCKS)))
+def test_thread_pool_results_equal_one_thread(chain_case, plan_case, n_threads, shape):
+    """Everything bit for bit, except the order of the violation rows a launch appends (atomics)."""
+    backend = host_backend(shape)
+    with host_threads(1):
+        want_chain, want_plan = run_chain(backend, chain_case), run_plan(backend, plan_case)
+    with host_threads(n_threads):
+        got_chain, got_plan = run_chain(backend, chain_case), run_plan(backend, plan_case)
+    for got, want in zip(got_chain, want_chain, strict=True):
+        chain_results_equal(got, want)
+    for name in want_plan:
+        np.testing.assert_array_equal(got_plan[name], want_plan[name], err_msg=name)
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(strategies.chain_cases(hostile=True, max_reqs=64, max_tokens=200), st.sampled_from(THREADS[1:]))
+def test_thread_pool_grids_of_large_launches_equal_one_thread(case, n_threads):
+    """Launches of thousands of entries: the default host shape gives them one block per 1,024 on the pool."""
+    backend = host_backend(HOST_SHAPE)
+    with host_threads(1):
+        want = run_chain(backend, case)
+    with host_threads(n_threads):
+        got = run_chain(backend, case)
+    for g, w in zip(got, want, strict=True):
+        chain_results_equal(g, w)
+
+
 def test_host_modules_match_the_sanitize_request():
     """In the sanitized child below this proves the kernels really ran instrumented; here, that they did not."""
-    from kvcanary_cupy.backends import host_sanitize_requested
+    from kvcanary_cupy.backends import host_sanitize_requested, host_sanitizer_requested
 
     module = resolve_backend("host", CPU)._load_module("plan.cu")
     assert module.sanitize is host_sanitize_requested()
+    assert module.sanitizer == host_sanitizer_requested()
 
 
 def test_sanitized_differential_run_has_zero_reports(tmp_path: Path):
@@ -154,6 +203,7 @@ def test_sanitized_differential_run_has_zero_reports(tmp_path: Path):
         "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
         "KVCANARY_HOST_SANITIZE": "1",
         "KVCANARY_DIFFERENTIAL_SCALE": "0.15",
+        "KVCANARY_HOST_THREADS": "4",
         "PYTHONFAULTHANDLER": "1",
     }
     tests_dir = Path(__file__).parent
@@ -216,3 +266,31 @@ def test_write_offsets_out_of_order_flag_and_skip_like_the_reference(shape, seed
                         enable_chain_position_assert=1)
     assert state.status == int(want.status[0]) and state.slot_run_counter == int(want.slot_run_counter[0])
     np.testing.assert_array_equal(np.array(state.fields, np.int64), want.canary_buf.view(np.int64)[:, :4])
+
+def test_thread_sanitized_differential_run_has_zero_reports(tmp_path: Path):
+    """A smaller slice under ThreadSanitizer, blocks on 4 OS threads: the child must pass with no report."""
+    from kvcanary_cupy.hostcuda import sanitizer_preload
+
+    preload = sanitizer_preload("thread")
+    if not Path(preload).is_file():
+        pytest.skip(f"g++ has no ThreadSanitizer runtime ({preload})")
+    env = {
+        **os.environ,
+        "LD_PRELOAD": preload,
+        "TSAN_OPTIONS": "halt_on_error=1:report_signal_unsafe=0",
+        "KVCANARY_HOST_SANITIZE": "thread",
+        "KVCANARY_DIFFERENTIAL_SCALE": "0.03",
+        "KVCANARY_HOST_THREADS": "4",
+        "PYTHONFAULTHANDLER": "1",
+    }
+    tests_dir = Path(__file__).parent
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:benchmark",
+         str(Path(__file__)), "-k", "not sanitized and not 70000 and not boundaries", "--rootdir",
+         str(tests_dir.parent)],
+        env=env, cwd=tests_dir.parent, capture_output=True, text=True, timeout=1500,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert "ThreadSanitizer" not in output, output[-6000:]
+    assert " passed" in output and "skipped" not in output.split(" passed")[-1], output[-2000:]

@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from differential import run_plan
+from differential import host_threads, run_plan
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from layout_strategies import layout_cases
-from test_host_vs_reference import ODD_SHAPES, assert_same_plan, host_backend
+from test_host_vs_reference import ODD_SHAPES, THREADS, assert_same_plan, host_backend
 
 from kvcanary_cupy.backends import unavailable_reason
 
@@ -31,18 +31,23 @@ def examples(n: int) -> int:
 
 
 shapes = st.sampled_from(ODD_SHAPES)
+threads = st.sampled_from(THREADS)
 
 
 @settings(max_examples=examples(500))
-@given(layout_cases(), shapes)
-def test_paged_plan_matches_reference(case, shape):
-    assert_same_plan(run_plan(host_backend(shape), case), run_plan("numpy", case), case.bs)
+@given(layout_cases(), shapes, threads)
+def test_paged_plan_matches_reference(case, shape, n_threads):
+    with host_threads(n_threads):
+        got = run_plan(host_backend(shape), case)
+    assert_same_plan(got, run_plan("numpy", case), case.bs)
 
 
 @settings(max_examples=examples(600))
-@given(layout_cases(hostile=True), shapes)
-def test_paged_plan_flags_hostile_values_like_the_reference(case, shape):
-    assert_same_plan(run_plan(host_backend(shape), case), run_plan("numpy", case), case.bs)
+@given(layout_cases(hostile=True), shapes, threads)
+def test_paged_plan_flags_hostile_values_like_the_reference(case, shape, n_threads):
+    with host_threads(n_threads):
+        got = run_plan(host_backend(shape), case)
+    assert_same_plan(got, run_plan("numpy", case), case.bs)
 
 
 def test_sanitized_paged_run_has_zero_reports():
@@ -60,6 +65,7 @@ def test_sanitized_paged_run_has_zero_reports():
         "KVCANARY_HOST_SANITIZE": "1",
         "KVCANARY_DIFFERENTIAL_SCALE": "0.3",
         "PYTHONFAULTHANDLER": "1",
+        "KVCANARY_HOST_THREADS": "4",
     }
     tests_dir = Path(__file__).parent
     result = subprocess.run(

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from differential import host_threads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from layout_oracle import layout_slots
@@ -105,10 +106,15 @@ def test_reference_refuses_out_of_range_slots_before_writing():
 
 # ---- host kernels against the reference ---------------------------------------------------------------------
 
+THREADS = (1, 2, 4)  # OS threads of a host launch
+
 ODD_SHAPES = (
     HOST_SHAPE,
     HOST_SHAPE.__class__(**{**HOST_SHAPE.__dict__, "transfer_grid_max": 1, "transfer_block": 32}),
     HOST_SHAPE.__class__(**{**HOST_SHAPE.__dict__, "transfer_grid_max": 3, "transfer_block": 96}),
+    # Many small blocks whatever the record count: the pool's OS threads interleave the most.
+    HOST_SHAPE.__class__(**{**HOST_SHAPE.__dict__, "transfer_grid_max": 8, "transfer_block": 32,
+                            "min_work_per_block": 0}),
 )
 
 
@@ -119,9 +125,10 @@ def host_backend(shape) -> KernelBackend:
 
 @needs_host
 @settings(max_examples=examples(150))
-@given(transfer_cases(hostile=True, distinct=False), st.sampled_from(ODD_SHAPES))
-def test_host_gather_matches_reference(case, shape):
-    got, status = gather(host_backend(shape), case)
+@given(transfer_cases(hostile=True, distinct=False), st.sampled_from(ODD_SHAPES), st.sampled_from(THREADS))
+def test_host_gather_matches_reference(case, shape, n_threads):
+    with host_threads(n_threads):
+        got, status = gather(host_backend(shape), case)
     want, want_status = gather("numpy", case)
     np.testing.assert_array_equal(got, want)
     assert status == want_status
@@ -129,9 +136,10 @@ def test_host_gather_matches_reference(case, shape):
 
 @needs_host
 @settings(max_examples=examples(150))
-@given(transfer_cases(hostile=True, distinct=True), st.sampled_from(ODD_SHAPES))
-def test_host_scatter_matches_reference(case, shape):
-    got, status = scatter(host_backend(shape), case)
+@given(transfer_cases(hostile=True, distinct=True), st.sampled_from(ODD_SHAPES), st.sampled_from(THREADS))
+def test_host_scatter_matches_reference(case, shape, n_threads):
+    with host_threads(n_threads):
+        got, status = scatter(host_backend(shape), case)
     want, want_status = scatter("numpy", case)
     np.testing.assert_array_equal(got, want)
     assert status == want_status
@@ -465,7 +473,7 @@ def test_sanitized_host_transfer_run_has_zero_reports():
         pytest.skip(f"g++ has no AddressSanitizer runtime ({preload})")
     env = {**os.environ, "LD_PRELOAD": preload, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1",
            "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1", "KVCANARY_HOST_SANITIZE": "1",
-           "KVCANARY_DIFFERENTIAL_SCALE": "0.3", "PYTHONFAULTHANDLER": "1"}
+           "KVCANARY_DIFFERENTIAL_SCALE": "0.3", "PYTHONFAULTHANDLER": "1", "KVCANARY_HOST_THREADS": "4"}
     tests_dir = Path(__file__).parent
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:benchmark", str(Path(__file__)),

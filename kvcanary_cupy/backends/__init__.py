@@ -3,7 +3,8 @@
 * ``numpy`` — the vectorized NumPy reference (:mod:`.numpy_backend`); CPU arrays.
 * ``cuda`` — the ``kernels/*.cu`` sources compiled by NVRTC through ``cupy.RawModule``; CUDA arrays.
 * ``host`` — the same ``kernels/*.cu`` compiled by g++ and run on the CPU (:mod:`kvcanary_cupy.hostcuda`);
-  CPU arrays. Set ``KVCANARY_HOST_SANITIZE=1`` to build it with AddressSanitizer and UBSan.
+  CPU arrays. Set ``KVCANARY_HOST_SANITIZE=1`` to build it with AddressSanitizer and UBSan
+  (``KVCANARY_HOST_SANITIZE=thread``: ThreadSanitizer), ``KVCANARY_HOST_THREADS`` for its OS threads.
 
 Validation happens before dispatch (in the launcher modules), so backends only compute. Availability, the
 backend ``auto`` picks and kernel compiles are logged on the ``kvcanary_cupy`` logger (info / debug).
@@ -74,6 +75,13 @@ def host_sanitize_requested() -> bool:
     return os.environ.get("KVCANARY_HOST_SANITIZE", "") not in ("", "0")
 
 
+def host_sanitizer_requested() -> str | None:
+    """``KVCANARY_HOST_SANITIZE``: unset or 0 -> None, ``thread`` -> ThreadSanitizer, else AddressSanitizer."""
+    if not host_sanitize_requested():
+        return None
+    return "thread" if os.environ["KVCANARY_HOST_SANITIZE"].strip().lower() == "thread" else "address"
+
+
 @functools.cache
 def _numpy_backend(on_invalid: str) -> Backend:
     from .numpy_backend import NumpyBackend
@@ -82,14 +90,14 @@ def _numpy_backend(on_invalid: str) -> Backend:
 
 
 @functools.cache
-def _kernel_backend(name: str, sanitize: bool) -> KernelBackend:
+def _kernel_backend(name: str, sanitize: str | None) -> KernelBackend:
     if name == "cuda":
         from .cuda import make_cuda_backend
 
         return make_cuda_backend()
     from .host import make_host_backend
 
-    return make_host_backend(sanitize=sanitize)
+    return make_host_backend(sanitize=sanitize or False)
 
 
 def resolve_backend(backend: str, device: Device, on_invalid: str | None = None) -> Backend:
@@ -116,7 +124,7 @@ def resolve_backend(backend: str, device: Device, on_invalid: str | None = None)
     if on_invalid == "raise":
         fail(f"on_invalid='raise' needs the numpy backend; backend={name!r} flags invalid device values in "
              "the status word instead (a kernel cannot raise without a host synchronisation)")
-    return _kernel_backend(name, host_sanitize_requested() if name == "host" else False)
+    return _kernel_backend(name, host_sanitizer_requested() if name == "host" else None)
 
 
 @functools.cache
@@ -133,7 +141,7 @@ def prepare_backend(name: str) -> float:
     if reason is not None:
         fail(f"backend={name!r} is not available here: {reason}")
     started = time.perf_counter()
-    backend = _kernel_backend(name, host_sanitize_requested() if name == "host" else False)
+    backend = _kernel_backend(name, host_sanitizer_requested() if name == "host" else None)
     backend.load_all()
     seconds = time.perf_counter() - started
     log.info("backend %s: kernels compiled or loaded in %.2f s", name, seconds)

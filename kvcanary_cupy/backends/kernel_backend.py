@@ -65,6 +65,11 @@ class LaunchShape:
     scatter_block: int
     transfer_grid_max: int = 64  # record gather/scatter: min(n, grid_max * block) threads, grid-strided
     transfer_block: int = 256
+    # Host backend on a pool of OS threads (0: off; see KernelBackend.pool_grid): plan entries, verify, write
+    # and record transfer with at least 2 * min_work_per_block items (entries, tokens, records) get up to
+    # blocks_per_thread blocks per OS thread; smaller launches keep the grids above and one OS thread.
+    min_work_per_block: int = 0
+    blocks_per_thread: int = 0
 
 
 def _real_kv_args(ctx: Any) -> tuple[Any, ...]:
@@ -114,13 +119,31 @@ class KernelBackend:
     host launcher takes ``None`` itself.
     """
 
-    def __init__(self, name: str, load_module: Callable[[str], Any], shape: LaunchShape, null: Any = None) -> None:
+    def __init__(self, name: str, load_module: Callable[[str], Any], shape: LaunchShape, null: Any = None,
+                 threads: Callable[[], int] | None = None) -> None:
         self.name = name
         self._load_module = load_module
         self.shape = shape
         self._null = null
+        self._threads = threads
         self._functions: dict[str, Any] = {}
-        self._recording: list[tuple[str, str, Any, Any, tuple[Any, ...]]] | None = None
+        self._recording: list[tuple[str, str, Any, Any, tuple[Any, ...], dict[str, Any]]] | None = None
+
+    def pool_grid(self, base: int, work: int, cap: int = 2**31 - 1) -> tuple[int, dict[str, int]]:
+        """Blocks for a launch of ``work`` items whose grid is ``base`` (at most ``cap``), and the keyword
+        arguments of the launch. A backend without OS threads (``cuda``) keeps ``base``. On the host backend
+        a launch too small to gain (fewer than 2 * min_work_per_block items) runs on the calling thread
+        alone with ``base``, exactly as with one thread; a larger one gets one block per min_work_per_block
+        items, at most blocks_per_thread per OS thread, never fewer than ``base``."""
+        base = max(1, min(base, cap))
+        shape = self.shape
+        if self._threads is None or shape.min_work_per_block <= 0:
+            return base, {}
+        threads = self._threads()
+        if threads <= 1 or work < 2 * shape.min_work_per_block:
+            return base, {"threads": 1}
+        sized = min(cap, -(-work // shape.min_work_per_block), shape.blocks_per_thread * threads)
+        return max(base, sized), {"threads": threads}
 
     def load_all(self) -> None:
         """Build (or load from the cache) every kernel module now rather than at its first launch."""
@@ -143,11 +166,12 @@ class KernelBackend:
             self._functions[key] = fn
         return fn
 
-    def _kernel(self, file: str, name: str, grid: Any, block: Any, args: tuple[Any, ...]) -> None:
+    def _kernel(self, file: str, name: str, grid: Any, block: Any, args: tuple[Any, ...], **launch: Any) -> None:
+        """Launch (or, inside :meth:`prepare`, record) one kernel; ``launch``: the host backend's ``threads``."""
         if self._recording is not None:
-            self._recording.append((file, name, grid, block, args))
+            self._recording.append((file, name, grid, block, args, launch))
             return
-        self.function(file, name)(grid, block, args)
+        self.function(file, name)(grid, block, args, **launch)
 
     def prepare(self, step: str, launch: Any) -> Callable[[], None]:
         """``step``'s kernel launches for ``launch`` with their arguments built once (and, on the host, packed
@@ -160,12 +184,12 @@ class KernelBackend:
         finally:
             self._recording = None
         calls: list[Callable[[], None]] = []
-        for file, name, grid, block, args in recorded:
+        for file, name, grid, block, args, launch_kw in recorded:
             kernel = self._load_module(file).get_function(name)
             if self._null is None and hasattr(kernel, "prepared"):
-                calls.append(kernel.prepared(grid, block, args))
+                calls.append(kernel.prepared(grid, block, args, **launch_kw))
             else:
-                calls.append(functools.partial(self.function(file, name), grid, block, args))
+                calls.append(functools.partial(self.function(file, name), grid, block, args, **launch_kw))
         if len(calls) == 1:
             return calls[0]
 
@@ -197,31 +221,35 @@ class KernelBackend:
              _I64(launch.write_req_capacity), wp.verify_offsets, wp.write_offsets, wp.write_seed_slot_indices,
              vp.verify_num_valid, vp.enable, wp.write_num_valid_reqs, vp.status),
         )
+        grid, threads = self.pool_grid(shape.plan_entries_grid, launch.verify_capacity)
         self._kernel("plan.cu", "kvc_plan_entries" + suffix,
-            (shape.plan_entries_grid,), (shape.plan_entries_block,),
+            (grid,), (shape.plan_entries_block,),
             (launch.req_pool_indices, launch.prefix_lens, _I64(bs), *layout,
              lut, _I64(lut_len), _I64(launch.swa_window_size), pool, _I64(pool_rows), _I64(pool_width),
              launch.req_to_verify_expected_tokens_valid_lens, _I32(pool is not None),
              _I32(launch.kv_token_id_vs_position_offset), wp.verify_offsets, vp.enable,
              _I64(launch.verify_capacity), vp.verify_slot_indices, vp.verify_expected_tokens,
              vp.verify_expected_positions, vp.verify_prev_slot_indices, vp.status),
+            **threads,
         )
 
     def verify(self, launch: Any) -> None:
         ctx = launch.context
+        grid, threads = self.pool_grid(self.shape.verify_grid, launch.capacity)
         self._kernel("verify.cu", "kvc_verify",
-            (self.shape.verify_grid,), (self.shape.verify_block,),
+            (grid,), (self.shape.verify_block,),
             (ctx.canary, _I64(ctx.num_slots), _I64(ctx.canary.shape[1]), launch.slots, launch.expected_tokens,
              launch.expected_positions, launch.prev_slots, launch.num_valid, launch.enable,
              _I64(launch.capacity), _I32(launch.check_verify_expected_token), _I64(ctx.kernel_kind), ctx.ring,
              _I64(ctx.ring.shape[0]), ctx.write_index, ctx.slot_run_counter, ctx.kernel_run_counter, ctx.status,
              *_real_kv_args(ctx)),
+            **threads,
         )
 
     def write(self, launch: Any) -> None:
         ctx = launch.context
         capacity = launch.write_req_capacity
-        grid = max(1, min(capacity, self.shape.write_grid_max))
+        grid, threads = self.pool_grid(self.shape.write_grid_max, int(launch.input_ids.shape[0]), cap=capacity)
         self._kernel("write.cu", "kvc_write",
             (grid,), (self.shape.write_block,),
             (ctx.canary, _I64(ctx.num_slots), _I64(ctx.canary.shape[1]), launch.write_offsets,
@@ -231,6 +259,7 @@ class KernelBackend:
              launch.expected_input_positions, ctx.chain_assert, _I64(ctx.kernel_kind), ctx.ring,
              _I64(ctx.ring.shape[0]), ctx.write_index, ctx.slot_run_counter, ctx.kernel_run_counter, ctx.status,
              *_real_kv_args(ctx)),
+            **threads,
         )
 
     def scatter(self, launch: Any) -> None:
@@ -239,33 +268,37 @@ class KernelBackend:
         rows, width = launch.pool_out.shape
         block = self.shape.scatter_block
         column_tiles = max(1, min(-(-min(width, total) // block), 65535))
-        grid = (max(1, min(bs, self.shape.scatter_grid_max)), column_tiles)
+        requests, threads = self.pool_grid(self.shape.scatter_grid_max, total, cap=max(1, bs))
         self._kernel("scatter.cu", "kvc_scatter",
-            grid, (block,),
+            (requests, column_tiles), (block,),
             (launch.flat_in, _I64(total), launch.offsets, launch.req_pool_indices, _I64(bs), launch.pool_out,
              _I64(rows), _I64(width), launch.status),
+            **threads,
         )
 
-    def _transfer_grid(self, n: int) -> tuple[int, int]:
+    def _transfer_grid(self, n: int) -> tuple[int, int, dict[str, int]]:
         block = self.shape.transfer_block
-        return max(1, min(-(-n // block), self.shape.transfer_grid_max)), block
+        grid, threads = self.pool_grid(self.shape.transfer_grid_max, n, cap=max(1, -(-n // block)))
+        return grid, block, threads
 
     def gather_records(self, launch: Any) -> None:
         n = launch.count
-        grid, block = self._transfer_grid(n)
+        grid, block, threads = self._transfer_grid(n)
         self._kernel("transfer.cu", "kvc_gather_records",
             (grid,), (block,),
             (launch.canary, _I64(launch.canary.shape[0]), _I64(launch.canary.shape[1]), launch.slots,
              _I64(launch.slots.shape[0]), _I64(launch.page_size), _I64(launch.page_stride), launch.records,
              launch.status),
+            **threads,
         )
 
     def scatter_records(self, launch: Any) -> None:
         n = launch.count
-        grid, block = self._transfer_grid(n)
+        grid, block, threads = self._transfer_grid(n)
         self._kernel("transfer.cu", "kvc_scatter_records",
             (grid,), (block,),
             (launch.records, launch.slots, _I64(launch.slots.shape[0]), _I64(launch.page_size),
              _I64(launch.page_stride), launch.canary, _I64(launch.canary.shape[0]), _I64(launch.canary.shape[1]),
              launch.status),
+            **threads,
         )

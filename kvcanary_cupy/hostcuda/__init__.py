@@ -14,8 +14,9 @@ machine without a GPU:
   ``ctypes`` loading, and :class:`HostModule` / :class:`HostKernel`, which mirror ``cupy.RawModule`` /
   ``cupy.RawKernel``.
 
-Execution model: the blocks of a grid run one after another; the threads of a block are cooperative fibers,
-so ``__syncthreads`` and warp operations behave as on a GPU. Shared memory is filled with a poison pattern
+Execution model: the blocks of a grid run on a pool of OS threads (each OS thread runs whole blocks; see
+:func:`host_threads` and ``docs/host-threads.md``); the threads of a block are cooperative fibers, so
+``__syncthreads`` and warp operations behave as on a GPU. Shared memory is filled with a poison pattern
 (word ``0x7FF5A5A5``) before every block, and a shuffle that reads a lane that did not take part returns the
 same word. Kernel value arguments must be NumPy scalars of the parameter's exact width (``np.int64(5)``,
 not ``5``): CuPy does not check widths, so a bare Python int that happens to work on the host could pass a
@@ -24,8 +25,9 @@ wrong-sized value on the GPU.
 Builds are cached under ``hostcuda/`` of the package cache (:mod:`kvcanary_cupy.cache`: ``$KVCANARY_CACHE_DIR``,
 else ``$XDG_CACHE_HOME/kvcanary_cupy``, else ``~/.cache/kvcanary_cupy``; pruned to a size cap), keyed by the
 runtime and shim sources, the kernel code, every header it includes from ``include_dirs``, the flags and the
-compiler version. ``sanitize=True`` builds with AddressSanitizer and UBSan; such a module
-loads only into a process started with libasan preloaded (see :func:`sanitizer_preload`).
+compiler version. ``sanitize=True`` builds with AddressSanitizer and UBSan, ``sanitize="thread"`` with
+ThreadSanitizer; such a module loads only into a process started with the sanitizer runtime preloaded (see
+:func:`sanitizer_preload`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import os
 import posixpath
 import re
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -54,12 +57,16 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "SHARED_MEMORY_POISON_WORD",
+    "THREADS_ENV",
     "HostBuildError",
     "HostKernel",
     "HostLaunchError",
     "HostModule",
+    "default_host_threads",
     "find_compiler",
+    "host_threads",
     "sanitizer_preload",
+    "set_host_threads",
 ]
 
 #: Word that fills shared memory before every block (and that a shuffle from a non-participating lane
@@ -68,10 +75,11 @@ SHARED_MEMORY_POISON_WORD = 0x7FF5A5A5
 
 _HERE = Path(__file__).resolve().parent
 _RUNTIME_FILES = ("kvc_host_cuda.h", "kvc_host_register.h", "kvc_host_runtime.cpp")
-_CACHE_FORMAT = "kvc-hostcuda-1"
+_CACHE_FORMAT = "kvc-hostcuda-2"
 
 # -fno-strict-aliasing: CUDA kernels routinely reinterpret buffers (a uint4 load from long long storage);
-# -fno-threadsafe-statics: the __shared__ tracking statics are initialised by fibers of one OS thread;
+# -fno-threadsafe-statics: the only function statics are the thread_local __shared__ tracking flags, which
+#   need no lock (each OS thread initialises its own);
 # -Wno-unknown-pragmas: `#pragma unroll` is an NVRTC pragma g++ does not know.
 _BASE_FLAGS = (
     "-std=c++17",
@@ -95,12 +103,62 @@ _SANITIZE_FLAGS = (
     "-fno-omit-frame-pointer",
     "-g",
 )
+_TSAN_FLAGS = (
+    "-fsanitize=thread",
+    "-fno-omit-frame-pointer",
+    "-g",
+)
 _IGNORED_OPTIONS = frozenset({"-std=c++17", "--std=c++17"})
 
 _PARAM_INTEGER, _PARAM_FLOAT, _PARAM_OTHER, _PARAM_POINTER = 0, 1, 2, 3
 _DEFAULT_MAX_DYNAMIC_SMEM = 48 * 1024
 _MAX_DYNAMIC_SMEM = 232448  # KVC_HOST_MAX_DYNAMIC_SMEM in kvc_host_cuda.h
 _ERROR_BUFFER = 4096
+
+
+# ---- how many OS threads a launch may use -------------------------------------------------------------------
+
+#: Environment variable that sets the default number of OS threads of a host launch.
+THREADS_ENV = "KVCANARY_HOST_THREADS"
+_threads_setting: int | None = None
+
+
+def _threads_value(value: Any, name: str) -> int:
+    from .._validate import int_arg
+
+    return int_arg(value, name, minimum=1, maximum=256)
+
+
+def default_host_threads() -> int:
+    """Threads a launch uses when nothing else says: ``$KVCANARY_HOST_THREADS`` when set, else the number of
+    cores this process may run on (``os.sched_getaffinity``, which honours taskset and cgroup cpusets)."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if raw:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = None
+        if value is None or value < 1:
+            from .._errors import fail
+
+            fail(f"{THREADS_ENV} must be a positive integer, got {raw!r}")
+        return min(value, 256)
+    try:
+        return max(1, min(len(os.sched_getaffinity(0)), 256))
+    except AttributeError:  # no sched_getaffinity on this platform
+        return max(1, min(os.cpu_count() or 1, 256))
+
+
+def set_host_threads(threads: int | None) -> None:
+    """Sets, process-wide, how many OS threads a host launch may use (1 to 256); None goes back to
+    :func:`default_host_threads`. A ``threads=`` given to a module or a launch still wins."""
+    global _threads_setting
+    _threads_setting = None if threads is None else _threads_value(threads, "threads")
+
+
+def host_threads() -> int:
+    """The number of OS threads a host launch uses unless its module or the launch says otherwise."""
+    return _threads_setting if _threads_setting is not None else default_host_threads()
 
 
 class HostBuildError(RuntimeError):
@@ -151,28 +209,48 @@ def _compiler_version(cxx: str) -> str:
     return _version_cache[key]
 
 
-def sanitizer_preload() -> str:
-    """Path of the compiler's ``libasan.so``, for ``LD_PRELOAD`` in a process that loads sanitized modules.
+def sanitizer_preload(sanitizer: str = "address") -> str:
+    """Path of the compiler's ``libasan.so`` (``sanitizer="thread"``: ``libtsan.so``), for ``LD_PRELOAD`` in a
+    process that loads sanitized modules.
 
-    Run such a process as ``LD_PRELOAD=$(g++ -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0``.
-    This is g++'s answer verbatim: when the compiler ships no AddressSanitizer runtime it is the bare name
-    ``libasan.so``, so callers check ``os.path.isfile``. Raises HostBuildError when there is no compiler.
+    Run such a process as ``LD_PRELOAD=$(g++ -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0``
+    (ThreadSanitizer: ``LD_PRELOAD=$(g++ -print-file-name=libtsan.so)``).
+    This is g++'s answer verbatim: when the compiler ships no such runtime it is the bare name
+    (``libasan.so``), so callers check ``os.path.isfile``. Raises HostBuildError when there is no compiler.
     """
+    if sanitizer not in _SANITIZER_LIBS:
+        raise ValueError(f"sanitizer must be 'address' or 'thread', got {sanitizer!r}")
     cxx = _require_compiler()
-    if cxx not in _preload_cache:
+    key = f"{cxx}\0{sanitizer}"
+    if key not in _preload_cache:
         out = subprocess.run(
-            [cxx, "-print-file-name=libasan.so"], capture_output=True, text=True, env=_compiler_env(), check=False
+            [cxx, f"-print-file-name={_SANITIZER_LIBS[sanitizer]}"], capture_output=True, text=True,
+            env=_compiler_env(), check=False,
         )
-        _preload_cache[cxx] = out.stdout.strip()
-    return _preload_cache[cxx]
+        _preload_cache[key] = out.stdout.strip()
+    return _preload_cache[key]
 
 
-def _asan_runtime_loaded() -> bool:
+_SANITIZER_LIBS = {"address": "libasan.so", "thread": "libtsan.so"}
+_SANITIZER_INIT = {"address": "__asan_init", "thread": "__tsan_init"}
+
+
+def _sanitizer_runtime_loaded(sanitizer: str) -> bool:
     try:
-        ctypes.CDLL(None)["__asan_init"]
+        ctypes.CDLL(None)[_SANITIZER_INIT[sanitizer]]
     except AttributeError:
         return False
     return True
+
+
+def _sanitizer_name(sanitize: bool | str) -> str | None:
+    if sanitize is True or sanitize == "address":
+        return "address"
+    if sanitize == "thread":
+        return "thread"
+    if sanitize is False or sanitize is None:
+        return None
+    raise ValueError(f"sanitize must be False, True / 'address' or 'thread', got {sanitize!r}")
 
 
 # ---- source scanning and rewriting ----------------------------------------------------------------------------
@@ -249,35 +327,38 @@ def _declaration_end(masked: str, start: int, label: str, file_label: str) -> in
     raise HostBuildError(f"{file_label}:{_line_of(masked, start)}: cannot parse the {label} declaration")
 
 
-def _declared_names(decl: str) -> list[str]:
-    """Names declared by `T a[N], *b, c` (the text between `__shared__` and `;`)."""
-    decl = _ALIGN_RE.sub(" ", decl)
-    parts: list[str] = []
+def _declared_names(decl: str) -> list[tuple[str, int]]:
+    """Names declared by `T a[N], *b, c` (the text between `__shared__` and `;`), each with its offset."""
+    decl = _ALIGN_RE.sub(lambda m: " " * len(m.group(0)), decl)
+    parts: list[tuple[int, int]] = []
     depth = 0
-    current = ""
-    for c in decl:
+    start = 0
+    for i, c in enumerate(decl):
         if c in "([{<":
             depth += 1
         elif c in ")]}>":
             depth -= 1
         if c == "," and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += c
-    parts.append(current)
+            parts.append((start, i))
+            start = i + 1
+    parts.append((start, len(decl)))
     names = []
-    for part in parts:
-        head = part.split("[", 1)[0]
-        idents = [w for w in _IDENT_RE.findall(head) if w not in _CXX_WORDS]
+    for lo, hi in parts:
+        head = decl[lo:hi].split("[", 1)[0]
+        idents = [m for m in _IDENT_RE.finditer(head) if m.group(0) not in _CXX_WORDS]
         if not idents:
-            raise ValueError(part)
-        names.append(idents[-1])
+            raise ValueError(decl[lo:hi])
+        names.append((idents[-1].group(0), lo + idents[-1].start()))
     return names
 
 
-def _rewrite_shared(text: str, masked: str, file_label: str) -> str:
-    """Applies the host meaning of `__shared__` (see kvc_host_cuda.h) without moving any line."""
+def _rewrite_shared(text: str, masked: str, file_label: str, heap: bool = False) -> str:
+    """Applies the host meaning of `__shared__` (see kvc_host_cuda.h) without moving any line.
+
+    ``heap`` (AddressSanitizer builds): each variable's thread_local storage is renamed and the variable
+    becomes a thread_local reference to a heap copy, because ASan puts redzones around heap blocks but not
+    around thread_local variables, and an overflow of `__shared__` must still be reported.
+    """
     edits: list[tuple[int, int, str]] = []
     dynamic_spans: list[tuple[int, int]] = []
     for m in _DYNAMIC_SHARED_RE.finditer(masked):
@@ -290,7 +371,7 @@ def _rewrite_shared(text: str, masked: str, file_label: str) -> str:
             (
                 m.start(),
                 m.end(),
-                f"{ctype}* const {name} __attribute__((unused)) = "
+                f"thread_local {ctype}* const {name} __attribute__((unused)) = "
                 f"reinterpret_cast<{ctype}*>(kvc_host_dynamic_smem);{newlines}",
             )
         )
@@ -308,14 +389,20 @@ def _rewrite_shared(text: str, masked: str, file_label: str) -> str:
                 f"{file_label}:{_line_of(masked, m.start())}: a __shared__ declaration in a macro must end on "
                 "the #define line"
             )
-        decl = re.sub(r"^\s*static\b", " ", masked[m.end():end])
+        decl = re.sub(r"^\s*static\b", lambda s: " " * len(s.group(0)), masked[m.end():end])
         try:
             names = _declared_names(decl)
         except ValueError:
             raise HostBuildError(
                 f"{file_label}:{_line_of(masked, m.start())}: cannot find the name declared by __shared__"
             ) from None
-        edits.append((end + 1, end + 1, "".join(f" KVC_HOST_TRACK_SHARED({n})" for n in names)))
+        if heap:
+            for n, offset in names:
+                at = m.end() + offset
+                edits.append((at, at + len(n), f"kvc_host_shared_storage_{n}"))
+            edits.append((end + 1, end + 1, "".join(f" KVC_HOST_HEAP_SHARED({n})" for n, _ in names)))
+        else:
+            edits.append((end + 1, end + 1, "".join(f" KVC_HOST_TRACK_SHARED({n})" for n, _ in names)))
     out = text
     for start, stop, replacement in sorted(edits, key=lambda e: (e[0], e[1]), reverse=True):
         out = out[:start] + replacement + out[stop:]
@@ -429,8 +516,11 @@ class HostModule:
     """Host counterpart of ``cupy.RawModule``: compiles CUDA C++ with g++ and loads it with ctypes.
 
     Entry points are the ``extern "C" __global__ void NAME(...)`` functions of ``code``. ``options`` takes
-    ``-D``/``-U`` flags; ``include_dirs`` resolves ``#include "x.cuh"``. With ``sanitize=True`` the module and
-    its runtime are built with AddressSanitizer and UBSan, and loading needs libasan preloaded.
+    ``-D``/``-U`` flags; ``include_dirs`` resolves ``#include "x.cuh"``. With ``sanitize=True`` (or
+    ``"address"``) the module and its runtime are built with AddressSanitizer and UBSan, and loading needs
+    libasan preloaded; ``sanitize="thread"`` builds with ThreadSanitizer and needs libtsan preloaded.
+    ``threads`` is how many OS threads this module's launches may use (None: :func:`host_threads` at each
+    launch); a launch's own ``threads=`` wins.
     """
 
     def __init__(
@@ -439,15 +529,19 @@ class HostModule:
         *,
         options: Sequence[str] = (),
         include_dirs: Sequence[str | os.PathLike[str]] = (),
-        sanitize: bool = False,
+        sanitize: bool | str = False,
         name: str = "module",
+        threads: int | None = None,
     ) -> None:
         if not isinstance(code, str):
             raise TypeError("code must be a str of CUDA C++ source")
         if isinstance(options, str):
             raise TypeError("options must be a sequence of strings, not a single string")
         self.name = name
-        self.sanitize = bool(sanitize)
+        #: "address" (ASan + UBSan), "thread" (TSan) or None.
+        self.sanitizer = _sanitizer_name(sanitize)
+        self.sanitize = self.sanitizer is not None
+        self.threads = None if threads is None else _threads_value(threads, "threads")
         stem = re.sub(r"[^A-Za-z0-9_.-]", "_", name) or "module"
         if stem.endswith(".cu"):
             stem = stem[:-3]
@@ -459,7 +553,8 @@ class HostModule:
         kernels = _find_kernels(masked)
         if not kernels:
             raise HostBuildError(f'{file_label}: no `extern "C" __global__ void NAME(` entry point found')
-        kernel_text = f'#line 1 "{file_label}"\n' + _rewrite_shared(code, masked, file_label) + "\n"
+        heap_shared = self.sanitizer == "address"
+        kernel_text = f'#line 1 "{file_label}"\n' + _rewrite_shared(code, masked, file_label, heap_shared) + "\n"
         unit = "".join(
             [
                 "// Generated host translation unit.\n",
@@ -475,7 +570,7 @@ class HostModule:
 
         cxx = _require_compiler()
         version = _compiler_version(cxx)
-        flags = _BASE_FLAGS + (_SANITIZE_FLAGS if self.sanitize else ())
+        flags = _BASE_FLAGS + {None: (), "address": _SANITIZE_FLAGS, "thread": _TSAN_FLAGS}[self.sanitizer]
         runtime_flags = flags + tuple(o for o in extra if o[2:].startswith("KVC_HOST_"))
         sources = _runtime_sources()
         key = _digest(
@@ -491,14 +586,16 @@ class HostModule:
             kernel_text,
             unit,
         )
-        target = host_module_dir() / f"{stem}-{key[:32]}{'-asan' if self.sanitize else ''}.so"
+        flavour = "" if self.sanitizer is None else f"-{self.sanitizer[0]}san"  # -asan / -tsan
+        target = host_module_dir() / f"{stem}-{key[:32]}{flavour}.so"
         self.library_path = target
         self.from_cache = target.exists()
         if self.from_cache:
             touch(target)
             log.debug("host module %r: cached build %s", name, target)
         else:
-            log.info("compiling host module %r with %s%s", name, cxx, " (sanitized)" if self.sanitize else "")
+            log.info("compiling host module %r with %s%s", name, cxx,
+                     f" ({self.sanitizer} sanitizer)" if self.sanitize else "")
             started = time.perf_counter()
             runtime = _runtime_object(cxx, version, runtime_flags, sources)
 
@@ -511,7 +608,7 @@ class HostModule:
                         continue
                     copy = tmp / vpath
                     copy.parent.mkdir(parents=True, exist_ok=True)
-                    rewritten = _rewrite_shared(content, _mask_comments(content), path)
+                    rewritten = _rewrite_shared(content, _mask_comments(content), path, heap_shared)
                     quoted = path.replace("\\", "\\\\").replace('"', '\\"')
                     copy.write_text(f'#line 1 "{quoted}"\n{rewritten}\n', encoding="utf-8")
                 (tmp / "unit.cpp").write_text(unit, encoding="utf-8")
@@ -536,11 +633,17 @@ class HostModule:
             log.info("compiled host module %r in %.2f s: %s", name, time.perf_counter() - started, target)
             prune(target.parent, keep=(target, runtime))
 
-        if self.sanitize and not _asan_runtime_loaded():
+        if self.sanitizer == "address" and not _sanitizer_runtime_loaded("address"):
             raise HostBuildError(
                 f"host module {name!r} was built with sanitize=True; AddressSanitizer must be loaded first. Run "
                 "the process as: LD_PRELOAD=$(g++ -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 "
                 "python ... (kvcanary_cupy.hostcuda.sanitizer_preload() gives the path)"
+            )
+        if self.sanitizer == "thread" and not _sanitizer_runtime_loaded("thread"):
+            raise HostBuildError(
+                f"host module {name!r} was built with sanitize='thread'; ThreadSanitizer must be loaded first. "
+                "Run the process as: LD_PRELOAD=$(g++ -print-file-name=libtsan.so) python ... "
+                "(kvcanary_cupy.hostcuda.sanitizer_preload('thread') gives the path)"
             )
         self._lib = _load_library(target)
         count = self._lib.kvc_host_abi_kernel_count()
@@ -558,13 +661,15 @@ class HostModule:
         return self._kernels[name]
 
     def runtime_stats(self) -> dict[str, int]:
-        """Counters of this module's runtime: context switches, fiber starts, blocks, launches, stacks."""
-        out = (ctypes.c_ulonglong * 5)()
+        """Counters of this module's runtime, over every OS thread that ran its blocks: context switches, fiber
+        starts, blocks, launches, fiber stacks mapped, pool workers started, blocks run by pool workers."""
+        names = ("switches", "fiber_starts", "blocks", "launches", "stacks", "workers", "worker_blocks")
+        out = (ctypes.c_ulonglong * len(names))()
         self._lib.kvc_host_abi_stats(out)
-        return dict(zip(("switches", "fiber_starts", "blocks", "launches", "stacks"), out, strict=True))
+        return dict(zip(names, out, strict=True))
 
     def __repr__(self) -> str:
-        return f"<HostModule {self.name!r} kernels={list(self.kernel_names)} sanitize={self.sanitize}>"
+        return f"<HostModule {self.name!r} kernels={list(self.kernel_names)} sanitizer={self.sanitizer}>"
 
 
 def _load_library(path: Path) -> ctypes.CDLL:
@@ -592,6 +697,7 @@ def _load_library(path: Path) -> ctypes.CDLL:
                 ctypes.POINTER(ctypes.c_uint),
                 ctypes.c_ulonglong,
                 ctypes.POINTER(ctypes.c_void_p),
+                ctypes.c_int,
                 ctypes.c_char_p,
                 ctypes.c_ulonglong,
             ]
@@ -618,6 +724,24 @@ def _dims(value: Any, what: str) -> tuple[int, int, int]:
 _KIND_NAMES = {_PARAM_INTEGER: "integer", _PARAM_FLOAT: "floating-point", _PARAM_OTHER: "struct"}
 
 
+class _ArgumentBlock:
+    """One OS thread's launch buffers for one kernel: the argv table and value slots, grid, block, error."""
+
+    def __init__(self, size: int, offsets: Sequence[int], count: int) -> None:
+        self.buffer = ctypes.create_string_buffer(size + 16)
+        base = ctypes.addressof(self.buffer)
+        self.shift = (-base) % 16
+        self.table_bytes = (8 * max(count, 1) + 15) // 16 * 16
+        start = base + self.shift
+        table = (ctypes.c_void_p * max(count, 1)).from_address(start)
+        for i, offset in enumerate(offsets):
+            table[i] = start + offset
+        self.argv = ctypes.cast(start, ctypes.POINTER(ctypes.c_void_p))
+        self.grid = (ctypes.c_uint * 3)()
+        self.block = (ctypes.c_uint * 3)()
+        self.error = ctypes.create_string_buffer(_ERROR_BUFFER)
+
+
 class HostKernel:
     """Host counterpart of ``cupy.RawKernel``: ``kern(grid, block, args, shared_mem=0)``.
 
@@ -639,13 +763,34 @@ class HostKernel:
         self._kinds = tuple(kinds[i] for i in range(count))
         self.param_is_pointer = tuple(k == _PARAM_POINTER for k in self._kinds)
         self._max_dynamic_smem = _DEFAULT_MAX_DYNAMIC_SMEM
-        # Per parameter: 16-byte aligned slot in the argument block (kernels may take 16-aligned structs).
-        self._offsets = []
-        offset = 0
+        # The argument block: the argv table (one address per parameter), then a 16-byte aligned slot per
+        # parameter (kernels may take 16-aligned structs). One block per calling OS thread, reused: the
+        # table never changes, a launch packs only the values (one struct.pack_into).
+        offset = (8 * max(count, 1) + 15) // 16 * 16
+        self._offsets: list[int] = []
         for size in self.param_sizes:
             self._offsets.append(offset)
             offset += max(16, (size + 15) // 16 * 16)
         self._block_bytes = offset
+        self._values_format = struct.Struct(self._format())
+        self._per_thread = threading.local()
+
+    def _format(self) -> str:
+        parts = ["<"]
+        at = (8 * max(self.num_params, 1) + 15) // 16 * 16
+        for offset, size, kind in zip(self._offsets, self.param_sizes, self._kinds, strict=True):
+            if offset > at:
+                parts.append(f"{offset - at}x")
+            parts.append("Q" if kind == _PARAM_POINTER else f"{size}s")
+            at = offset + (8 if kind == _PARAM_POINTER else size)
+        return "".join(parts)
+
+    def _thread_block(self) -> _ArgumentBlock:
+        block: _ArgumentBlock | None = getattr(self._per_thread, "block", None)
+        if block is None:
+            block = _ArgumentBlock(self._block_bytes, self._offsets, self.num_params)
+            self._per_thread.block = block
+        return block
 
     def __repr__(self) -> str:
         return f"<HostKernel {self.name!r} params={self.num_params}>"
@@ -663,47 +808,52 @@ class HostKernel:
             raise ValueError(f"max_dynamic_shared_size_bytes must be within [0, {_MAX_DYNAMIC_SMEM}], got {value}")
         self._max_dynamic_smem = value
 
-    def _marshal(self, args: Sequence[Any]) -> tuple[np.ndarray, ctypes.Array[ctypes.c_void_p]]:
+    def _thread_count(self, threads: int | None) -> int:
+        """OS threads for one launch: ``threads``, else the module's ``threads``, else :func:`host_threads`."""
+        if threads is not None:
+            return _threads_value(threads, "threads")
+        if self.module.threads is not None:
+            return self.module.threads
+        return host_threads()
+
+    def _marshal(self, args: Sequence[Any], block: _ArgumentBlock | None = None) -> _ArgumentBlock:
+        """Checks ``args`` and packs them into ``block`` (None: this thread's argument block), which it
+        returns."""
         if not isinstance(args, tuple | list):
             raise TypeError(f"kernel {self.name!r}: args must be a tuple, got {type(args).__name__}")
         if len(args) != self.num_params:
             raise TypeError(f"kernel {self.name!r} takes {self.num_params} arguments, {len(args)} given")
-        storage = np.zeros(self._block_bytes + 16, dtype=np.uint8)
-        base = storage.ctypes.data
-        shift = (-base) % 16
-        argv = (ctypes.c_void_p * max(self.num_params, 1))()
+        values: list[Any] = []
         for i, arg in enumerate(args):
-            start = shift + self._offsets[i]
             size = self.param_sizes[i]
             kind = self._kinds[i]
-            where = f"kernel {self.name!r} argument {i}"
             if kind == _PARAM_POINTER:
                 if arg is None:
-                    address = 0
+                    values.append(0)
                 elif isinstance(arg, np.ndarray):
-                    address = arg.ctypes.data
+                    values.append(arg.ctypes.data)
                 else:
-                    raise TypeError(f"{where} is a pointer parameter: pass a numpy.ndarray or None, "
-                                    f"not {type(arg).__name__}")
-                storage[start:start + 8] = np.frombuffer(address.to_bytes(8, "little"), dtype=np.uint8)
-            else:
-                if isinstance(arg, np.ndarray):
-                    raise TypeError(f"{where} is a {size}-byte value parameter: pass a NumPy scalar, not an array")
-                if not isinstance(arg, np.generic):
-                    raise TypeError(
-                        f"{where} is a {size}-byte {_KIND_NAMES[kind]} value parameter: pass a NumPy scalar of "
-                        f"that width (e.g. np.int64(...) / np.float32(...)), not a bare {type(arg).__name__}"
-                    )
-                if arg.itemsize != size:
-                    raise TypeError(
-                        f"{where}: the parameter is {size} bytes but {arg.dtype} is {arg.itemsize} bytes"
-                    )
-                np_kind = arg.dtype.kind
-                if (kind == _PARAM_INTEGER and np_kind not in "biu") or (kind == _PARAM_FLOAT and np_kind != "f"):
-                    raise TypeError(f"{where} is a {_KIND_NAMES[kind]} parameter, got {arg.dtype}")
-                storage[start:start + size] = np.frombuffer(arg.tobytes(), dtype=np.uint8)
-            argv[i] = base + start
-        return storage, argv
+                    raise TypeError(f"kernel {self.name!r} argument {i} is a pointer parameter: pass a "
+                                    f"numpy.ndarray or None, not {type(arg).__name__}")
+                continue
+            where = f"kernel {self.name!r} argument {i}"
+            if isinstance(arg, np.ndarray):
+                raise TypeError(f"{where} is a {size}-byte value parameter: pass a NumPy scalar, not an array")
+            if not isinstance(arg, np.generic):
+                raise TypeError(
+                    f"{where} is a {size}-byte {_KIND_NAMES[kind]} value parameter: pass a NumPy scalar of "
+                    f"that width (e.g. np.int64(...) / np.float32(...)), not a bare {type(arg).__name__}"
+                )
+            if arg.itemsize != size:
+                raise TypeError(f"{where}: the parameter is {size} bytes but {arg.dtype} is {arg.itemsize} bytes")
+            np_kind = arg.dtype.kind
+            if (kind == _PARAM_INTEGER and np_kind not in "biu") or (kind == _PARAM_FLOAT and np_kind != "f"):
+                raise TypeError(f"{where} is a {_KIND_NAMES[kind]} parameter, got {arg.dtype}")
+            values.append(arg.tobytes())
+        if block is None:
+            block = self._thread_block()
+        self._values_format.pack_into(block.buffer, block.shift + block.table_bytes, *values)
+        return block
 
     def __call__(
         self,
@@ -713,9 +863,12 @@ class HostKernel:
         *,
         shared_mem: int = 0,
         stream: object = None,
+        threads: int | None = None,
     ) -> None:
-        """Runs the kernel to completion. ``stream`` is accepted for CuPy compatibility and ignored."""
+        """Runs the kernel to completion on up to ``threads`` OS threads (None: the module's ``threads``, else
+        :func:`host_threads`). ``stream`` is accepted for CuPy compatibility and ignored."""
         del stream
+        nthreads = self._thread_count(threads)
         grid3 = _dims(grid, "grid")
         block3 = _dims(block, "block")
         shared = operator.index(shared_mem)
@@ -727,37 +880,32 @@ class HostKernel:
                 f"max_dynamic_shared_size_bytes={self.max_dynamic_shared_size_bytes} (raise it as on CuPy, up to "
                 f"{_MAX_DYNAMIC_SMEM})"
             )
-        storage, argv = self._marshal(args)
-        err = ctypes.create_string_buffer(_ERROR_BUFFER)
+        packed = self._marshal(args)
+        packed.grid[0], packed.grid[1], packed.grid[2] = grid3
+        packed.block[0], packed.block[1], packed.block[2] = block3
         rc = self.module._lib.kvc_host_abi_launch(
-            self._index,
-            (ctypes.c_uint * 3)(*grid3),
-            (ctypes.c_uint * 3)(*block3),
-            shared,
-            argv,
-            err,
-            _ERROR_BUFFER,
+            self._index, packed.grid, packed.block, shared, packed.argv, nthreads, packed.error, _ERROR_BUFFER
         )
-        del storage
         if rc != 0:
-            raise HostLaunchError(err.value.decode(errors="replace"))
+            raise HostLaunchError(packed.error.value.decode(errors="replace"))
 
     def prepared(self, grid: int | tuple[int, ...], block: int | tuple[int, ...], args: tuple[Any, ...], *,
-                 shared_mem: int = 0) -> Callable[[], None]:
+                 shared_mem: int = 0, threads: int | None = None) -> Callable[[], None]:
         """A launch of fixed shape and arguments, marshalled once: calling it runs the kernel to completion
         like ``kern(grid, block, args)``, without re-packing the argument block (for launches bound once and
-        called every step; the arrays in ``args`` are kept alive and read afresh by every call)."""
+        called every step; the arrays in ``args`` are kept alive and read afresh by every call). The thread
+        count is resolved at each call, as for ``kern(...)``."""
         if operator.index(shared_mem) != 0:
             raise ValueError("prepared launches take no dynamic shared memory")
-        grid3, block3 = (ctypes.c_uint * 3)(*_dims(grid, "grid")), (ctypes.c_uint * 3)(*_dims(block, "block"))
-        storage, argv = self._marshal(args)
-        launch, index = self.module._lib.kvc_host_abi_launch, self._index
-        held = (storage, tuple(args))  # the argument block and the arrays its pointers name
+        packed = self._marshal(args, _ArgumentBlock(self._block_bytes, self._offsets, self.num_params))
+        packed.grid[0], packed.grid[1], packed.grid[2] = _dims(grid, "grid")
+        packed.block[0], packed.block[1], packed.block[2] = _dims(block, "block")
+        launch, index, held = self.module._lib.kvc_host_abi_launch, self._index, tuple(args)
 
         def run() -> None:
-            err = ctypes.create_string_buffer(_ERROR_BUFFER)
-            if launch(index, grid3, block3, 0, argv, err, _ERROR_BUFFER) != 0:
-                raise HostLaunchError(err.value.decode(errors="replace"))
+            nthreads = self._thread_count(threads)
+            if launch(index, packed.grid, packed.block, 0, packed.argv, nthreads, packed.error, _ERROR_BUFFER) != 0:
+                raise HostLaunchError(packed.error.value.decode(errors="replace"))
 
-        run.held = held  # type: ignore[attr-defined]
+        run.held = held  # type: ignore[attr-defined]  # the arrays the packed pointers name stay alive
         return run

@@ -23,11 +23,12 @@ struct dim3 {
     constexpr operator uint3() const { return uint3{x, y, z}; }
 };
 
+// Per OS thread (each runs whole blocks); trivially constructible, so no TLS init wrapper is needed.
 struct kvc_host_regs_t {
     uint3 thread_idx;
     uint3 block_idx;
-    dim3 block_dim;
-    dim3 grid_dim;
+    uint3 block_dim;
+    uint3 grid_dim;
 };
 
 // One row per kernel of a module, produced by kvc_host_register.h. kinds[i]: KVC_HOST_PARAM_*.
@@ -75,13 +76,17 @@ struct kvc_host_kernel_entry {
 // so two loaded modules never share (or interpose) threadIdx, barriers or shared memory.
 #pragma GCC visibility push(hidden)
 extern "C" {
-extern kvc_host_regs_t kvc_host_regs;
-extern char kvc_host_dynamic_smem[];
+// Per OS thread: every worker of the block pool runs whole blocks with its own registers, shared memory
+// and fiber scheduler.
+extern thread_local kvc_host_regs_t kvc_host_regs;
+extern thread_local char* kvc_host_dynamic_smem;
+extern unsigned int kvc_host_tsan_fence_word;  // see __threadfence (ThreadSanitizer builds only)
 
 int kvc_host_block_sync(int op, int pred, int line, const char* file);
 unsigned long long kvc_host_warp_sync(int op, unsigned int mask, unsigned long long value, int mode, int arg,
                                       int width, int line, const char* file);
 void kvc_host_track_shared(void* addr, unsigned long long size);
+void* kvc_host_shared_alloc(unsigned long long size, unsigned long long align);
 [[noreturn]] void kvc_host_trap(int line, const char* file);
 long long kvc_host_clock64(void);
 const kvc_host_kernel_entry* kvc_host_module_kernels(int* count);
@@ -113,22 +118,34 @@ void* memset(void* dst, int value, size_t n) noexcept;
 #define __launch_bounds__(...)
 #define __grid_constant__
 #define __align__(n) __attribute__((aligned(n)))
-// Host-side `__shared__` is a static: one copy per module, shared by the fibers of the running block (blocks
-// run one after another). The Python side rewrites `static __shared__` to `__shared__`, turns
-// `extern __shared__ T x[];` into a pointer to kvc_host_dynamic_smem, and follows every other `__shared__`
-// declaration with KVC_HOST_TRACK_SHARED so the runtime can poison the variable before each block.
-#define __shared__ static
+// Host-side `__shared__` is a thread_local static: one copy per module and OS thread, shared by the fibers of
+// the block that thread is running (each worker of the pool runs whole blocks, one after another). The
+// Python side rewrites `static __shared__` to `__shared__`, turns `extern __shared__ T x[];` into a
+// thread_local pointer to this thread's kvc_host_dynamic_smem, and follows every other `__shared__`
+// declaration with KVC_HOST_TRACK_SHARED so the runtime can poison the variable before each block. The
+// tracking flag is thread_local too: every worker registers its own copy on first use.
+#define __shared__ static thread_local
 
 #define KVC_HOST_TRACK_SHARED(var) \
-    [[maybe_unused]] static const bool kvc_host_shared_tracked_##var = \
+    [[maybe_unused]] static thread_local const bool kvc_host_shared_tracked_##var = \
         (::kvc_host_track_shared(static_cast<void*>(&(var)), sizeof(var)), true);
 
-// threadIdx and friends read the runtime's register block, which the scheduler reloads from the fiber
-// record after every switch: thread_local would not do, since all fibers of a launch share one OS thread.
-inline constexpr const uint3& threadIdx = kvc_host_regs.thread_idx;
-inline constexpr const uint3& blockIdx = kvc_host_regs.block_idx;
-inline constexpr const dim3& blockDim = kvc_host_regs.block_dim;
-inline constexpr const dim3& gridDim = kvc_host_regs.grid_dim;
+// AddressSanitizer builds: the declared name is a reference to a per-thread heap block (redzoned, tracked
+// and poisoned like the thread_local it replaces, whose renamed storage only lends its type).
+template <typename T>
+inline T* kvc_host_heap_shared(T*) {
+    return static_cast<T*>(::kvc_host_shared_alloc(sizeof(T), alignof(T)));
+}
+#define KVC_HOST_HEAP_SHARED(var) \
+    static thread_local auto& var = *::kvc_host_heap_shared(&kvc_host_shared_storage_##var);
+
+// threadIdx and friends read the running OS thread's register block (thread_local: each worker of the pool
+// runs its own block), which the scheduler reloads from the fiber record after every switch, since all
+// fibers of a block share one OS thread. Read-only: a const lvalue, or a dim3 prvalue for the dimensions.
+#define threadIdx (static_cast<const uint3&>(::kvc_host_regs.thread_idx))
+#define blockIdx (static_cast<const uint3&>(::kvc_host_regs.block_idx))
+#define blockDim (::dim3(::kvc_host_regs.block_dim))
+#define gridDim (::dim3(::kvc_host_regs.grid_dim))
 inline constexpr int warpSize = 32;
 
 // Every call that may switch fibers is wrapped in compiler barriers: `__shared__` statics whose address
@@ -189,11 +206,19 @@ inline int __syncthreads_and(int pred, int line = __builtin_LINE(), const char* 
     return r;
 }
 
-// Fibers of a block run on one OS thread, so fences only have to stop the compiler; the hardware fence
-// keeps them honest if a caller ever shares buffers with another host thread.
-inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
-inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
-inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+// Blocks of a launch run on several OS threads, so a fence is a real sequentially consistent fence: it
+// orders this thread's plain accesses around the relaxed atomics below, as __threadfence does on a GPU.
+// ThreadSanitizer does not model standalone fences (g++ rejects them under -fsanitize=thread): there a fence
+// is a sequentially consistent read-modify-write of one word shared by all fences, which orders at least as
+// much as a fence does, so TSan sees every ordering a fence provides and reports no race a fence prevents.
+#if defined(__SANITIZE_THREAD__)
+#define KVC_HOST_FENCE() static_cast<void>(__atomic_fetch_add(&kvc_host_tsan_fence_word, 0u, __ATOMIC_SEQ_CST))
+#else
+#define KVC_HOST_FENCE() __atomic_thread_fence(__ATOMIC_SEQ_CST)
+#endif
+inline void __threadfence() { KVC_HOST_FENCE(); }
+inline void __threadfence_block() { KVC_HOST_FENCE(); }
+inline void __threadfence_system() { KVC_HOST_FENCE(); }
 
 // ---- warp-level primitives -------------------------------------------------------------------------------------
 inline unsigned long long kvc_host_warp_call(int op, unsigned int mask, unsigned long long value, int mode,
@@ -330,8 +355,8 @@ inline long long llmin(long long a, long long b) { return a < b ? a : b; }
 inline long long llmax(long long a, long long b) { return a > b ? a : b; }
 
 // ---- atomics: CUDA's overload sets ----------------------------------------------------------------------------------
-// The fibers of a launch share one OS thread, so any read-modify-write is atomic with respect to them; the
-// __atomic builtins also keep it atomic against other host threads touching the same buffer.
+// Blocks of a launch run on a pool of OS threads, so every read-modify-write is a real __atomic builtin,
+// relaxed as CUDA's atomics are (ordering comes from __threadfence, as on the GPU).
 #define KVC_HOST_RELAXED __ATOMIC_RELAXED
 template <typename T, typename F>
 inline T kvc_host_atomic_update(T* address, F update) {

@@ -1,7 +1,12 @@
 // Host runtime for CUDA kernels compiled with g++: fibers, barriers, warp exchange, launcher, C ABI.
 //
-// Model. Blocks of a grid run one after another on the calling OS thread. The threads of a block are
-// cooperative fibers that run until they block: a fiber keeps the CPU until it waits at a barrier, a warp
+// Model. The blocks of a grid run on a pool of OS threads (the calling thread plus up to threads - 1 pool
+// workers); each OS thread takes the next block index from a shared counter and runs that block to its end.
+// A launch of a single block, or with threads = 1, runs on the calling thread alone. Everything a block
+// needs (the fiber scheduler, fiber stacks, the register block behind threadIdx, __shared__ variables and
+// dynamic shared memory) is per OS thread, so workers never share scheduler state; blocks talk only through
+// global memory and the kernels' atomics, which are real __atomic operations. Launches stay serialised
+// against each other (one launch mutex per module). The threads of a block are cooperative fibers that run until they block: a fiber keeps the CPU until it waits at a barrier, a warp
 // operation or exits, then hands over directly to the next runnable fiber (the scheduler context only sees
 // the end of a block, an abort or a deadlock). A fiber becomes runnable again only when the barrier it waits
 // on completes: its wait condition is stored in its record and the completing fiber queues exactly the
@@ -28,11 +33,14 @@
 //
 // Abort paths (__trap, a failed device assert, a bad mask, a deadlock) never unwind with C++ exceptions:
 // the failing fiber records a message and switches to the scheduler context for good; the scheduler then
-// reclaims every fiber stack of the block and returns the message through the C ABI.
+// reclaims every fiber stack of the block and returns the message through the C ABI. With several workers
+// a failure at block b lets every block below b finish and starts none above it, so the launch reports the
+// failure of the lowest failing block, exactly the one a single thread would have stopped at.
 #define KVC_HOST_RUNTIME_BUILD 1
 #include "kvc_host_cuda.h"
 
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -56,6 +64,13 @@
 #define KVC_HOST_ASAN 0
 #endif
 
+#if defined(__SANITIZE_THREAD__)
+#define KVC_HOST_TSAN 1
+#include <sanitizer/tsan_interface.h>
+#else
+#define KVC_HOST_TSAN 0
+#endif
+
 // printf of a double needs about 13 KB of stack; ASan's redzones make every frame several times larger.
 #ifndef KVC_HOST_STACK_KB
 #if KVC_HOST_ASAN
@@ -67,8 +82,9 @@
 
 #define KVC_HOST_EXPORT extern "C" __attribute__((visibility("default")))
 
-kvc_host_regs_t kvc_host_regs;
-alignas(256) char kvc_host_dynamic_smem[KVC_HOST_MAX_DYNAMIC_SMEM];
+thread_local kvc_host_regs_t kvc_host_regs;
+thread_local char* kvc_host_dynamic_smem;
+unsigned int kvc_host_tsan_fence_word;
 
 namespace {
 
@@ -83,6 +99,9 @@ constexpr unsigned kMaxThreads = 1024;
 constexpr unsigned kMaxWarps = kMaxThreads / 32;
 constexpr unsigned kStacksPerChunk = 32;
 constexpr unsigned kMaxStacks = kMaxThreads + kStacksPerChunk;
+constexpr unsigned kMaxChunks = kMaxStacks / kStacksPerChunk;
+// Most OS threads one launch may use (the calling thread included).
+constexpr unsigned kMaxWorkers = 256;
 
 enum FiberState : unsigned char { kNew, kQueued, kRunning, kBlocked, kDone };
 enum WaitKind : unsigned char { kWaitNone, kWaitBlock, kWaitWarp };
@@ -107,6 +126,8 @@ struct Fiber {
     void* fake_stack;
     const void* bounds_bottom;
     size_t bounds_size;
+    // ThreadSanitizer's record of this context (null while the fiber holds no stack).
+    void* tsan_fiber;
 
     uint3 tid;
     unsigned linear, lane, warp;
@@ -148,16 +169,21 @@ struct SharedVar {
     size_t size;
 };
 
+// Everything one OS thread needs to run blocks; one per thread that ever ran a block of this module.
 struct State {
-    Fiber main;  // the scheduler context: the OS thread that called kvc_host_abi_launch
+    Fiber main;  // the scheduler context: the OS thread running blocks (the caller or a pool worker)
     Fiber dead;  // save slot for switches away from a fiber that will never run again
     Fiber* cur;
     Fiber* prev;
     char* pending_free;  // stack of a fiber that exited; released by whoever runs next
+    void* pending_tsan;  // ThreadSanitizer fiber of a context that will never run again
 
     char* free_stacks[kMaxStacks];
     unsigned free_count;
     unsigned total_stacks;
+    void* chunks[kMaxChunks];
+    unsigned nchunks;
+    char* smem;  // this thread's dynamic shared memory (kvc_host_dynamic_smem points here)
 
     const kvc_host_kernel_entry* kernel;
     void** args;
@@ -166,6 +192,7 @@ struct State {
     unsigned done;
     bool failed;
     char error[2048];
+    bool listed[kMaxThreads];  // scratch of report_deadlock
 
     Fiber fibers[kMaxThreads];
     Warp warps[kMaxWarps];
@@ -181,10 +208,11 @@ struct State {
     unsigned long long stat_switches;
     unsigned long long stat_fiber_starts;
     unsigned long long stat_blocks;
-    unsigned long long stat_launches;
+    State* next_state;  // registry of live states (stats)
+    bool pool_worker;   // this state's thread is a pool worker (not a launching thread)
 };
 
-State g;
+thread_local State* g;
 pthread_mutex_t g_launch_mutex = PTHREAD_MUTEX_INITIALIZER;
 
 // ---- context switch -----------------------------------------------------------------------------------------
@@ -236,13 +264,22 @@ KVC_HOST_INLINE void after_switch();
 // Leaves the current context for `to`. `dying`: the current fiber will never be resumed, so ASan gets a
 // null fake-stack slot and the registers go to a static save slot (never the dying fiber's own stack).
 KVC_HOST_INLINE void switch_to(Fiber* to, bool dying) {
-    Fiber* from = g.cur;
-    g.prev = from;
-    g.cur = to;
-    ++g.stat_switches;
-    Fiber* save = dying ? &g.dead : from;
+    Fiber* from = g->cur;
+    g->prev = from;
+    g->cur = to;
+    ++g->stat_switches;
+    Fiber* save = dying ? &g->dead : from;
 #if KVC_HOST_ASAN
     __sanitizer_start_switch_fiber(dying ? nullptr : &from->fake_stack, to->bounds_bottom, to->bounds_size);
+#endif
+#if KVC_HOST_TSAN
+    // A synchronising switch: everything the fiber did happens before what the next one does, as a block
+    // barrier orders it on the GPU. A dying fiber's record is destroyed once we are off its stack.
+    if (dying && from != &g->main) {
+        g->pending_tsan = from->tsan_fiber;
+        from->tsan_fiber = nullptr;
+    }
+    __tsan_switch_to_fiber(to->tsan_fiber, 0);
 #endif
 #if KVC_HOST_ASM_SWITCH
     kvc_host_switch_asm(&save->sp, to->sp);
@@ -252,30 +289,36 @@ KVC_HOST_INLINE void switch_to(Fiber* to, bool dying) {
     after_switch();
 }
 
-void release_stack(char* stack) { g.free_stacks[g.free_count++] = stack; }
+void release_stack(char* stack) { g->free_stacks[g->free_count++] = stack; }
 
 // Runs first in every context that has just been switched to.
 KVC_HOST_INLINE void after_switch() {
 #if KVC_HOST_ASAN
     const void* bottom = nullptr;
     size_t size = 0;
-    __sanitizer_finish_switch_fiber(g.cur->fake_stack, &bottom, &size);
+    __sanitizer_finish_switch_fiber(g->cur->fake_stack, &bottom, &size);
     // Launches may come from different OS threads, so the scheduler's stack is re-learnt on every entry
     // from it rather than once.
-    if (g.prev == &g.main && g.cur != &g.main) {
-        g.main.bounds_bottom = bottom;
-        g.main.bounds_size = size;
+    if (g->prev == &g->main && g->cur != &g->main) {
+        g->main.bounds_bottom = bottom;
+        g->main.bounds_size = size;
     }
 #endif
-    if (g.pending_free != nullptr) {
-        release_stack(g.pending_free);
-        g.pending_free = nullptr;
+    if (g->pending_free != nullptr) {
+        release_stack(g->pending_free);
+        g->pending_free = nullptr;
     }
-    if (g.cur != &g.main) kvc_host_regs.thread_idx = g.cur->tid;
+#if KVC_HOST_TSAN
+    if (g->pending_tsan != nullptr) {
+        __tsan_destroy_fiber(g->pending_tsan);
+        g->pending_tsan = nullptr;
+    }
+#endif
+    if (g->cur != &g->main) kvc_host_regs.thread_idx = g->cur->tid;
 }
 
 char* acquire_stack() {
-    char* stack = g.free_stacks[--g.free_count];
+    char* stack = g->free_stacks[--g->free_count];
 #if KVC_HOST_ASAN
     // Frames of fibers that exited or were abandoned by an abort leave poisoned redzones behind.
     ASAN_UNPOISON_MEMORY_REGION(stack, kStackSize);
@@ -285,17 +328,18 @@ char* acquire_stack() {
 
 bool ensure_stacks(unsigned want) {
     const size_t per = kGuardSize + kColorPage + kStackSize;
-    while (g.total_stacks < want) {
+    while (g->total_stacks < want) {
         void* mem = mmap(nullptr, per * kStacksPerChunk, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
                          -1, 0);
         if (mem == MAP_FAILED) return false;
+        g->chunks[g->nchunks++] = mem;
         char* base = static_cast<char*>(mem);
         for (unsigned i = 0; i < kStacksPerChunk; ++i) {
             char* stack = base + i * per + kGuardSize + kColorPage;  // the guard sits below: stacks grow down
             if (mprotect(stack, kStackSize, PROT_READ | PROT_WRITE) != 0) return false;
             release_stack(stack);
         }
-        g.total_stacks += kStacksPerChunk;
+        g->total_stacks += kStacksPerChunk;
     }
     return true;
 }
@@ -305,7 +349,10 @@ void start_fiber(Fiber* f) {
     f->fake_stack = nullptr;
     f->bounds_bottom = f->stack;
     f->bounds_size = kStackSize;
-    ++g.stat_fiber_starts;
+#if KVC_HOST_TSAN
+    f->tsan_fiber = __tsan_create_fiber(0);
+#endif
+    ++g->stat_fiber_starts;
 #if KVC_HOST_ASM_SWITCH
     const size_t color = (reinterpret_cast<uintptr_t>(f->stack) >> 12 & 31u) * kColorStep;
     void** sp = reinterpret_cast<void**>(f->stack + kStackSize - color);
@@ -329,15 +376,15 @@ void start_fiber(Fiber* f) {
 // ---- run queue ----------------------------------------------------------------------------------------------
 
 KVC_HOST_INLINE void runq_push(Fiber* f) {
-    g.runq[(g.rq_head + g.rq_count) % kMaxThreads] = static_cast<unsigned short>(f->linear);
-    ++g.rq_count;
+    g->runq[(g->rq_head + g->rq_count) % kMaxThreads] = static_cast<unsigned short>(f->linear);
+    ++g->rq_count;
 }
 
 KVC_HOST_INLINE Fiber* runq_pop() {
-    if (g.rq_count == 0) return nullptr;
-    Fiber* f = &g.fibers[g.runq[g.rq_head]];
-    g.rq_head = (g.rq_head + 1) % kMaxThreads;
-    --g.rq_count;
+    if (g->rq_count == 0) return nullptr;
+    Fiber* f = &g->fibers[g->runq[g->rq_head]];
+    g->rq_head = (g->rq_head + 1) % kMaxThreads;
+    --g->rq_count;
     return f;
 }
 
@@ -345,7 +392,7 @@ KVC_HOST_INLINE Fiber* runq_pop() {
 KVC_HOST_INLINE void run_next(bool dying) {
     Fiber* next = runq_pop();
     if (next == nullptr) {
-        switch_to(&g.main, dying);
+        switch_to(&g->main, dying);
         return;
     }
     if (next->state == kNew) start_fiber(next);
@@ -353,8 +400,8 @@ KVC_HOST_INLINE void run_next(bool dying) {
 #if KVC_HOST_ASM_SWITCH
     // Fibers of a block cycle through the queue; fetching the saved frame of the one after `next` hides
     // part of the cache miss its switch would otherwise take.
-    if (g.rq_count != 0) {
-        const Fiber* after = &g.fibers[g.runq[g.rq_head]];
+    if (g->rq_count != 0) {
+        const Fiber* after = &g->fibers[g->runq[g->rq_head]];
         if (after->state != kNew) __builtin_prefetch(after->sp);
     }
 #endif
@@ -377,11 +424,11 @@ KVC_HOST_INLINE void make_runnable(Fiber* f) {
 bool try_complete_active(unsigned warp);
 
 KVC_HOST_INLINE void block_current(WaitKind wait) {
-    Fiber* f = g.cur;
+    Fiber* f = g->cur;
     f->state = kBlocked;
     f->wait = wait;
     // Lanes of this warp waiting in __activemask may have been waiting for this one to settle.
-    const unsigned active = g.warps[f->warp].active;
+    const unsigned active = g->warps[f->warp].active;
     if (active != 0 && (active >> f->lane & 1u) == 0) try_complete_active(f->warp);
     run_next(false);
 }
@@ -404,17 +451,17 @@ struct Message {
     }
     void put_where(const Fiber* f) {
         const kvc_host_regs_t& r = kvc_host_regs;
-        put("kernel '%s' block (%u,%u,%u)", g.kernel->name, r.block_idx.x, r.block_idx.y, r.block_idx.z);
+        put("kernel '%s' block (%u,%u,%u)", g->kernel->name, r.block_idx.x, r.block_idx.y, r.block_idx.z);
         if (f != nullptr) put(" thread (%u,%u,%u)", f->tid.x, f->tid.y, f->tid.z);
     }
 };
 
 // Records the first failure of the launch, prefixed with the kernel, block and (in a fiber) thread.
 __attribute__((format(printf, 1, 2))) void set_error(const char* fmt, ...) {
-    if (g.failed) return;
-    g.failed = true;
-    Message m{g.error, sizeof(g.error), 0};
-    m.put_where(g.cur != &g.main && g.cur != nullptr ? g.cur : nullptr);
+    if (g->failed) return;
+    g->failed = true;
+    Message m{g->error, sizeof(g->error), 0};
+    m.put_where(g->cur != &g->main && g->cur != nullptr ? g->cur : nullptr);
     m.put(": ");
     if (m.len + 1 < m.cap) {
         va_list ap;
@@ -426,7 +473,7 @@ __attribute__((format(printf, 1, 2))) void set_error(const char* fmt, ...) {
 
 // Ends the launch from inside a fiber: the fiber is abandoned and the scheduler cleans up.
 [[noreturn]] void abort_launch() {
-    switch_to(&g.main, true);
+    switch_to(&g->main, true);
     __builtin_unreachable();
 }
 
@@ -462,8 +509,8 @@ bool same_site(int line_a, const char* file_a, int line_b, const char* file_b) {
 
 // Lanes of `warp` that the warp operation of fiber f still waits for.
 unsigned missing_lanes(const Fiber* f) {
-    const Warp& w = g.warps[f->warp];
-    const Fiber* lanes = &g.fibers[f->warp * 32];
+    const Warp& w = g->warps[f->warp];
+    const Fiber* lanes = &g->fibers[f->warp * 32];
     if (f->op == kOpActive) {
         unsigned unsettled = 0;
         for (unsigned bits = w.live & ~w.active; bits != 0; bits &= bits - 1) {
@@ -482,18 +529,18 @@ unsigned missing_lanes(const Fiber* f) {
 
 // Called by the scheduler when the run queue is empty but some fibers have not exited.
 void report_deadlock() {
-    Message m{g.error, sizeof(g.error), 0};
+    Message m{g->error, sizeof(g->error), 0};
     m.put_where(nullptr);
     m.put(": deadlock, no thread can make progress;");
-    static bool listed[kMaxThreads];
-    memset(listed, 0, sizeof(listed));
+    bool* listed = g->listed;
+    memset(listed, 0, sizeof(g->listed));
     int groups = 0;
-    for (unsigned i = 0; i < g.nthreads; ++i) {
-        const Fiber& f = g.fibers[i];
+    for (unsigned i = 0; i < g->nthreads; ++i) {
+        const Fiber& f = g->fibers[i];
         if (f.state != kBlocked || listed[i]) continue;
         unsigned count = 0;
-        for (unsigned j = i; j < g.nthreads; ++j) {
-            const Fiber& o = g.fibers[j];
+        for (unsigned j = i; j < g->nthreads; ++j) {
+            const Fiber& o = g->fibers[j];
             if (o.state == kBlocked && !listed[j] && o.wait == f.wait && o.op == f.op && o.mask == f.mask &&
                 same_site(o.line, o.file, f.line, f.file)) {
                 listed[j] = true;
@@ -508,11 +555,11 @@ void report_deadlock() {
         if (count > 1) m.put(" and %u more", count - 1);
         if (f.wait == kWaitBlock) {
             m.put(" wait%s at %s (%s:%d) after %llu completed block barriers;", count > 1 ? "" : "s",
-                  block_op_name(f.op), f.file, f.line, g.bar.generation);
+                  block_op_name(f.op), f.file, f.line, g->bar.generation);
         } else {
             m.put(" wait%s in %s(mask=0x%08x) (%s:%d) for lanes 0x%08x of warp %u after %llu completed warp "
                   "operations;", count > 1 ? "" : "s", warp_op_name(f.op, f.mode), f.mask, f.file, f.line,
-                  missing_lanes(&f), f.warp, g.warps[f.warp].generation);
+                  missing_lanes(&f), f.warp, g->warps[f.warp].generation);
         }
     }
 }
@@ -520,7 +567,7 @@ void report_deadlock() {
 // ---- block barrier --------------------------------------------------------------------------------------------
 
 void complete_block_barrier() {
-    BlockBarrier& b = g.bar;
+    BlockBarrier& b = g->bar;
     switch (b.op) {
         case KVC_HOST_BAR_COUNT: b.result = static_cast<int>(b.preds); break;
         case KVC_HOST_BAR_OR: b.result = b.preds != 0; break;
@@ -529,7 +576,7 @@ void complete_block_barrier() {
     }
     b.open = false;
     ++b.generation;
-    for (unsigned i = 0; i < b.nwaiters; ++i) make_runnable(&g.fibers[b.waiters[i]]);
+    for (unsigned i = 0; i < b.nwaiters; ++i) make_runnable(&g->fibers[b.waiters[i]]);
     b.nwaiters = 0;
 }
 
@@ -568,8 +615,8 @@ unsigned shuffle_source(unsigned lane, int mode, int arg, int width) {
 
 // Completes the warp operation (op, mask) if every non-exited lane named in mask waits in it.
 bool try_complete_warp(unsigned warp, unsigned mask, int op) {
-    Warp& w = g.warps[warp];
-    Fiber* lanes = &g.fibers[warp * 32];
+    Warp& w = g->warps[warp];
+    Fiber* lanes = &g->fibers[warp * 32];
     const unsigned need = mask & w.live;
     if ((w.pending & need) != need) return false;
     for (unsigned bits = need; bits != 0; bits &= bits - 1) {
@@ -596,15 +643,15 @@ bool try_complete_warp(unsigned warp, unsigned mask, int op) {
     ++w.generation;
     for (unsigned bits = need; bits != 0; bits &= bits - 1) {
         Fiber* f = &lanes[__builtin_ctz(bits)];
-        if (f != g.cur) make_runnable(f);
+        if (f != g->cur) make_runnable(f);
     }
     return true;
 }
 
 // A lane exited: operations that named it may now have all their remaining lanes.
 void retry_warp_after_exit(unsigned warp, unsigned lane_bit) {
-    Warp& w = g.warps[warp];
-    Fiber* lanes = &g.fibers[warp * 32];
+    Warp& w = g->warps[warp];
+    Fiber* lanes = &g->fibers[warp * 32];
     for (unsigned l = 0; l < 32; ++l) {
         if ((w.pending >> l & 1u) && lanes[l].op != kOpActive && (lanes[l].mask & lane_bit)) {
             try_complete_warp(warp, lanes[l].mask, lanes[l].op);
@@ -614,8 +661,8 @@ void retry_warp_after_exit(unsigned warp, unsigned lane_bit) {
 
 // Completes __activemask once every other non-exited lane of the warp is blocked.
 bool try_complete_active(unsigned warp) {
-    Warp& w = g.warps[warp];
-    Fiber* lanes = &g.fibers[warp * 32];
+    Warp& w = g->warps[warp];
+    Fiber* lanes = &g->fibers[warp * 32];
     for (unsigned bits = w.live & ~w.active; bits != 0; bits &= bits - 1) {
         if (lanes[__builtin_ctz(bits)].state != kBlocked) return false;
     }
@@ -626,7 +673,7 @@ bool try_complete_active(unsigned warp) {
     for (unsigned bits = active; bits != 0; bits &= bits - 1) {
         Fiber* f = &lanes[__builtin_ctz(bits)];
         f->result = active;
-        if (f != g.cur) make_runnable(f);
+        if (f != g->cur) make_runnable(f);
     }
     return true;
 }
@@ -634,31 +681,34 @@ bool try_complete_active(unsigned warp) {
 // The current fiber's kernel function returned. Returns the fiber that now owns this stack and must run the
 // kernel from the start, or does not return (the stack is released and the next fiber resumed).
 Fiber* thread_exit() {
-    Fiber* f = g.cur;
+    Fiber* f = g->cur;
     f->state = kDone;
-    ++g.done;
-    --g.alive;
+    ++g->done;
+    --g->alive;
     const unsigned bit = 1u << f->lane;
-    g.warps[f->warp].live &= ~bit;
-    if (g.warps[f->warp].pending != 0) retry_warp_after_exit(f->warp, bit);
-    if (g.warps[f->warp].active != 0) try_complete_active(f->warp);
-    if (g.bar.open && g.bar.arrived == g.alive) complete_block_barrier();
+    g->warps[f->warp].live &= ~bit;
+    if (g->warps[f->warp].pending != 0) retry_warp_after_exit(f->warp, bit);
+    if (g->warps[f->warp].active != 0) try_complete_active(f->warp);
+    if (g->bar.open && g->bar.arrived == g->alive) complete_block_barrier();
     // A thread that has not started yet can take over this stack without a switch: a kernel that never
     // synchronises then costs two switches per block, not two per thread.
-    if (g.rq_count != 0 && g.fibers[g.runq[g.rq_head]].state == kNew) {
+    if (g->rq_count != 0 && g->fibers[g->runq[g->rq_head]].state == kNew) {
         Fiber* next = runq_pop();
         next->stack = f->stack;
         next->fake_stack = nullptr;
         next->bounds_bottom = f->bounds_bottom;
         next->bounds_size = f->bounds_size;
+        // Same stack, same frames: ThreadSanitizer's shadow stack carries over with the record.
+        next->tsan_fiber = f->tsan_fiber;
+        f->tsan_fiber = nullptr;
         next->state = kRunning;
         f->stack = nullptr;
-        g.cur = next;
+        g->cur = next;
         kvc_host_regs.thread_idx = next->tid;
-        ++g.stat_fiber_starts;
+        ++g->stat_fiber_starts;
         return next;
     }
-    g.pending_free = f->stack;
+    g->pending_free = f->stack;
     f->stack = nullptr;
     run_next(true);
     __builtin_unreachable();
@@ -683,27 +733,33 @@ void poison_fill(void* addr, size_t size) {
 }
 
 void poison_shared(size_t dynamic_bytes) {
-    for (unsigned i = 0; i < g.shared_count; ++i) poison_fill(g.shared[i].addr, g.shared[i].size);
-    poison_fill(kvc_host_dynamic_smem, dynamic_bytes);
+    for (unsigned i = 0; i < g->shared_count; ++i) poison_fill(g->shared[i].addr, g->shared[i].size);
+    poison_fill(g->smem, dynamic_bytes);
 }
 
 // ---- block and launch -----------------------------------------------------------------------------------------
 
 void reclaim_stacks() {
-    for (unsigned i = 0; i < g.nthreads; ++i) {
-        Fiber& f = g.fibers[i];
+    for (unsigned i = 0; i < g->nthreads; ++i) {
+        Fiber& f = g->fibers[i];
         if (f.stack != nullptr) {
             release_stack(f.stack);
             f.stack = nullptr;
         }
+#if KVC_HOST_TSAN
+        if (f.tsan_fiber != nullptr) {
+            __tsan_destroy_fiber(f.tsan_fiber);
+            f.tsan_fiber = nullptr;
+        }
+#endif
     }
 }
 
 bool run_block(size_t dynamic_bytes) {
     const dim3 bd = kvc_host_regs.block_dim;
-    const unsigned n = g.nthreads;
+    const unsigned n = g->nthreads;
     for (unsigned i = 0; i < n; ++i) {
-        Fiber& f = g.fibers[i];
+        Fiber& f = g->fibers[i];
         f.tid = uint3{i % bd.x, (i / bd.x) % bd.y, i / (bd.x * bd.y)};
         f.linear = i;
         f.lane = i % 32;
@@ -711,42 +767,236 @@ bool run_block(size_t dynamic_bytes) {
         f.state = kNew;
         f.wait = kWaitNone;
         f.stack = nullptr;
+        f.tsan_fiber = nullptr;
         f.mask = 0;
         f.op = -1;
-        g.runq[i] = static_cast<unsigned short>(i);
+        g->runq[i] = static_cast<unsigned short>(i);
     }
     for (unsigned w = 0; w * 32 < n; ++w) {
         unsigned lanes = n - w * 32 >= 32 ? 32 : n - w * 32;
-        g.warps[w].live = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u;
-        g.warps[w].pending = 0;
-        g.warps[w].active = 0;
-        g.warps[w].generation = 0;
+        g->warps[w].live = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u;
+        g->warps[w].pending = 0;
+        g->warps[w].active = 0;
+        g->warps[w].generation = 0;
     }
-    g.bar.open = false;
-    g.bar.nwaiters = 0;
-    g.bar.generation = 0;
-    g.rq_head = 0;
-    g.rq_count = n;
-    g.alive = n;
-    g.done = 0;
+    g->bar.open = false;
+    g->bar.nwaiters = 0;
+    g->bar.generation = 0;
+    g->rq_head = 0;
+    g->rq_count = n;
+    g->alive = n;
+    g->done = 0;
     poison_shared(dynamic_bytes);
-    ++g.stat_blocks;
+    ++g->stat_blocks;
 
-    g.cur = &g.main;
+    g->cur = &g->main;
+#if KVC_HOST_TSAN
+    g->main.tsan_fiber = __tsan_get_current_fiber();
+#endif
     run_next(false);
     // Back on the scheduler: the block finished, aborted, or nothing can run any more.
-    if (!g.failed && g.done != n) {
+    if (!g->failed && g->done != n) {
         report_deadlock();
-        g.failed = true;
+        g->failed = true;
     }
     reclaim_stacks();
-    return !g.failed;
+    return !g->failed;
 }
 
 const kvc_host_kernel_entry* kernel_table(int* count) { return kvc_host_module_kernels(count); }
 
+// ---- per-thread state ---------------------------------------------------------------------------------------
+
+pthread_mutex_t g_states_mutex = PTHREAD_MUTEX_INITIALIZER;
+State* g_states;  // every live State, for the counters
+// Counters of states whose threads have exited, and of launches (one launch spans several states).
+unsigned long long g_retired[4];
+unsigned long long g_launches;
+pthread_key_t g_state_key;
+pthread_once_t g_state_key_once = PTHREAD_ONCE_INIT;
+
+// Runs when a thread that ran blocks exits (a Python thread that launched, or a pool worker at fork).
+void destroy_state(void* p) {
+    State* s = static_cast<State*>(p);
+    pthread_mutex_lock(&g_states_mutex);
+    for (State** link = &g_states; *link != nullptr; link = &(*link)->next_state) {
+        if (*link == s) {
+            *link = s->next_state;
+            break;
+        }
+    }
+    g_retired[0] += s->stat_switches;
+    g_retired[1] += s->stat_fiber_starts;
+    g_retired[2] += s->stat_blocks;
+    if (s->pool_worker) g_retired[3] += s->stat_blocks;
+    pthread_mutex_unlock(&g_states_mutex);
+    const size_t per = kGuardSize + kColorPage + kStackSize;
+    for (unsigned i = 0; i < s->nchunks; ++i) munmap(s->chunks[i], per * kStacksPerChunk);
+    free(s->shared);
+    free(s->smem);
+    free(s);
+}
+
+void make_state_key() { pthread_key_create(&g_state_key, destroy_state); }
+
+// This OS thread's State, created on its first launch or first block.
+bool ensure_state() {
+    if (g != nullptr) return true;
+    pthread_once(&g_state_key_once, make_state_key);
+    State* s = static_cast<State*>(calloc(1, sizeof(State)));
+    if (s == nullptr) return false;
+    s->smem = static_cast<char*>(aligned_alloc(256, KVC_HOST_MAX_DYNAMIC_SMEM));
+    if (s->smem == nullptr) {
+        free(s);
+        return false;
+    }
+    g = s;
+    kvc_host_dynamic_smem = s->smem;
+    pthread_setspecific(g_state_key, s);
+    pthread_mutex_lock(&g_states_mutex);
+    s->next_state = g_states;
+    g_states = s;
+    pthread_mutex_unlock(&g_states_mutex);
+    return true;
+}
+
+// ---- one launch, run by one or more OS threads -----------------------------------------------------------------
+
+struct Launch {
+    const kvc_host_kernel_entry* kernel;
+    void** args;
+    uint3 grid;
+    uint3 block;
+    unsigned nthreads;
+    size_t shmem;
+    unsigned long long nblocks;
+    unsigned long long next;     // next block index to hand out (__atomic)
+    unsigned long long stop_at;  // lowest failing block so far, nblocks while none failed (__atomic)
+    pthread_mutex_t error_mutex;
+    unsigned long long error_block;
+    char error[2048];
+};
+
+// Runs blocks of `l` on this thread until none is left or a lower block failed.
+void run_blocks(Launch* l) {
+    g->kernel = l->kernel;
+    g->args = l->args;
+    g->nthreads = l->nthreads;
+    g->failed = false;
+    g->error[0] = '\0';
+    kvc_host_regs.grid_dim = l->grid;
+    kvc_host_regs.block_dim = l->block;
+#if KVC_HOST_ASAN
+    // Dynamic shared memory beyond what the launch asked for is unaddressable, as on the GPU.
+    ASAN_UNPOISON_MEMORY_REGION(g->smem, KVC_HOST_MAX_DYNAMIC_SMEM);
+    ASAN_POISON_MEMORY_REGION(g->smem + l->shmem, KVC_HOST_MAX_DYNAMIC_SMEM - l->shmem);
+#endif
+    const unsigned long long gx = l->grid.x, gxy = gx * l->grid.y;
+    for (;;) {
+        const unsigned long long i = __atomic_fetch_add(&l->next, 1ull, __ATOMIC_RELAXED);
+        if (i >= l->nblocks || i >= __atomic_load_n(&l->stop_at, __ATOMIC_RELAXED)) break;
+        // x fastest, then y, then z: the order a single thread runs them in.
+        kvc_host_regs.block_idx = uint3{static_cast<unsigned>(i % gx), static_cast<unsigned>(i / gx % l->grid.y),
+                                        static_cast<unsigned>(i / gxy)};
+        if (run_block(l->shmem)) continue;
+        pthread_mutex_lock(&l->error_mutex);
+        if (i < l->error_block) {
+            l->error_block = i;
+            memcpy(l->error, g->error, sizeof(l->error));
+        }
+        pthread_mutex_unlock(&l->error_mutex);
+        unsigned long long seen = __atomic_load_n(&l->stop_at, __ATOMIC_RELAXED);
+        while (i < seen && !__atomic_compare_exchange_n(&l->stop_at, &seen, i, false, __ATOMIC_RELAXED,
+                                                        __ATOMIC_RELAXED)) {
+        }
+        g->failed = false;
+        break;
+    }
+    g->cur = nullptr;
+}
+
+// ---- the worker pool ----------------------------------------------------------------------------------------
+//
+// Workers sleep on a condition variable. A launch publishes itself with a new epoch and wakes as many workers
+// as it wants helpers; a worker joins only while the launch is open, so the caller, once out of blocks, closes
+// it and waits just for the workers that joined (a worker the OS has not scheduled yet finds it closed and
+// goes back to sleep, instead of holding the launch up).
+
+struct Pool {
+    pthread_mutex_t mutex;
+    pthread_cond_t wake;
+    pthread_cond_t done;
+    unsigned nworkers;
+    unsigned long long epoch;
+    Launch* launch;    // null while no launch is open
+    unsigned helpers;  // workers the open launch wants
+    unsigned joined;   // workers that joined the open launch so far
+    unsigned running;  // workers still running blocks of it
+};
+
+Pool g_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, nullptr, 0, 0, 0};
+
+void* worker_main(void*) {
+    pthread_mutex_lock(&g_pool.mutex);
+    // Epochs start at 1: a worker created for the launch that is already open joins it.
+    unsigned long long seen = 0;
+    for (;;) {
+        while (g_pool.launch == nullptr || g_pool.epoch == seen || g_pool.joined >= g_pool.helpers) {
+            pthread_cond_wait(&g_pool.wake, &g_pool.mutex);
+        }
+        seen = g_pool.epoch;
+        Launch* l = g_pool.launch;
+        ++g_pool.joined;
+        ++g_pool.running;
+        pthread_mutex_unlock(&g_pool.mutex);
+        // A worker that cannot get memory simply does not help; the others (the caller at least) run the blocks.
+        if (ensure_state() && ensure_stacks(l->nthreads)) {
+            g->pool_worker = true;
+            run_blocks(l);
+        }
+        pthread_mutex_lock(&g_pool.mutex);
+        if (--g_pool.running == 0) pthread_cond_signal(&g_pool.done);
+    }
+    return nullptr;
+}
+
+// Grows the pool to `want` workers (best effort); called with the launch mutex held.
+void grow_pool(unsigned want) {
+    if (g_pool.nworkers >= want) return;
+    // Workers never take signals: Python handles them on its main thread.
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    while (g_pool.nworkers < want) {
+        pthread_t t;
+        if (pthread_create(&t, &attr, worker_main, nullptr) != 0) break;
+        pthread_mutex_lock(&g_pool.mutex);
+        ++g_pool.nworkers;
+        pthread_mutex_unlock(&g_pool.mutex);
+    }
+    pthread_attr_destroy(&attr);
+    pthread_sigmask(SIG_SETMASK, &old, nullptr);
+}
+
+// The child of a fork has none of the parent's workers (and maybe a lock held by one of them).
+void pool_after_fork() {
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t fresh_cond = PTHREAD_COND_INITIALIZER;
+    g_pool.mutex = fresh;
+    g_pool.wake = fresh_cond;
+    g_pool.done = fresh_cond;
+    g_pool.nworkers = 0;
+    g_pool.launch = nullptr;
+    g_pool.helpers = g_pool.joined = g_pool.running = 0;
+}
+
+__attribute__((constructor)) void register_fork_handler() { pthread_atfork(nullptr, nullptr, pool_after_fork); }
+
 int launch_locked(int index, const unsigned* grid, const unsigned* block, unsigned long long shmem, void** args,
-                  char* err, size_t errlen) {
+                  int threads, char* err, size_t errlen) {
     int count = 0;
     const kvc_host_kernel_entry* table = kernel_table(&count);
     if (index < 0 || index >= count) {
@@ -754,9 +1004,9 @@ int launch_locked(int index, const unsigned* grid, const unsigned* block, unsign
         return 1;
     }
     const kvc_host_kernel_entry* k = &table[index];
-    const unsigned long long threads = static_cast<unsigned long long>(block[0]) * block[1] * block[2];
+    const unsigned long long nthreads = static_cast<unsigned long long>(block[0]) * block[1] * block[2];
     if (block[0] == 0 || block[1] == 0 || block[2] == 0 || block[0] > 1024 || block[1] > 1024 || block[2] > 64 ||
-        threads > kMaxThreads) {
+        nthreads > kMaxThreads) {
         snprintf(err, errlen, "kernel '%s': invalid block (%u,%u,%u): each dimension >= 1, x,y <= 1024, z <= 64, "
                  "at most 1024 threads", k->name, block[0], block[1], block[2]);
         return 1;
@@ -771,36 +1021,64 @@ int launch_locked(int index, const unsigned* grid, const unsigned* block, unsign
                  shmem, KVC_HOST_MAX_DYNAMIC_SMEM);
         return 1;
     }
-    if (!ensure_stacks(static_cast<unsigned>(threads))) {
-        snprintf(err, errlen, "kernel '%s': cannot map %llu fiber stacks", k->name, threads);
+    if (!ensure_state()) {
+        snprintf(err, errlen, "kernel '%s': out of memory for the block scheduler", k->name);
         return 1;
     }
-#if KVC_HOST_ASAN
-    // Dynamic shared memory beyond what the launch asked for is unaddressable, as on the GPU.
-    ASAN_UNPOISON_MEMORY_REGION(kvc_host_dynamic_smem, KVC_HOST_MAX_DYNAMIC_SMEM);
-    ASAN_POISON_MEMORY_REGION(kvc_host_dynamic_smem + shmem, KVC_HOST_MAX_DYNAMIC_SMEM - shmem);
-#endif
-    ++g.stat_launches;
-    g.kernel = k;
-    g.args = args;
-    g.nthreads = static_cast<unsigned>(threads);
-    g.failed = false;
-    g.error[0] = '\0';
-    kvc_host_regs.grid_dim = dim3(grid[0], grid[1], grid[2]);
-    kvc_host_regs.block_dim = dim3(block[0], block[1], block[2]);
-    bool ok = true;
-    for (unsigned z = 0; ok && z < grid[2]; ++z) {
-        for (unsigned y = 0; ok && y < grid[1]; ++y) {
-            for (unsigned x = 0; ok && x < grid[0]; ++x) {
-                kvc_host_regs.block_idx = uint3{x, y, z};
-                ok = run_block(static_cast<size_t>(shmem));
-            }
+    Launch l;
+    l.kernel = k;
+    l.args = args;
+    l.grid = uint3{grid[0], grid[1], grid[2]};
+    l.block = uint3{block[0], block[1], block[2]};
+    l.nthreads = static_cast<unsigned>(nthreads);
+    l.shmem = static_cast<size_t>(shmem);
+    l.nblocks = static_cast<unsigned long long>(grid[0]) * grid[1] * grid[2];
+    l.next = 0;
+    l.stop_at = l.nblocks;
+    l.error_mutex = PTHREAD_MUTEX_INITIALIZER;
+    l.error_block = ~0ull;
+    l.error[0] = '\0';
+    ++g_launches;
+
+    // Helpers beyond the caller: never more than there are blocks for them.
+    unsigned long long want = threads > 1 ? static_cast<unsigned long long>(threads) - 1 : 0;
+    if (want > kMaxWorkers - 1) want = kMaxWorkers - 1;
+    if (want > l.nblocks - 1) want = l.nblocks - 1;
+    unsigned helpers = static_cast<unsigned>(want);
+    if (helpers != 0) {
+        grow_pool(helpers);
+        pthread_mutex_lock(&g_pool.mutex);
+        if (helpers > g_pool.nworkers) helpers = g_pool.nworkers;
+        g_pool.launch = &l;
+        g_pool.helpers = helpers;
+        g_pool.joined = 0;
+        ++g_pool.epoch;
+        if (helpers == g_pool.nworkers) {
+            pthread_cond_broadcast(&g_pool.wake);
+        } else {
+            for (unsigned i = 0; i < helpers; ++i) pthread_cond_signal(&g_pool.wake);
         }
+        pthread_mutex_unlock(&g_pool.mutex);
     }
-    g.cur = nullptr;
-    if (!ok) {
-        snprintf(err, errlen, "%s", g.error);
-        g.failed = false;
+    if (!ensure_stacks(l.nthreads)) {
+        // Only this thread's stacks are missing; helpers map their own. Stop handing out blocks.
+        __atomic_store_n(&l.stop_at, 0ull, __ATOMIC_RELAXED);
+        pthread_mutex_lock(&l.error_mutex);
+        l.error_block = 0;
+        snprintf(l.error, sizeof(l.error), "kernel '%s': cannot map %u fiber stacks", k->name, l.nthreads);
+        pthread_mutex_unlock(&l.error_mutex);
+    } else {
+        run_blocks(&l);
+    }
+    if (helpers != 0) {
+        pthread_mutex_lock(&g_pool.mutex);
+        g_pool.launch = nullptr;  // closed: late workers no longer join
+        while (g_pool.running != 0) pthread_cond_wait(&g_pool.done, &g_pool.mutex);
+        pthread_mutex_unlock(&g_pool.mutex);
+    }
+    pthread_mutex_destroy(&l.error_mutex);
+    if (l.error_block != ~0ull) {
+        snprintf(err, errlen, "%s", l.error);
         return 1;
     }
     return 0;
@@ -813,14 +1091,14 @@ int launch_locked(int index, const unsigned* grid, const unsigned* block, unsign
 extern "C" void kvc_host_fiber_entry() {
     after_switch();
     for (;;) {
-        g.kernel->invoke(g.args);
+        g->kernel->invoke(g->args);
         thread_exit();
     }
 }
 
 extern "C" int kvc_host_block_sync(int op, int pred, int line, const char* file) {
-    Fiber* f = g.cur;
-    BlockBarrier& b = g.bar;
+    Fiber* f = g->cur;
+    BlockBarrier& b = g->bar;
     if (!b.open) {
         b.open = true;
         b.op = op;
@@ -840,18 +1118,18 @@ extern "C" int kvc_host_block_sync(int op, int pred, int line, const char* file)
     f->op = op;
     f->line = line;
     f->file = file;
-    if (b.arrived == g.alive) {
+    if (b.arrived == g->alive) {
         complete_block_barrier();
         return b.result;
     }
     b.waiters[b.nwaiters++] = static_cast<unsigned short>(f->linear);
     block_current(kWaitBlock);
-    return g.bar.result;
+    return g->bar.result;
 }
 
 extern "C" unsigned long long kvc_host_warp_sync(int op, unsigned int mask, unsigned long long value, int mode, int arg,
                                                  int width, int line, const char* file) {
-    Fiber* f = g.cur;
+    Fiber* f = g->cur;
     const unsigned bit = 1u << f->lane;
     if ((mask & bit) == 0) {
         set_error("invalid warp mask: %s(mask=0x%08x) (%s:%d) called by lane %u, which the mask leaves out",
@@ -871,7 +1149,7 @@ extern "C" unsigned long long kvc_host_warp_sync(int op, unsigned int mask, unsi
     f->width = width;
     f->line = line;
     f->file = file;
-    Warp& w = g.warps[f->warp];
+    Warp& w = g->warps[f->warp];
     w.pending |= bit;
     if (op == kOpActive) {
         w.active |= bit;
@@ -879,30 +1157,48 @@ extern "C" unsigned long long kvc_host_warp_sync(int op, unsigned int mask, unsi
     } else if (!try_complete_warp(f->warp, mask, op)) {
         block_current(kWaitWarp);
     }
-    return g.cur->result;
+    return g->cur->result;
 }
 
 extern "C" void kvc_host_track_shared(void* addr, unsigned long long size) {
-    for (unsigned i = 0; i < g.shared_count; ++i) {
-        if (g.shared[i].addr == addr) return;
+    for (unsigned i = 0; i < g->shared_count; ++i) {
+        if (g->shared[i].addr == addr) return;
     }
-    if (g.shared_count == g.shared_cap) {
-        unsigned cap = g.shared_cap ? g.shared_cap * 2 : 16;
-        void* grown = realloc(g.shared, cap * sizeof(SharedVar));
+    if (g->shared_count == g->shared_cap) {
+        unsigned cap = g->shared_cap ? g->shared_cap * 2 : 16;
+        void* grown = realloc(g->shared, cap * sizeof(SharedVar));
         if (grown == nullptr) {
             fprintf(stderr, "kvc_host: out of memory tracking __shared__ variables\n");
             abort();
         }
-        g.shared = static_cast<SharedVar*>(grown);
-        g.shared_cap = cap;
+        g->shared = static_cast<SharedVar*>(grown);
+        g->shared_cap = cap;
     }
-    g.shared[g.shared_count++] = SharedVar{addr, static_cast<size_t>(size)};
+    g->shared[g->shared_count++] = SharedVar{addr, static_cast<size_t>(size)};
     // First seen in the middle of a block: no thread can have touched it yet (its declaration has just run).
     poison_fill(addr, static_cast<size_t>(size));
 }
 
+// A heap block for one __shared__ variable of this thread (AddressSanitizer builds, see KVC_HOST_HEAP_SHARED):
+// ASan surrounds it with redzones, which thread_local storage lacks. Never freed: one per variable and thread.
+extern "C" void* kvc_host_shared_alloc(unsigned long long size, unsigned long long align) {
+    const size_t a = align < 16 ? 16 : static_cast<size_t>(align);
+    const size_t rounded = (static_cast<size_t>(size) + a - 1) / a * a;
+    void* p = aligned_alloc(a, rounded == 0 ? a : rounded);
+    if (p == nullptr) {
+        fprintf(stderr, "kvc_host: out of memory for a __shared__ variable\n");
+        abort();
+    }
+#if KVC_HOST_ASAN
+    // The rounding tail is outside the variable: an access there is an overflow.
+    if (rounded > size) ASAN_POISON_MEMORY_REGION(static_cast<char*>(p) + size, rounded - size);
+#endif
+    kvc_host_track_shared(p, size);
+    return p;
+}
+
 extern "C" void kvc_host_trap(int line, const char* file) {
-    if (g.cur == nullptr || g.cur == &g.main) {
+    if (g == nullptr || g->cur == nullptr || g->cur == &g->main) {
         fprintf(stderr, "kvc_host: __trap() outside a kernel launch (%s:%d)\n", file, line);
         abort();
     }
@@ -912,7 +1208,7 @@ extern "C" void kvc_host_trap(int line, const char* file) {
 
 extern "C" void __assert_fail(const char* assertion, const char* file, unsigned int line,
                               const char* function) noexcept {
-    if (g.cur == nullptr || g.cur == &g.main) {
+    if (g == nullptr || g->cur == nullptr || g->cur == &g->main) {
         fprintf(stderr, "kvc_host: assertion `%s' failed outside a kernel launch (%s:%u)\n", assertion, file, line);
         abort();
     }
@@ -928,9 +1224,11 @@ extern "C" long long kvc_host_clock64(void) {
 
 // ---- C ABI for ctypes ---------------------------------------------------------------------------------------------
 
-KVC_HOST_EXPORT int kvc_host_abi_version(void) { return 1; }
+KVC_HOST_EXPORT int kvc_host_abi_version(void) { return 2; }
 
 KVC_HOST_EXPORT int kvc_host_abi_sanitized(void) { return KVC_HOST_ASAN; }
+
+KVC_HOST_EXPORT int kvc_host_abi_thread_sanitized(void) { return KVC_HOST_TSAN; }
 
 KVC_HOST_EXPORT unsigned int kvc_host_abi_poison_word(void) { return KVC_HOST_POISON_WORD; }
 
@@ -959,13 +1257,14 @@ KVC_HOST_EXPORT int kvc_host_abi_kernel_params(int index, int* sizes, int* kinds
     return k.num_params;
 }
 
-// Runs kernel `index` on grid x block with the cuLaunchKernel-style argument array. Returns 0, or 1 with a
-// message in err. Launches are serialised: ctypes drops the GIL, and the runtime state is per module.
+// Runs kernel `index` on grid x block with the cuLaunchKernel-style argument array, on up to `threads` OS
+// threads (the caller and threads - 1 pool workers). Returns 0, or 1 with a message in err. Launches are
+// serialised: ctypes drops the GIL, and a launch owns the pool while it runs.
 KVC_HOST_EXPORT int kvc_host_abi_launch(int index, const unsigned int* grid, const unsigned int* block,
-                                        unsigned long long shared_bytes, void** args, char* err,
+                                        unsigned long long shared_bytes, void** args, int threads, char* err,
                                         unsigned long long errlen) {
     pthread_mutex_lock(&g_launch_mutex);
-    int rc = launch_locked(index, grid, block, shared_bytes, args, err, static_cast<size_t>(errlen));
+    int rc = launch_locked(index, grid, block, shared_bytes, args, threads, err, static_cast<size_t>(errlen));
     // Kernel printf goes through C stdio; flush so it appears before the launch returns, as after a
     // synchronising call on the GPU.
     fflush(stdout);
@@ -973,13 +1272,27 @@ KVC_HOST_EXPORT int kvc_host_abi_launch(int index, const unsigned int* grid, con
     return rc;
 }
 
-// Counters for tests and measurements: switches, fiber starts, blocks, launches, stacks mapped.
+// Counters for tests and measurements, summed over every OS thread that ran blocks: switches, fiber starts,
+// blocks, launches, stacks mapped, pool workers started, blocks run by pool workers.
 KVC_HOST_EXPORT void kvc_host_abi_stats(unsigned long long* out) {
     pthread_mutex_lock(&g_launch_mutex);
-    out[0] = g.stat_switches;
-    out[1] = g.stat_fiber_starts;
-    out[2] = g.stat_blocks;
-    out[3] = g.stat_launches;
-    out[4] = g.total_stacks;
+    pthread_mutex_lock(&g_states_mutex);
+    out[0] = g_retired[0];
+    out[1] = g_retired[1];
+    out[2] = g_retired[2];
+    out[4] = 0;
+    out[6] = g_retired[3];
+    for (const State* st = g_states; st != nullptr; st = st->next_state) {
+        out[0] += st->stat_switches;
+        out[1] += st->stat_fiber_starts;
+        out[2] += st->stat_blocks;
+        out[4] += st->total_stacks;
+        if (st->pool_worker) out[6] += st->stat_blocks;
+    }
+    out[3] = g_launches;
+    pthread_mutex_unlock(&g_states_mutex);
+    pthread_mutex_lock(&g_pool.mutex);
+    out[5] = g_pool.nworkers;
+    pthread_mutex_unlock(&g_pool.mutex);
     pthread_mutex_unlock(&g_launch_mutex);
 }

@@ -241,3 +241,57 @@ extern "C" __global__ void bad_mask(int* out) {
 extern "C" __global__ void hello_printf(int value) {
     if (threadIdx.x == 0) printf("hello from block %u value %d half %.1f\n", blockIdx.x, value, 0.5);
 }
+
+// Thread 0 of block 1 raises a flag; thread 0 of block 0 waits for it (up to timeout_ns of clock64) and
+// records whether it came: only when the two blocks run at the same time on different OS threads. Both
+// first bump *counter, with an atomic when `racy` is 0 and a plain read-modify-write otherwise (a data race
+// between blocks, which ThreadSanitizer must report).
+extern "C" __global__ void wait_for_block_one(int* flag, int* seen, int* counter, int racy, long long timeout_ns) {
+    if (threadIdx.x != 0 || blockIdx.x > 1) return;
+    if (racy) {
+        *counter += 1;
+    } else {
+        atomicAdd(counter, 1);
+    }
+    if (blockIdx.x == 1) {
+        atomicExch(flag, 1);
+        return;
+    }
+    const long long start = clock64();
+    while (atomicAdd(flag, 0) == 0 && clock64() - start < timeout_ns) {
+    }
+    *seen = atomicAdd(flag, 0);
+}
+
+// Every block scans its own 4 * blockDim.x values through shared memory and barriers, and adds its total
+// to *grand with an atomic: per-OS-thread shared memory must never mix two blocks.
+extern "C" __global__ void segmented_scan4(const long long* in, long long* out, unsigned long long* grand) {
+    __shared__ long long totals[1024];
+    const unsigned t = threadIdx.x;
+    const long long* src = in + 4ull * blockIdx.x * blockDim.x;
+    long long* dst = out + 4ull * blockIdx.x * blockDim.x;
+    long long v[4];
+    long long run = 0;
+    for (int k = 0; k < 4; ++k) {
+        run += src[4 * t + k];
+        v[k] = run;
+    }
+    totals[t] = run;
+    __syncthreads();
+    for (unsigned offset = 1; offset < blockDim.x; offset *= 2) {
+        const long long add = t >= offset ? totals[t - offset] : 0;
+        __syncthreads();
+        totals[t] += add;
+        __syncthreads();
+    }
+    const long long before = t > 0 ? totals[t - 1] : 0;
+    for (int k = 0; k < 4; ++k) dst[4 * t + k] = v[k] + before;
+    if (t == blockDim.x - 1) atomicAdd(grand, static_cast<unsigned long long>(totals[t]));
+}
+
+// Thread 3 of every block from `first` on traps: whatever the OS threads, the launch must report `first`.
+extern "C" __global__ void trap_from_block(int* out, int first) {
+    out[blockIdx.x * blockDim.x + threadIdx.x] = 1;
+    __syncthreads();
+    if (static_cast<int>(blockIdx.x) >= first && threadIdx.x == 3) __trap();
+}
