@@ -1,0 +1,105 @@
+"""What the runtime does past its capacities and across groups, against the scalar protocol oracle: a sweep of
+more slots than ``Capacities.max_sweep_slots`` and a ``copy_slots`` of more slots than ``max_tokens`` run in
+chunks that together cover every slot exactly once; ``StepReport.new_violations`` lists the HEAD rows of every
+group, then the TAIL rows of every group (the order the launches ran)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import runtime_scenario as sc
+from runtime_oracle import ROLES_TAGS
+from test_runtime import BACKENDS, LOGGER, canary_records, drive, oracle_for
+
+from kvcanary_cupy import CanaryLaunchTag, FailReason
+from kvcanary_cupy.runtime import CanaryConfig, CanaryRuntime, Capacities
+
+
+def make_capped(engine: sc.ToyEngine, backend: str, **caps) -> CanaryRuntime:
+    return CanaryRuntime.create(CanaryConfig(backend=backend, logger=LOGGER), engine.pools(),
+                                Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS, **caps),
+                                sweep_source=engine.held)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cap", [1, 4, 8])
+def test_a_sweep_larger_than_its_capacity_verifies_every_held_slot_once(backend, cap):
+    """The prefix cache holds 4 + 5 = 9 slots after the scripted run; with a capacity of 1, 4 or 8 the sweep
+    runs in 9, 3 or 2 chunks. Every held slot gets a flipped K bit, so each must be reported exactly once (a
+    chunk that skips or repeats a slot changes the multiset of reported slots)."""
+    engine = sc.ToyEngine()
+    rt = make_capped(engine, backend, max_sweep_slots=cap)
+    drive(engine, rt)
+    held, positions, _ = engine.held()
+    assert held.shape[0] == 9 > cap
+    for slot in held.tolist():
+        engine.flip_kv_bit("FULL", slot)
+    assert rt.sweep() == 9
+    report = rt.flush()
+    rows = [(g, v.launch_tag, v.slot, v.position, v.reason_bits) for g, v in report.new_violations]
+    want = [("FULL", CanaryLaunchTag.SWEEP_K_FULL.name, s, p, int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH))
+            for s, p in zip(held.tolist(), positions.tolist(), strict=True)]
+    assert sorted(rows) == sorted(want)
+    assert rt.stats()["swept_slots"] == 9 and report.status_bits == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sweep_in_chunks_finds_only_the_corrupted_slot_wherever_it_falls(backend):
+    """One corrupted slot at each index of the sweep's list in turn (first, chunk edges, last), capacity 4."""
+    engine = sc.ToyEngine()
+    rt = make_capped(engine, backend, max_sweep_slots=4)
+    drive(engine, rt)
+    held = engine.held()[0].tolist()
+    for i in (0, 3, 4, 7, 8):
+        engine.flip_kv_bit("FULL", held[i])
+        rt.sweep()
+        report = rt.flush()
+        engine.flip_kv_bit("FULL", held[i])  # flipped back: the next round starts clean
+        assert [v.slot for _, v in report.new_violations] == [held[i]], i
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_copy_of_more_slots_than_max_tokens_carries_every_record(backend):
+    """copy_slots of 21 slots with max_tokens 16 (chunks of 16 and 5), SWA through its LUT, K and V: every
+    HEAD and TAIL buffer of every group equals the scalar oracle's after the same copy."""
+    engine = sc.ToyEngine(swa=True, with_v=True)
+    rt = make_capped(engine, backend)
+    oracle = oracle_for(engine, rt)
+    drive(engine, rt, oracle)
+    src = list(range(1, 22))  # the 24 slots the schedule wrote are 1..24
+    dst = list(range(sc.NUM_SLOTS - 22, sc.NUM_SLOTS - 1))
+    for d in dst:
+        engine.lut[d] = d  # SWA slots of the copies: unused by the schedule
+    assert len(src) == len(dst) > sc.MAX_TOKENS
+    engine.copy_kv(src, dst)
+    rt.copy_slots(np.array(src), np.array(dst))
+    oracle.copy_slots(src, dst)
+    checked = 0
+    for name, got, want in canary_records(rt, oracle):
+        assert np.array_equal(got, want), name
+        full = name.startswith("FULL")
+        written = [d if full else int(engine.lut[d]) for d in dst]
+        checked += int(np.count_nonzero(want[written].any(axis=1)))
+    assert checked > 2 * len(dst)  # the copies carry real records, not zeros on both sides
+    assert rt.flush().status_bits == 0
+
+
+def test_new_violations_list_the_head_rows_of_every_group_before_the_tail_rows():
+    """A misrouted req_to_token entry at a position both groups verify (the SWA window covers it) gives HEAD
+    and TAIL rows in FULL and SWA in one step; the report lists HEAD of FULL, HEAD of SWA, TAIL of FULL, TAIL
+    of SWA (launch order), each part in ring order, exactly as the scalar oracle produced them."""
+    engine = sc.ToyEngine(swa=True)
+    rt = make_capped(engine, "numpy")
+    oracle = oracle_for(engine, rt)
+
+    def misroute(batch):
+        engine.req_to_token[1, 8] = engine.slots[4][0]  # request 1 (10 tokens) at step 5: SWA verifies 7..9
+
+    reports = drive(engine, rt, oracle, hooks={(4, "after_step"): misroute})
+    got = [(g, tuple(v.raw)) for rep in reports if rep.launch_step == 5 for g, v in rep.new_violations]
+    role = {tag: r for kinds in ROLES_TAGS.values() for r, tags in kinds.items() for tag in tags.values()}
+    parts = {(r, g): [(g, tuple(row)) for row in oracle.step_rows(g, 5) if role[row[0]] == r]
+             for r in ("HEAD", "TAIL") for g in ("FULL", "SWA")}
+    assert all(parts.values()), {k: len(v) for k, v in parts.items()}
+    want = parts["HEAD", "FULL"] + parts["HEAD", "SWA"] + parts["TAIL", "FULL"] + parts["TAIL", "SWA"]
+    assert got == want
