@@ -148,8 +148,21 @@ def test_all_extends_zero_still_produce_entries(backend):
 
 
 def test_rerunning_identical_inputs_gives_identical_plans(backend):
-    args = {"rpi": [1, 0, 3], "prefix": [5, 9, 2], "extend": [2, 1, 1], "rtt": RTT}
-    assert run_plan(backend, **args) == run_plan(backend, **args)
+    """The same batch planned into the same buffers twice, another batch in between: the hand-worked plan both
+    times (nothing of the batch in between survives)."""
+    plans = fresh_plans(capacity=64, write_capacity=3)
+    args = {"rpi": [1, 0, 3], "prefix": [5, 0, 2], "extend": [2, 0, 1], "rtt": RTT, "plans": plans}
+    want = {"slots": [slot(1, p) for p in range(5)] + [slot(3, 0), slot(3, 1)],
+            "positions": [0, 1, 2, 3, 4, 0, 1],
+            "prevs": [-1] + [slot(1, p) for p in range(4)] + [-1, slot(3, 0)],
+            "tokens": [-1] * 7, "num_valid": 7, "enable": 1, "write_offsets": [0, 2, 2, 3],
+            "seeds": [slot(1, 4), -1, slot(3, 1)], "write_num_valid_reqs": 3, "status": 0}
+    first = run_plan(backend, **args)
+    between = run_plan(backend, rpi=[2, 4, 5], prefix=[9, 3, 1], extend=[4, 4, 4], rtt=RTT, plans=plans)
+    assert between.num_valid == 13 and between.write_offsets == [0, 4, 8, 12]
+    again = run_plan(backend, **args)
+    for out in (first, again):
+        assert {k: getattr(out, k) for k in want} == want
 
 
 def test_reused_write_plan_with_smaller_batch_zeroes_stale_tail(backend):
