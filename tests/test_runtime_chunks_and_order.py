@@ -5,13 +5,15 @@ group, then the TAIL rows of every group (the order the launches ran)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import runtime_scenario as sc
 from runtime_oracle import ROLES_TAGS
 from test_runtime import BACKENDS, LOGGER, canary_records, drive, oracle_for
 
-from kvcanary_cupy import CanaryLaunchTag, FailReason
+from kvcanary_cupy import CanaryArgumentError, CanaryLaunchTag, CanaryStatus, FailReason
 from kvcanary_cupy.runtime import CanaryConfig, CanaryRuntime, Capacities
 
 
@@ -103,3 +105,80 @@ def test_new_violations_list_the_head_rows_of_every_group_before_the_tail_rows()
     assert all(parts.values()), {k: len(v) for k, v in parts.items()}
     want = parts["HEAD", "FULL"] + parts["HEAD", "SWA"] + parts["TAIL", "FULL"] + parts["TAIL", "SWA"]
     assert got == want
+
+
+# -- edges of the sweep and copy paths (survivors of the mutation run, docs/mutation.md) ---------------------
+
+def test_a_sweep_with_no_source_or_an_empty_cache_verifies_nothing():
+    engine = sc.ToyEngine()
+    no_source = CanaryRuntime.create(CanaryConfig(logger=LOGGER), engine.pools(),
+                                     Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS))
+    assert no_source.sweep() == 0 and no_source.stats()["sweeps"] == 0
+    rt = make_capped(engine, "numpy")
+    assert engine.held()[0].shape[0] == 0
+    assert rt.sweep() == 0 and rt.stats()["sweeps"] == 0 and rt.stats()["swept_slots"] == 0
+
+
+@pytest.mark.parametrize(("answer", "message"), [
+    ([1, 2], "sweep_source must return (slots, positions, prev_slots), got list"),
+    ("abc", "sweep_source must return (slots, positions, prev_slots), got str"),
+    ((np.array([1.5]), np.array([0]), np.array([-1])), "sweep_source's slots must be a 1-D integer host array"),
+    ((np.array([1]), np.array([[0]]), np.array([-1])), "sweep_source's positions must be a 1-D integer host array"),
+    ((np.array([1]), np.array([0]), np.array([True])), "sweep_source's prev_slots must be a 1-D integer host array"),
+])
+def test_a_refused_sweep_answer_names_what_is_wrong(answer, message):
+    engine = sc.ToyEngine()
+    rt = CanaryRuntime.create(CanaryConfig(logger=LOGGER), engine.pools(),
+                              Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS),
+                              sweep_source=lambda: answer)
+    with pytest.raises(CanaryArgumentError) as info:
+        rt.sweep()
+    assert str(info.value).startswith(f"kv-canary: {message}"), str(info.value)
+
+
+def test_copy_slots_refusals_name_the_rule_and_copy_slots_refuses_capture(monkeypatch):
+    engine = sc.ToyEngine()
+    rt = make_capped(engine, "numpy")
+    for src, dst, message in [([1, 2], [40, 40], "dst must name distinct slots (two copies into one slot)"),
+                              ([1, 2], [2, 40], "src and dst must be disjoint (a slot both copied and overwritten)")]:
+        with pytest.raises(CanaryArgumentError) as info:
+            rt.copy_slots(src, dst)
+        assert str(info.value) == f"kv-canary: {message}"
+    monkeypatch.setattr(rt.space, "capturing", lambda: True)
+    with pytest.raises(CanaryArgumentError) as info:
+        rt.copy_slots([1], [40])
+    assert str(info.value).startswith("kv-canary: copy_slots() runs outside CUDA-graph capture")
+
+
+def test_a_copy_from_beyond_the_canary_is_skipped_and_reported_as_a_status_bit():
+    """A source slot outside the buffer: its destination gets a zero record and the group's status word says
+    SLOT_OUT_OF_RANGE (the gather's own bounds check, not only the scatter's)."""
+    engine = sc.ToyEngine()
+    rt = make_capped(engine, "numpy")
+    drive(engine, rt, steps=2)
+    head = np.asarray(rt.groups["FULL"].endpoints["HEAD"][0].verify_ctx.canary_buf)
+    head[40] = 7  # stale bytes the zero record must replace
+    rt.copy_slots([1, sc.NUM_SLOTS + 3], [40, 41])
+    assert rt.flush().status_bits == int(CanaryStatus.SLOT_OUT_OF_RANGE)
+    assert np.array_equal(head[40], head[1]) and not head[41, :32].any()
+
+
+def test_copies_and_sweeps_are_timed_under_their_own_phase():
+    engine = sc.ToyEngine()
+    phases: list[str] = []
+
+    @contextlib.contextmanager
+    def timer(phase):
+        phases.append(phase)
+        yield
+
+    rt = CanaryRuntime.create(CanaryConfig(logger=LOGGER), engine.pools(),
+                              Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS),
+                              sweep_source=engine.held, timer=timer)
+    drive(engine, rt)
+    phases.clear()
+    rt.copy_slots([1], [40])
+    assert phases == ["copy"]
+    phases.clear()
+    rt.sweep()
+    assert phases[0] == "sweep" and set(phases) == {"sweep"}
