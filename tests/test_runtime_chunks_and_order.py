@@ -125,7 +125,7 @@ def test_a_sweep_with_no_source_or_an_empty_cache_verifies_nothing():
     ((np.array([1.5]), np.array([0]), np.array([-1])), "sweep_source's slots must be a 1-D integer host array"),
     ((np.array([1]), np.array([[0]]), np.array([-1])), "sweep_source's positions must be a 1-D integer host array"),
     ((np.array([1]), np.array([0]), np.array([True])), "sweep_source's prev_slots must be a 1-D integer host array"),
-])
+], ids=["list", "str", "float-slots", "2d-positions", "bool-prevs"])  # plain ids: mutmut selects tests by id
 def test_a_refused_sweep_answer_names_what_is_wrong(answer, message):
     engine = sc.ToyEngine()
     rt = CanaryRuntime.create(CanaryConfig(logger=LOGGER), engine.pools(),
