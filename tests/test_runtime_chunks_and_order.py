@@ -182,3 +182,43 @@ def test_copies_and_sweeps_are_timed_under_their_own_phase():
     phases.clear()
     rt.sweep()
     assert phases[0] == "sweep" and set(phases) == {"sweep"}
+
+
+def test_new_violations_list_each_model_in_turn_and_the_sweep_last():
+    """One step whose target and draft launches both find the misrouted entry and whose sweep finds a flipped
+    cached slot: target HEAD, target TAIL, draft HEAD, draft TAIL, then the sweep's rows."""
+    engine = sc.ToyEngine(draft=True)
+    rt = CanaryRuntime.create(CanaryConfig(logger=LOGGER, sweep_interval=1), engine.pools(),
+                              Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS),
+                              sweep_source=engine.held)
+    oracle = oracle_for(engine, rt)
+
+    def corrupt(batch):
+        engine.req_to_token[1, 8] = engine.slots[4][0]
+        engine.flip_kv_bit("FULL", engine.cached[1][2])  # request 3's slots, held by the prefix cache only
+
+    reports = drive(engine, rt, oracle, hooks={(4, "after_step"): corrupt})
+    got = [(g, tuple(v.raw)) for rep in reports if rep.launch_step == 5 for g, v in rep.new_violations]
+    role = {tag: r for r, tags in ROLES_TAGS["FULL"].items() for tag in tags.values()}
+    parts = {(g, r): [(g, tuple(row)) for row in oracle.step_rows(g, 5) if role[row[0]] == r]
+             for g in ("FULL", "DRAFT") for r in ("HEAD", "TAIL", "SWEEP")}
+    for key in [("FULL", "HEAD"), ("FULL", "TAIL"), ("DRAFT", "HEAD"), ("DRAFT", "TAIL"), ("FULL", "SWEEP")]:
+        assert parts[key], key
+    want = (parts["FULL", "HEAD"] + parts["FULL", "TAIL"] + parts["DRAFT", "HEAD"] + parts["DRAFT", "TAIL"]
+            + parts["FULL", "SWEEP"] + parts["DRAFT", "SWEEP"])
+    assert got == want
+
+
+def test_sweep_launches_are_announced_to_the_observer_as_verifies_of_the_sweep_endpoints():
+    engine = sc.ToyEngine(with_v=True)
+    events = []
+    rt = CanaryRuntime.create(CanaryConfig(logger=LOGGER), engine.pools(),
+                              Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS),
+                              sweep_source=engine.held, observer=events.append)
+    drive(engine, rt)
+    events.clear()
+    rt.sweep()
+    state = rt.groups["FULL"]
+    want = [(when, "verify", "target", state, ep) for ep in state.endpoints["SWEEP"] for when in ("before", "after")]
+    assert [(e.when, e.kind, e.model, e.group, e.endpoint) for e in events] == want
+    assert [ep.tag.name for ep in state.endpoints["SWEEP"]] == ["SWEEP_K_FULL", "SWEEP_V_FULL"]
