@@ -28,7 +28,7 @@ PYTEST = ["-q", "-p", "no:cacheprovider", "--benchmark-disable", "-x", "-k", "no
 # target -> (modules to mutate, the tests that pin them)
 TARGETS: dict[str, tuple[list[str], list[str]]] = {
     "transfer": (["kvcanary_cupy/transfer.py", "kvcanary_cupy/backends/numpy_transfer.py"],
-                 ["tests/test_transfer.py"]),
+                 ["tests/test_transfer.py", "tests/test_transfer_edges.py"]),
     "runtime": (["kvcanary_cupy/runtime/runtime.py"],
                 ["tests/test_runtime.py", "tests/test_runtime_chunks_and_order.py"]),
     "plan": (["kvcanary_cupy/backends/numpy_plan.py"],
