@@ -104,3 +104,12 @@ def test_a_canary_buffer_without_slots_is_refused():
     with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: canary_buf must hold at least one slot"):
         kc.gather_canary_records(canary_buf=np.zeros((0, 32), np.uint8), slots=np.zeros(0, np.int64),
                                  records_out=np.zeros((0, 4), np.int64), backend="numpy")
+
+
+def test_the_backend_defaults_to_auto():
+    buf = canary()
+    out = np.zeros((1, 4), np.int64)
+    kc.gather_canary_records(canary_buf=buf, slots=np.array([5]), records_out=out)
+    kc.scatter_canary_records(records=out, slots=np.array([6]), canary_buf=buf)
+    assert records_of(buf)[6].tolist() == [5, 50, 500, 5000]
+
