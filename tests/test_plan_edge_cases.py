@@ -258,3 +258,14 @@ def test_overflowed_plan_only_bumps_the_verify_kernel_counter(backend):
     assert int(ctx.slot_run_counter[0]) == 0
     assert int(ctx.violation_write_index[0]) == 0
     assert np.array_equal(ctx.canary_buf, before)
+
+
+def test_a_prefix_filling_the_whole_req_to_token_row_is_in_range(backend):
+    """prefix == row width reads columns 0..width-1, all inside the row: no status bit, every entry planned
+    (width + 1 would be beyond the row: SPEC §0.5's PREFIX_BEYOND_REQ_TO_TOKEN_ROW)."""
+    rtt = linear_rtt(3, 16)
+    out = run_plan(backend, rpi=[2], prefix=[16], extend=[1], rtt=rtt)
+    assert out.status == 0 and out.enable == 1 and out.num_valid == 16
+    assert out.slots == [1000 + 16 * 2 + p for p in range(16)] and out.seeds == [1000 + 16 * 2 + 15]
+    beyond = run_plan(backend, rpi=[2], prefix=[17], extend=[1], rtt=rtt, on_invalid="flag")
+    assert beyond.status == 2  # PLAN_PREFIX_BEYOND_REQ_TO_TOKEN_ROW
