@@ -56,5 +56,16 @@ typecheck: $(VENV)/.test
 gpu-check:
 	bash bench/gpu_check.sh
 
+# Mutation testing (docs/mutation.md), not part of `make test`: mutmut over the NumPy reference, validation,
+# layouts, transfer and runtime, then the planted kernel mutations through the host backend; prints a score.
+# MUTATE_ARGS narrows it, e.g. MUTATE_ARGS='--targets runtime --no-kernels'.
+.PHONY: mutate
+$(VENV)/.mutate: pyproject.toml $(VENV)/.test
+	$(BIN)/python -m pip install -q -e '.[mutate]'
+	touch $@
+
+mutate: $(VENV)/.mutate
+	$(BIN)/python tests/mutation/run.py $(MUTATE_ARGS)
+
 clean:
 	rm -rf $(VENV) build dist *.egg-info report .pytest_cache .mypy_cache

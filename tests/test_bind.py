@@ -180,8 +180,19 @@ def test_a_replaced_tensor_is_not_seen_until_bound_again():
 
 
 def test_bind_is_importable_from_the_package_module():
-    assert kvcanary_cupy.bind.__all__ == ["BoundLaunch", "bind_plan", "bind_scatter", "bind_verify", "bind_write"]
-    assert kvcanary_cupy._validate is not None and kvcanary_cupy.dlpack is not None
+    """One set of objects, reached from the package and from its module; a binder reached from the package
+    hands back a BoundLaunch; every function a bound call must not reach exists under the name it is
+    forbidden by (a rename would silently void the test above)."""
+    names = ["BoundLaunch", "bind_plan", "bind_scatter", "bind_verify", "bind_write"]
+    assert kvcanary_cupy.bind.__all__ == names
+    for name in names:
+        assert name in kc.__all__ and getattr(kc, name) is getattr(kvcanary_cupy.bind, name), name
+    assert isinstance(kc.bind_plan(**numpy_engine().plan_kwargs()), kc.BoundLaunch)
+    modules = {"kvcanary_cupy._validate": kvcanary_cupy._validate, "kvcanary_cupy.dlpack": kvcanary_cupy.dlpack,
+               "kvcanary_cupy.bind": kvcanary_cupy.bind, "kvcanary_cupy.context": kc.context}
+    for target in FORBIDDEN_DURING_A_BOUND_CALL:
+        module, attr = target.rsplit(".", 1)
+        assert callable(getattr(modules[module], attr, None)), target
 
 
 @pytest.mark.skipif(unavailable_reason("host") is not None, reason=f"host backend: {unavailable_reason('host')}")

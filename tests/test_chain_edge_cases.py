@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from chain_helpers import ANCHOR_HASH_SIGNED, context, fields, rows, verify, write
+from chain_helpers import ANCHOR_HASH_SIGNED, context, fields, rows, verify, verify_plan, write
 from oracle import fold_source_bytes, mix3, splitmix64, to_i64, to_u64
 
 import kvcanary_cupy as kc
@@ -386,3 +386,18 @@ def test_scatter_empty_batch_is_a_no_op(backend):
     kc.launch_scatter_req_token_ids(flat_in=np.zeros(0, np.int64), offsets=np.zeros(1, np.int64),
                                     req_pool_indices=np.zeros(0, np.int64), pool_out=pool, backend=backend)
     assert (pool == 4).all()
+
+
+@pytest.mark.parametrize("beyond", [0, 1, 1 << 40], ids=["last-plus-one", "last-plus-two", "far"])
+def test_a_predecessor_at_or_beyond_the_buffer_end_is_flagged_and_skips_the_chain_check(backend, beyond):
+    """prev == num_slots is already outside (the bound is exclusive): flagged, never read, no chain check."""
+    ctx = context()
+    num_slots = fields(ctx).shape[0]
+    write_chain(ctx, [1, 2], [5, 6], backend=backend)
+    fields(ctx)[2, 2] = 12345  # a chain check against any predecessor would fail
+    vp = verify_plan([2], [7], [num_slots + beyond])
+    kc.launch_canary_verify_kernel(context=ctx, plan=vp, check_verify_expected_token=False, backend=backend,
+                                   on_invalid="flag" if backend == "numpy" else None)
+    (row,) = rows(ctx)
+    assert row[7] == R.VERIFY_POSITION_MISMATCH and row[5] == row[6] == 12345
+    assert int(ctx.status[0]) == int(kc.CanaryStatus.SLOT_OUT_OF_RANGE)

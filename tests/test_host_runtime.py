@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from nvrtc_probe import nvrtc_or_skip
 
 from kvcanary_cupy import hostcuda
 from kvcanary_cupy.hostcuda import (
@@ -835,11 +836,7 @@ def test_sanitized_stack_overflow_after_a_fiber_switch_is_reported(sanitized_bui
 
 def test_toy_kernels_are_valid_cuda_for_nvrtc():
     """The toy kernels are real CUDA: NVRTC compiles them warning-free (skipped where NVRTC is absent)."""
-    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy is not installed")
-    try:
-        nvrtc.getVersion()
-    except Exception as exc:  # the NVRTC shared library is missing
-        pytest.skip(f"NVRTC library not loadable: {exc}")
+    nvrtc = nvrtc_or_skip()
     for name, source in (
         ("toy_kernels.cu", TOY_SOURCE.read_text()),
         ("sanitized_toy.cu", SANITIZER_KERNELS),

@@ -9,24 +9,14 @@ and any warning fails the test.
 from __future__ import annotations
 
 import pytest
+from nvrtc_probe import nvrtc_or_skip
 
 from kvcanary_cupy.backends.cuda import nvrtc_options
 from kvcanary_cupy.backends.kernel_backend import KERNEL_FILES, kernel_source, kernels_dir
 
-nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy is not installed")
+nvrtc = nvrtc_or_skip()  # skips this module only where CuPy or the NVRTC library is not installed
 
 ARCHITECTURES = ("sm_80", "sm_90", "sm_100")
-
-
-def _nvrtc_usable() -> str | None:
-    try:
-        nvrtc.getVersion()
-    except Exception as exc:  # the NVRTC shared library is missing
-        return f"NVRTC library not loadable: {exc}"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_nvrtc_usable() is not None, reason=str(_nvrtc_usable()))
 
 
 def compile_for(file: str, arch: str) -> tuple[bytes, str]:

@@ -405,7 +405,7 @@ def test_plan_write_offsets_wrap_and_tail() -> None:
     )
     assert got.write_offsets == [0, 2**63 - 1, -(2**63) + 1, -(2**63) + 1]
     assert got.write_offsets_tail_zeros == 2
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="bs > write_req_capacity"):
         plan(
             req_pool_indices=[1, 1],
             prefix_lens=[0, 0],
@@ -684,7 +684,18 @@ def test_smoke_chain_cases(case: strategies.ChainCase) -> None:
 @SMOKE
 @given(strategies.chain_cases(hostile=True))
 def test_smoke_chain_cases_hostile(case: strategies.ChainCase) -> None:
-    _run_chain(case)
+    """Hostile values add only the two bounds bits to the status; every row carries the launch's tag, names a
+    slot inside the canary buffer (an out-of-range slot is skipped, never reported as read) and at least one
+    defined reason bit."""
+    status0 = case.status
+    state = _run_chain(case)
+    bounds = oracle.STATUS_SLOT_OUT_OF_RANGE | oracle.STATUS_TOKEN_RANGE_OUT_OF_BOUNDS
+    assert state.status & ~(status0 | bounds) == 0
+    reasons = 0x3F  # the six FailReason bits
+    for row in state.rows:
+        assert row[0] == case.tag, row
+        assert 0 <= row[1] < case.num_slots, row
+        assert row[7] != 0 and row[7] & ~reasons == 0, row
 
 
 @SMOKE

@@ -148,8 +148,21 @@ def test_all_extends_zero_still_produce_entries(backend):
 
 
 def test_rerunning_identical_inputs_gives_identical_plans(backend):
-    args = {"rpi": [1, 0, 3], "prefix": [5, 9, 2], "extend": [2, 1, 1], "rtt": RTT}
-    assert run_plan(backend, **args) == run_plan(backend, **args)
+    """The same batch planned into the same buffers twice, another batch in between: the hand-worked plan both
+    times (nothing of the batch in between survives)."""
+    plans = fresh_plans(capacity=64, write_capacity=3)
+    args = {"rpi": [1, 0, 3], "prefix": [5, 0, 2], "extend": [2, 0, 1], "rtt": RTT, "plans": plans}
+    want = {"slots": [slot(1, p) for p in range(5)] + [slot(3, 0), slot(3, 1)],
+            "positions": [0, 1, 2, 3, 4, 0, 1],
+            "prevs": [-1] + [slot(1, p) for p in range(4)] + [-1, slot(3, 0)],
+            "tokens": [-1] * 7, "num_valid": 7, "enable": 1, "write_offsets": [0, 2, 2, 3],
+            "seeds": [slot(1, 4), -1, slot(3, 1)], "write_num_valid_reqs": 3, "status": 0}
+    first = run_plan(backend, **args)
+    between = run_plan(backend, rpi=[2, 4, 5], prefix=[9, 3, 1], extend=[4, 4, 4], rtt=RTT, plans=plans)
+    assert between.num_valid == 13 and between.write_offsets == [0, 4, 8, 12]
+    again = run_plan(backend, **args)
+    for out in (first, again):
+        assert {k: getattr(out, k) for k in want} == want
 
 
 def test_reused_write_plan_with_smaller_batch_zeroes_stale_tail(backend):
@@ -245,3 +258,14 @@ def test_overflowed_plan_only_bumps_the_verify_kernel_counter(backend):
     assert int(ctx.slot_run_counter[0]) == 0
     assert int(ctx.violation_write_index[0]) == 0
     assert np.array_equal(ctx.canary_buf, before)
+
+
+def test_a_prefix_filling_the_whole_req_to_token_row_is_in_range(backend):
+    """prefix == row width reads columns 0..width-1, all inside the row: no status bit, every entry planned
+    (width + 1 would be beyond the row: SPEC §0.5's PREFIX_BEYOND_REQ_TO_TOKEN_ROW)."""
+    rtt = linear_rtt(3, 16)
+    out = run_plan(backend, rpi=[2], prefix=[16], extend=[1], rtt=rtt)
+    assert out.status == 0 and out.enable == 1 and out.num_valid == 16
+    assert out.slots == [1000 + 16 * 2 + p for p in range(16)] and out.seeds == [1000 + 16 * 2 + 15]
+    beyond = run_plan(backend, rpi=[2], prefix=[17], extend=[1], rtt=rtt, on_invalid="flag")
+    assert beyond.status == 2  # PLAN_PREFIX_BEYOND_REQ_TO_TOKEN_ROW

@@ -173,6 +173,12 @@ def _bad_calls():
                                                          canary_buf=canary)
     yield "canary_buf slot stride", "scatter", dict(records=records, slots=slots,
                                                     canary_buf=np.zeros((8, 24), np.uint8))
+    # long enough but not a multiple of 8: the int64 fields of every slot after the first would be misaligned
+    for stride in (33, 36, 44):
+        for op, kw in (("scatter", dict(records=records, slots=slots)), ("gather", dict(slots=slots,
+                                                                                       records_out=records))):
+            yield (f"canary_buf slot stride must be a multiple of 8 .*got {stride} bytes", op,
+                   dict(kw, canary_buf=np.zeros((8, stride), np.uint8)))
     yield "records must be contiguous", "gather", dict(canary_buf=canary, slots=slots,
                                                        records_out=np.zeros((2, 8), np.int64)[:, ::2])
     yield "records", "gather", dict(canary_buf=canary, slots=slots, records_out=frozen)

@@ -1,0 +1,170 @@
+"""``make mutate``: mutation testing of the Python modules with mutmut, and of the kernels with a short list of
+planted edits run through the host backend's tests; prints a score per target and a total.
+
+Each Python target is a set of modules and the fast tests that pin them (a focused selection: mutmut further
+runs, per mutant, only the tests that executed the mutated function). A target runs in a scratch copy under
+``build/mutate/<target>/`` whose pyproject.toml carries the target's ``[tool.mutmut]`` section, so the
+repository itself is never edited. Kernel mutations (``kernel_mutants.txt``) are applied to a scratch copy of
+the package and kernels; each must make its tests fail (be killed).
+
+Usage: ``python tests/mutation/run.py [--targets a,b] [--no-kernels] [--max-children N] [--mutants GLOB...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRATCH = ROOT / "build" / "mutate"
+PYTEST = ["-q", "-p", "no:cacheprovider", "--benchmark-disable", "-x", "-k", "not host and not cuda"]
+
+# target -> (modules to mutate, the tests that pin them)
+TARGETS: dict[str, tuple[list[str], list[str]]] = {
+    "transfer": (["kvcanary_cupy/transfer.py", "kvcanary_cupy/backends/numpy_transfer.py"],
+                 ["tests/test_transfer.py", "tests/test_transfer_edges.py"]),
+    "runtime": (["kvcanary_cupy/runtime/runtime.py"],
+                ["tests/test_runtime.py", "tests/test_runtime_chunks_and_order.py"]),
+    "plan": (["kvcanary_cupy/backends/numpy_plan.py"],
+             ["tests/test_plan_edge_cases.py", "tests/test_oracle_vectors.py"]),
+    "chain": (["kvcanary_cupy/backends/numpy_chain.py", "kvcanary_cupy/backends/numpy_paged.py",
+               "kvcanary_cupy/backends/numpy_backend.py"],
+              ["tests/test_chain_edge_cases.py", "tests/test_oracle_vectors.py", "tests/test_hashing.py"]),
+    "validate": (["kvcanary_cupy/_validate.py"],
+                 ["tests/test_plan_validation.py", "tests/test_context_validation.py",
+                  "tests/test_layout_validation.py"]),
+    "layouts": (["kvcanary_cupy/layouts.py"],
+                ["tests/test_layout_validation.py", "tests/test_layouts_reference.py"]),
+}
+
+
+def _toml_list(items: list[str]) -> str:
+    return "[" + ", ".join(f'"{x}"' for x in items) + "]"
+
+
+def _scratch_copy(dest: Path) -> None:
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "mutants")
+    for name in ("kvcanary_cupy", "kernels", "tests"):
+        shutil.copytree(ROOT / name, dest / name, ignore=ignore)
+    for name in ("setup.py", "README.md", "pyproject.toml"):
+        shutil.copy2(ROOT / name, dest / name)
+
+
+def run_python_target(name: str, max_children: int, mutants: list[str]) -> tuple[int, int, list[str]]:
+    """mutmut over one target (only the mutants matching the ``mutants`` globs, when given); (killed, total,
+    survivors as 'mutant: status')."""
+    modules, tests = TARGETS[name]
+    work = SCRATCH / name
+    _scratch_copy(work)
+    with open(work / "pyproject.toml", "a") as f:
+        f.write("\n[tool.mutmut]\n"
+                f'source_paths = ["kvcanary_cupy"]\n'
+                f"only_mutate = {_toml_list(modules)}\n"
+                f'also_copy = ["kernels", "setup.py", "README.md"]\n'
+                f"pytest_add_cli_args = {_toml_list(PYTEST)}\n"
+                f"pytest_add_cli_args_test_selection = {_toml_list(tests)}\n"
+                "use_git_change_detection = false\n")
+    mutmut = [sys.executable, "-c", "import sys; from mutmut.__main__ import cli; sys.exit(cli())"]
+    env = dict(os.environ, KVCANARY_CACHE_DIR=str(SCRATCH / "cache"), HYPOTHESIS_PROFILE="ci")
+    with open(work / "mutmut.log", "w") as log:  # its progress spinner, kept out of the summary
+        rc = subprocess.run([*mutmut, "run", "--max-children", str(max_children), *mutants], cwd=work, env=env,
+                            stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise SystemExit(f"mutmut run failed for {name} (exit {rc}): see {work / 'mutmut.log'}")
+    out = subprocess.run([*mutmut, "results", "--all", "true"], cwd=work, env=env, check=True,
+                         capture_output=True, text=True).stdout
+    statuses = dict(re.findall(r"^\s+(\S+): (.+)$", out, flags=re.M))
+    if mutants:
+        statuses = {k: v for k, v in statuses.items() if v != "not checked"}
+    killed = sum(s in ("killed", "timeout") for s in statuses.values())
+    survivors = sorted(f"{k}: {s}" for k, s in statuses.items() if s not in ("killed", "timeout"))
+    return killed, len(statuses), survivors
+
+
+def kernel_mutants() -> list[tuple[str, str, str, list[str]]]:
+    """(label, kernel file, sed-style s|old|new| edit, tests) per line of kernel_mutants.txt."""
+    out = []
+    for line in (Path(__file__).parent / "kernel_mutants.txt").read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        label, file, edit, tests = (part.strip() for part in line.split("\t"))
+        out.append((label, file, edit, tests.split()))
+    return out
+
+
+def _apply(text: str, edit: str) -> str:
+    sep = edit[1]
+    _, old, new, _ = (part.replace("\\n", "\n") for part in edit.split(sep))
+    if text.count(old) != 1:
+        raise SystemExit(f"kernel mutation {edit!r} must match exactly once (matched {text.count(old)} times)")
+    return text.replace(old, new)
+
+
+def run_kernel_mutants() -> tuple[int, int, list[str]]:
+    work = SCRATCH / "kernels"
+    _scratch_copy(work)
+    env = dict(os.environ, KVCANARY_CACHE_DIR=str(SCRATCH / "cache"), PYTHONPATH=str(work))
+    killed, survivors, mutants = 0, [], kernel_mutants()
+    for label, file, edit, tests in mutants:
+        path = work / file
+        original = path.read_text()
+        path.write_text(_apply(original, edit))
+        try:
+            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--benchmark-disable", "-x",
+                   "-k", "host", *tests]
+            rc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True).returncode
+        finally:
+            path.write_text(original)
+        # 1: a test failed; a crash (a signal, negative) kills too; 0 survived; 2-5: not a verdict (usage, no tests)
+        status = ("killed" if rc == 1 or rc < 0 else "survived" if rc == 0
+                  else f"not run (pytest exit {rc})")
+        print(f"    kernel {label}: {status}", flush=True)
+        if status == "killed":
+            killed += 1
+        else:
+            survivors.append(f"{label}: {status}")
+    return killed, len(mutants), survivors
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
+    parser.add_argument("--no-kernels", action="store_true", help="skip the planted kernel mutations")
+    parser.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--mutants", nargs="*", default=[],
+                        help="only the mutants matching these globs, e.g. '*CanaryRuntime*sweep*'")
+    args = parser.parse_args()
+    results: dict[str, tuple[int, int, list[str], float]] = {}
+    for name in [t for t in args.targets.split(",") if t]:
+        if name not in TARGETS:
+            parser.error(f"unknown target {name!r}")
+        start = time.perf_counter()
+        killed, total, survivors = run_python_target(name, args.max_children, args.mutants)
+        results[name] = (killed, total, survivors, time.perf_counter() - start)
+        print(f"  {name}: {killed} / {total} killed in {results[name][3]:.0f} s", flush=True)
+    if not args.no_kernels:
+        start = time.perf_counter()
+        killed, total, survivors = run_kernel_mutants()
+        results["kernels"] = (killed, total, survivors, time.perf_counter() - start)
+    print("\nmutation score (killed / mutants):")
+    for name, (killed, total, survivors, secs) in results.items():
+        print(f"  {name:10s} {killed:5d} / {total:5d}  {100 * killed / max(total, 1):5.1f}%  {secs:6.0f} s")
+        for s in survivors:
+            print(f"      survived {s}")
+    killed = sum(r[0] for r in results.values())
+    total = sum(r[1] for r in results.values())
+    print(f"  {'total':10s} {killed:5d} / {total:5d}  {100 * killed / max(total, 1):5.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
