@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import importlib.util
 import os
 import platform
 import sys
@@ -22,6 +23,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+# bench_vllm.py runs in vLLM's own environment (`make bench-vllm`); one without vLLM does not collect it.
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["bench_vllm.py"]
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import numpy as np
@@ -9,6 +10,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from kvcanary_cupy.backends import unavailable_reason
+
+# The vLLM tests run in vLLM's own environment (`make test-vllm`); an environment without vLLM does not collect them.
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
 
 settings.register_profile(
     "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
