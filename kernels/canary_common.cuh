@@ -70,13 +70,23 @@ KVC_DEVICE u64 slot_hash(const i64* canary, i64 stride_words, i64 slot) {
 }
 
 // Real-KV sources arrive as plain scalar kernel parameters (graph-safe: baked at capture), declared by
-// KVC_REAL_KV_PARAMS and gathered into this struct by KVC_REAL_KV_SOURCES.
+// KVC_REAL_KV_PARAMS and gathered into this struct by KVC_REAL_KV_SOURCES. A source describes where slot
+// s's logical bytes lie (kvcanary_cupy/kv_layouts.py, KvByteLayout): for each head h, for each element e,
+// the element_bytes bytes at (s / page_size) * page_stride + (s % page_size) * token_stride + h * head_stride
+// + e * element_stride from `base`. A contiguous source is one head of 16-byte elements.
+enum { kAccessTokenRun = 0, kAccessHeadRuns = 1, kAccessElements = 2 };
+
 struct RealKvSource {
   const unsigned char* base;
-  i64 row_stride;  // bytes between dim-0 rows
-  i64 page_size;   // slots per row
-  i64 bytes_per_token;
-  i64 read_bytes;  // multiple of 16
+  i64 page_stride;  // bytes between pages (dim-0 rows of a contiguous source)
+  i64 page_size;    // slots per page
+  i64 token_stride;
+  i64 head_stride;
+  i64 element_stride;
+  i64 elements_per_head;
+  i64 element_bytes;  // 1, 2, 4, 8 or 16; every stride is a multiple of it
+  i64 read_bytes;     // multiple of 16
+  i64 access;         // kAccess*: the widest loads the host found the layout's alignment to allow
 };
 
 struct RealKvSources {
@@ -85,22 +95,80 @@ struct RealKvSources {
   int mode;
 };
 
-#define KVC_REAL_KV_PARAM(k)                                                                          \
-  const unsigned char *kv_base##k, long long kv_row_stride##k, long long kv_page_size##k,             \
-      long long kv_bytes_per_token##k, long long kv_read_bytes##k
+#define KVC_REAL_KV_PARAM(k)                                                                              \
+  const unsigned char *kv_base##k, long long kv_page_stride##k, long long kv_page_size##k,                \
+      long long kv_token_stride##k, long long kv_head_stride##k, long long kv_element_stride##k,          \
+      long long kv_elements_per_head##k, long long kv_element_bytes##k, long long kv_read_bytes##k,       \
+      long long kv_access##k
 #define KVC_REAL_KV_PARAMS \
   KVC_REAL_KV_PARAM(0), KVC_REAL_KV_PARAM(1), KVC_REAL_KV_PARAM(2), KVC_REAL_KV_PARAM(3), int kv_count, int kv_mode
-#define KVC_REAL_KV_SOURCE(k) \
-  kvc::RealKvSource { kv_base##k, kv_row_stride##k, kv_page_size##k, kv_bytes_per_token##k, kv_read_bytes##k }
+#define KVC_REAL_KV_SOURCE(k)                                                                          \
+  kvc::RealKvSource {                                                                                   \
+    kv_base##k, kv_page_stride##k, kv_page_size##k, kv_token_stride##k, kv_head_stride##k,              \
+        kv_element_stride##k, kv_elements_per_head##k, kv_element_bytes##k, kv_read_bytes##k, kv_access##k \
+  }
 #define KVC_REAL_KV_SOURCES                                                                           \
   kvc::RealKvSources {                                                                                 \
     {KVC_REAL_KV_SOURCE(0), KVC_REAL_KV_SOURCE(1), KVC_REAL_KV_SOURCE(2), KVC_REAL_KV_SOURCE(3)}, kv_count, \
         kv_mode                                                                                        \
   }
 
-// Fingerprint of the real KV bytes of `slot` (SPEC §2.3): per source, fold 16-byte little-endian
-// (lo, hi) word pairs through splitmix64, then fold the source hashes in order. The host checked that
-// every source covers all canary slots and that every access is a 16-byte aligned 128-bit load.
+// First byte of logical element `element` of a token whose first byte is `token`.
+KVC_DEVICE const unsigned char* element_address(const RealKvSource& src, const unsigned char* token, i64 element) {
+  const i64 head = element / src.elements_per_head;
+  return token + head * src.head_stride + (element - head * src.elements_per_head) * src.element_stride;
+}
+
+// The little-endian u64 at logical byte `offset` (a multiple of 8) of a token's stream, element by element.
+// Every element is naturally aligned (host-checked), so each load is one aligned load of its width.
+KVC_DEVICE u64 gather_word(const RealKvSource& src, const unsigned char* token, i64 offset) {
+  const i64 eb = src.element_bytes;
+  if (eb >= 8) {  // the word lies inside one element
+    const i64 element = offset / eb;
+    return *reinterpret_cast<const u64*>(element_address(src, token, element) + (offset - element * eb));
+  }
+  u64 word = 0;
+  const i64 first = offset / eb;
+  for (i64 j = 0; j < 8 / eb; ++j) {
+    const unsigned char* p = element_address(src, token, first + j);
+    const u64 value = eb == 4   ? (u64)*reinterpret_cast<const unsigned int*>(p)
+                      : eb == 2 ? (u64)*reinterpret_cast<const unsigned short*>(p)
+                                : (u64)*p;
+    word |= value << (8 * eb * j);
+  }
+  return word;
+}
+
+KVC_DEVICE u64 fold_pair(u64 acc, const unsigned char* bytes) {
+  const ulonglong2 words = *reinterpret_cast<const ulonglong2*>(bytes);
+  return splitmix64(splitmix64(acc ^ words.x) ^ words.y);
+}
+
+// One source's fold of the leading `length` logical bytes of `slot`: u64 words in stream order through
+// splitmix64. The access kind only picks the loads; the words, hence the hash, are the same for all three.
+KVC_DEVICE u64 real_kv_fold_source(const RealKvSource& src, i64 slot, i64 length) {
+  const unsigned char* token =
+      src.base + (slot / src.page_size) * src.page_stride + (slot % src.page_size) * src.token_stride;
+  u64 acc = 0;
+  if (src.access == kAccessTokenRun) {  // the contiguous case: 16-byte aligned runs from the token start
+    for (i64 offset = 0; offset < length; offset += 16) acc = fold_pair(acc, token + offset);
+  } else if (src.access == kAccessHeadRuns) {  // each head one 16-byte aligned run (e.g. heads before tokens)
+    const i64 head_bytes = src.elements_per_head * src.element_bytes;
+    i64 done = 0;
+    for (const unsigned char* head = token; done < length; head += src.head_stride) {
+      for (i64 within = 0; within < head_bytes && done < length; within += 16, done += 16) {
+        acc = fold_pair(acc, head + within);
+      }
+    }
+  } else {  // any layout: one word at a time (e.g. K stored column-major inside a block)
+    for (i64 offset = 0; offset < length; offset += 8) acc = splitmix64(acc ^ gather_word(src, token, offset));
+  }
+  return acc;
+}
+
+// Fingerprint of the real KV bytes of `slot` (SPEC §2.3): per source, fold the slot's logical bytes as
+// little-endian u64 words through splitmix64, then fold the source hashes in order. The host checked that
+// every source covers all canary slots with every byte inside its tensor, and picked each access kind.
 KVC_DEVICE u64 real_kv_fold(const RealKvSources& sources, i64 slot) {
   if (sources.mode == kHashNone || sources.count <= 0) return 0;
   u64 total = 0;
@@ -108,16 +176,8 @@ KVC_DEVICE u64 real_kv_fold(const RealKvSources& sources, i64 slot) {
   for (int k = 0; k < kMaxRealKvSources; ++k) {  // unrolled so `src[k]` stays in registers
     if (k < sources.count) {
       const RealKvSource& src = sources.src[k];
-      const unsigned char* bytes =
-          src.base + (slot / src.page_size) * src.row_stride + (slot % src.page_size) * src.bytes_per_token;
       const i64 length = sources.mode == kHashPartial ? 16 : src.read_bytes;
-      u64 acc = 0;
-      for (i64 offset = 0; offset < length; offset += 16) {
-        const ulonglong2 words = *reinterpret_cast<const ulonglong2*>(bytes + offset);
-        acc = splitmix64(acc ^ words.x);
-        acc = splitmix64(acc ^ words.y);
-      }
-      total = splitmix64(total ^ acc);
+      total = splitmix64(total ^ real_kv_fold_source(src, slot, length));
     }
   }
   return total;

@@ -30,6 +30,7 @@ from .constants import (
     RealKvHashMode,
 )
 from .context import RealKvSource, VerifyOrWriteContext
+from .kv_layouts import KvByteLayout
 from .layouts import BlockTable, PageList, SlotLayout, TokenTable
 from .plan import VerifyPlan, WritePlan, launch_canary_plan_kernels
 from .scatter import launch_scatter_req_token_ids
@@ -53,6 +54,7 @@ __all__ = [
     "CanaryLaunchTag",
     "CanaryStatus",
     "FailReason",
+    "KvByteLayout",
     "PageList",
     "PlanStatus",
     "RealKvHashMode",

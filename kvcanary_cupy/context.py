@@ -1,7 +1,8 @@
 """The launch context shared by verify and write: canary buffer, violation ring, counters, real-KV sources.
 
 :class:`RealKvSource` validates its layout at construction (SPEC §1.6) so that every real-KV access is an
-aligned 128-bit load inside the tensor. :class:`VerifyOrWriteContext` mirrors SGLang's context and adds
+aligned load inside the tensor: 128-bit for a contiguous source, an element's own width at least for a strided
+one (:class:`~kvcanary_cupy.KvByteLayout`). :class:`VerifyOrWriteContext` mirrors SGLang's context and adds
 ``status`` (int32 [1], :class:`~kvcanary_cupy.constants.CanaryStatus`), where the kernels report device values
 they refused to follow. :func:`prepare_context` is the one place where a context is checked and viewed as
 NumPy/CuPy arrays for a launch.
@@ -10,7 +11,7 @@ NumPy/CuPy arrays for a launch.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,9 @@ from .constants import (
     CanaryLaunchTag,
     RealKvHashMode,
 )
-from .dlpack import as_byte_rows, device_of
+from .dlpack import as_byte_rows, as_byte_span, device_of
+from .hashing import RealKvBytes
+from .kv_layouts import KvByteLayout, contiguous_layout
 from .plan import _allocate
 
 
@@ -34,10 +37,16 @@ from .plan import _allocate
 class RealKvSource:
     """Real KV bytes fingerprinted into each slot's ``real_kv_hash``.
 
-    The bytes of canary slot ``s`` are, with the tensor viewed as ``uint8 [rows, row_bytes]`` (dims after
-    0 contiguous, dim 0 of any stride, e.g. one layer of a per-layer pool): row ``s // page_size``, columns
-    ``(s % page_size) * num_bytes_per_token`` onward; the leading ``read_bytes`` of them are hashed (16 in
-    PARTIAL mode). ``tensor`` may be any DLPack producer of any dtype (torch bfloat16 is viewed as bytes).
+    Without ``layout``, the bytes of canary slot ``s`` are, with the tensor viewed as ``uint8 [rows,
+    row_bytes]`` (dims after 0 contiguous, dim 0 of any stride, e.g. one layer of a per-layer pool): row
+    ``s // page_size``, columns ``(s % page_size) * num_bytes_per_token`` onward; the leading ``read_bytes``
+    of them are hashed (16 in PARTIAL mode). ``tensor`` may be any DLPack producer of any dtype (torch
+    bfloat16 is viewed as bytes).
+
+    With ``layout`` (a :class:`~kvcanary_cupy.KvByteLayout`), slot ``s``'s bytes are the layout's logical
+    stream (heads, then elements, at byte strides from the tensor's first byte; the tensor may have any
+    non-negative strides and is read in place), ``num_bytes_per_token`` must equal its length, and its
+    leading ``read_bytes`` are hashed the same way: a layout describing the contiguous case hashes the same.
 
     The byte view is taken once, here, and the source holds ``tensor``; a torch tensor whose storage later
     moves or shrinks (an engine growing its pool with ``resize_``) is refused at the next launch instead of
@@ -48,6 +57,7 @@ class RealKvSource:
     page_size: int
     num_bytes_per_token: int
     read_bytes: int
+    layout: KvByteLayout | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         page = int_arg(self.page_size, "RealKvSource.page_size")
@@ -60,21 +70,39 @@ class RealKvSource:
         if read <= 0 or read > per_token or read % REAL_KV_ALIGN_BYTES:
             fail(f"RealKvSource.read_bytes must be a positive multiple of 16 in (0, num_bytes_per_token="
                  f"{per_token}], got {read}")
-        rows = as_byte_rows(self.tensor, "RealKvSource.tensor")
-        row_stride = int(rows.strides[0]) if rows.shape[0] > 1 else int(rows.shape[1])
-        if row_stride % REAL_KV_ALIGN_BYTES:
-            fail(f"RealKvSource.tensor row stride must be a multiple of 16 bytes, got {row_stride}")
-        if rows.shape[1] < page * per_token:
-            fail(f"RealKvSource.tensor rows hold {rows.shape[1]} bytes, fewer than page_size * "
-                 f"num_bytes_per_token = {page * per_token}")
+        if self.layout is None:
+            rows = as_byte_rows(self.tensor, "RealKvSource.tensor")
+            row_stride = int(rows.strides[0]) if rows.shape[0] > 1 else int(rows.shape[1])
+            if row_stride % REAL_KV_ALIGN_BYTES:
+                fail(f"RealKvSource.tensor row stride must be a multiple of 16 bytes, got {row_stride}")
+            if rows.shape[1] < page * per_token:
+                fail(f"RealKvSource.tensor rows hold {rows.shape[1]} bytes, fewer than page_size * "
+                     f"num_bytes_per_token = {page * per_token}")
+            covered = int(rows.shape[0]) * page
+        else:
+            layout = self.layout
+            if not isinstance(layout, KvByteLayout):
+                fail(f"RealKvSource.layout must be a KvByteLayout or None, got {type(layout).__name__}")
+            if per_token != layout.bytes_per_token:
+                fail(f"RealKvSource.num_bytes_per_token must equal the layout's num_heads * elements_per_head * "
+                     f"element_bytes = {layout.bytes_per_token}, got {per_token}")
+            span = as_byte_span(self.tensor, "RealKvSource.tensor")
+            covered = layout.slots_covered(page, int(span.shape[0]))
+            if covered == 0:
+                fail(f"RealKvSource.layout addresses bytes beyond RealKvSource.tensor ({span.shape[0]} bytes from "
+                     f"its first) already for slot 0 (last byte of a token at offset {layout.last_byte_in_token()})")
+            rows = span.reshape(1, -1)
         if data_pointer(rows) % REAL_KV_ALIGN_BYTES:
             fail("RealKvSource.tensor must start at a 16-byte aligned address")
         object.__setattr__(self, "_rows", rows)
+        object.__setattr__(self, "_covered", covered)
         object.__setattr__(self, "_guards", storage_guards([("RealKvSource.tensor", self.tensor)]))
+        object.__setattr__(self, "_view", self._make_view())  # once: every launch reads it
 
     @property
     def byte_rows(self) -> Any:
-        """The validated ``uint8 [rows, row_bytes]`` NumPy/CuPy view of the tensor."""
+        """The validated ``uint8 [rows, row_bytes]`` NumPy/CuPy view of the tensor; with a layout, one row
+        holding every byte from the tensor's first to its last."""
         return self._rows  # type: ignore[attr-defined]
 
     def check_storage(self) -> None:
@@ -84,7 +112,22 @@ class RealKvSource:
 
     @property
     def slots_covered(self) -> int:
-        return int(self.byte_rows.shape[0]) * int(self.page_size)
+        """How many leading canary slots have all their bytes inside the tensor."""
+        return int(self._covered)  # type: ignore[attr-defined]
+
+    def view(self) -> RealKvBytes:
+        """What the hash reads: the byte view, page size, bytes per token, read bytes and resolved layout
+        (a contiguous source gets the layout of its rows, so every backend walks one descriptor)."""
+        return self._view  # type: ignore[attr-defined]
+
+    def _make_view(self) -> RealKvBytes:
+        rows = self.byte_rows
+        layout = self.layout
+        if layout is None:
+            stride = int(rows.strides[0]) if rows.shape[0] > 1 else int(rows.shape[1])
+            layout = contiguous_layout(stride, int(self.num_bytes_per_token))
+        return RealKvBytes(rows, int(self.page_size), int(self.num_bytes_per_token), int(self.read_bytes), layout,
+                           self.layout is None)
 
 
 @dataclass(frozen=True)
@@ -195,7 +238,7 @@ class ContextArrays:
     write_index: Any
     slot_run_counter: Any
     kernel_run_counter: Any
-    sources: tuple[tuple[Any, int, int, int], ...]  # (byte_rows, page_size, num_bytes_per_token, read_bytes)
+    sources: tuple[RealKvBytes, ...]  # each source's byte view, sizes and resolved layout
     mode: int
     chain_assert: Any
     status: Any
@@ -245,10 +288,8 @@ def prepare_context(context: Any, name: str = "context", *, need_chain_flag: boo
         source.check_storage()
         if source.slots_covered < num_slots:
             fail(f"{name}.real_kv_sources[{k}] covers {source.slots_covered} slots "
-                 f"({source.byte_rows.shape[0]} rows x page_size {source.page_size}), fewer than the "
-                 f"{num_slots} slots of canary_buf")
-        views.append((source.byte_rows, int(source.page_size), int(source.num_bytes_per_token),
-                      int(source.read_bytes)))
+                 f"({_coverage_words(source)}), fewer than the {num_slots} slots of canary_buf")
+        views.append(source.view())
     named = [(f"{name}.canary_buf", buf), (f"{name}.violation_ring", ring),
              (f"{name}.violation_write_index", write_index), (f"{name}.slot_run_counter", slot_counter),
              (f"{name}.kernel_run_counter", kernel_counter), (f"{name}.status", status),
@@ -264,6 +305,12 @@ def prepare_context(context: Any, name: str = "context", *, need_chain_flag: boo
         slot_run_counter=slot_counter, kernel_run_counter=kernel_counter, sources=tuple(views), mode=mode,
         chain_assert=chain_flag, status=status, named=tuple(named),
     )
+
+
+def _coverage_words(source: RealKvSource) -> str:
+    if source.layout is None:
+        return f"{source.byte_rows.shape[0]} rows x page_size {source.page_size}"
+    return f"its layout over {source.byte_rows.shape[1]} bytes, page_size {source.page_size}"
 
 
 def check_context_memory(ctx: ContextArrays, *, writes_canary: bool, inputs: list[tuple[str, Any]]) -> None:

@@ -191,6 +191,33 @@ def as_byte_rows(obj: Any, name: str) -> Any:
     return flat
 
 
+def as_byte_span(obj: Any, name: str) -> Any:
+    """A ``uint8 [span]`` view from the first byte of an array of any dtype and any non-negative strides to
+    its last byte (the bytes between its elements included: they are inside the same allocation).
+
+    This is how a strided KV view (one of K/V inside a combined cache, heads before tokens...) is read in
+    place: a :class:`~kvcanary_cupy.KvByteLayout` addresses it by byte offsets from its first byte.
+    """
+    if not (isinstance(obj, np.ndarray) or is_cupy_array(obj)):
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            obj = obj.detach()
+            if obj.dtype != torch.uint8 and obj.ndim >= 1 and obj.stride(-1) == 1:
+                try:
+                    obj = obj.view(torch.uint8)
+                except RuntimeError as exc:
+                    fail(f"{name} cannot be viewed as bytes ({exc})")
+    arr = as_array(obj, name)
+    if arr.ndim < 1 or arr.size == 0:
+        fail(f"{name} must not be empty, got shape {tuple(arr.shape)}")
+    if any(s < 0 for s in arr.strides):
+        fail(f"{name} has a negative stride {tuple(arr.strides)}; only non-negative strides are read in place")
+    span = int(arr.dtype.itemsize) + sum((int(n) - 1) * int(s) for n, s in zip(arr.shape, arr.strides, strict=True))
+    xp = np if isinstance(arr, np.ndarray) else sys.modules["cupy"]
+    first = arr[(slice(0, 1),) * arr.ndim].reshape(1).view(np.uint8)  # the first element's bytes
+    return xp.lib.stride_tricks.as_strided(first, shape=(span,), strides=(1,))
+
+
 def export(arr: Any, to: Any) -> Any:
     """Hand ``arr`` (NumPy or CuPy) to a framework module that has ``from_dlpack`` (torch, cupy, numpy,
     ``jax.dlpack``); the result shares memory with ``arr``."""

@@ -10,10 +10,12 @@ multiplication wraps and ``>>`` on ``uint64`` is a logical shift, which is exact
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .constants import CANARY_CHAIN_ANCHOR, REAL_KV_PARTIAL_BYTES, RealKvHashMode
+from .kv_layouts import KvByteLayout
 
 _MUL1 = np.uint64(0xBF58476D1CE4E5B9)
 _MUL2 = np.uint64(0x94D049BB133111EB)
@@ -75,6 +77,22 @@ def chain_hash(fields: np.ndarray, slots: np.ndarray) -> np.ndarray:
     return h
 
 
+class RealKvBytes(NamedTuple):
+    """One real-KV source as the hash reads it (``RealKvSource.view()``).
+
+    ``data`` is ``uint8 [rows, row_bytes]`` (row stride may exceed ``row_bytes``); ``layout`` says where slot
+    ``s``'s logical bytes lie, by byte offsets from ``data``'s first byte. ``contiguous`` marks a source
+    built without a layout: its layout is the rows' own (one run per token), read by the row fast path.
+    """
+
+    data: Any
+    page_size: int
+    num_bytes_per_token: int
+    read_bytes: int
+    layout: KvByteLayout
+    contiguous: bool
+
+
 def _slot_words(data: np.ndarray, page_size: int, bytes_per_token: int, nbytes: int,
                 slots: np.ndarray) -> np.ndarray:
     """The leading ``nbytes`` of each slot's bytes as little-endian uint64 words, ``[nbytes // 8, n]``."""
@@ -89,26 +107,64 @@ def _slot_words(data: np.ndarray, page_size: int, bytes_per_token: int, nbytes: 
     return np.ascontiguousarray(words[slots // page_size, slots % page_size, : nbytes // 8].T)
 
 
+def _layout_words(data: np.ndarray, page_size: int, layout: KvByteLayout, nbytes: int,
+                  slots: np.ndarray) -> np.ndarray:
+    """The leading ``nbytes`` of each slot's logical stream under ``layout`` as little-endian uint64 words,
+    ``[nbytes // 8, n]``.
+
+    The stream is gathered in units of ``min(element_bytes, 8)`` bytes, or of 8 bytes where each head's
+    elements form one run of aligned words: every unit is naturally aligned (strides are multiples of the
+    element size and the tensor starts 16-byte aligned), so the tensor can be read as an array of such
+    units, indexed by byte offset // unit.
+    """
+    eb = layout.element_bytes
+    runs = layout.element_stride == eb and layout.head_bytes % 8 == 0 and not (
+        (layout.page_stride | layout.token_stride | layout.head_stride) % 8)
+    unit = 8 if runs else min(eb, 8)
+    logical = np.arange(0, nbytes, unit, dtype=np.int64)
+    if runs:  # each head's elements are one run of whole aligned words: gather words, not elements
+        head, within = np.divmod(logical, layout.head_bytes)
+        intra = head * layout.head_stride + within
+    else:
+        element, within = np.divmod(logical, eb)
+        head, index = np.divmod(element, layout.elements_per_head)
+        intra = head * layout.head_stride + index * layout.element_stride + within  # [units]
+    page, offset = np.divmod(slots.astype(np.int64), page_size)
+    token = page * layout.page_stride + offset * layout.token_stride  # [n]
+    span = data.reshape(-1)  # a layout's source is one row: every byte from the tensor's first to its last
+    units = np.lib.stride_tricks.as_strided(span[:unit].view(np.dtype(f"<u{unit}")), shape=(span.shape[0] // unit,),
+                                            strides=(unit,), writeable=False)
+    gathered = units[(token[:, None] + intra[None, :]) // unit]  # [n, units], one slot's stream per row
+    return np.ascontiguousarray(gathered.view(np.dtype("<u8")).T)
+
+
 def fold_real_kv(
     slots: np.ndarray,
-    sources: Sequence[tuple[np.ndarray, int, int, int]],
+    sources: Sequence[RealKvBytes | tuple[Any, int, int, int]],
     mode: int,
 ) -> np.ndarray:
     """Real-KV fingerprint (``uint64``) of each slot in ``slots`` (SPEC §2.3).
 
-    ``sources`` holds ``(bytes_2d, page_size, num_bytes_per_token, read_bytes)`` with ``bytes_2d`` a
-    ``uint8 [rows, row_bytes]`` view (row stride may exceed ``row_bytes``). Every slot must address a row
-    inside each source; callers guarantee that. NONE mode or no sources gives 0 without touching memory.
+    Each source's slots are read as its :class:`RealKvBytes` says: a contiguous source by its rows, one with
+    a layout through the layout; a plain ``(bytes_2d, page_size, num_bytes_per_token, read_bytes)`` tuple is
+    a contiguous source. Every slot must lie inside each source; callers guarantee that. NONE mode or
+    no sources gives 0 without touching memory.
     """
     n = slots.shape[0]
     total = np.zeros(n, dtype=np.uint64)
     if mode == RealKvHashMode.NONE or not sources or n == 0:
         return total
     scratch = np.empty(n, np.uint64)
-    for data, page_size, bytes_per_token, read_bytes in sources:
-        nbytes = REAL_KV_PARTIAL_BYTES if mode == RealKvHashMode.PARTIAL else read_bytes
+    for source in sources:
+        if isinstance(source, RealKvBytes) and not source.contiguous:
+            nbytes = REAL_KV_PARTIAL_BYTES if mode == RealKvHashMode.PARTIAL else source.read_bytes
+            words = _layout_words(source.data, source.page_size, source.layout, nbytes, slots)
+        else:
+            data, page_size, bytes_per_token, read_bytes = source[:4]
+            nbytes = REAL_KV_PARTIAL_BYTES if mode == RealKvHashMode.PARTIAL else read_bytes
+            words = _slot_words(data, page_size, bytes_per_token, nbytes, slots)
         acc = np.zeros(n, dtype=np.uint64)
-        for word in _slot_words(data, page_size, bytes_per_token, nbytes, slots):
+        for word in words:
             acc ^= word
             splitmix64_(acc, scratch)
         total ^= acc

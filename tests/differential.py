@@ -84,8 +84,8 @@ def _context(case: Any, sources: list[tuple[np.ndarray, int, int, int]], canary:
         violation_write_index=np.array([case.write_index], np.int32),
         slot_run_counter=np.array([case.slot_run_counter], np.int64),
         kernel_run_counter=np.array([case.kernel_run_counter], np.int64),
-        real_kv_sources=tuple(RealKvSource(a, page_size=p, num_bytes_per_token=n, read_bytes=r)
-                              for a, p, n, r in sources),
+        real_kv_sources=tuple(RealKvSource(s[0], page_size=s[1], num_bytes_per_token=s[2], read_bytes=s[3],
+                                           layout=s[4] if len(s) > 4 else None) for s in sources),
         real_kv_hash_mode=kc.RealKvHashMode(case.mode),
         enable_chain_position_assert=np.array([case.enable_chain_position_assert], np.int32),
         status=np.array([case.status], np.int32),

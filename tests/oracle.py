@@ -48,9 +48,49 @@ STATUS_SCATTER_OUT_OF_RANGE = 4
 FIELDS_PER_SLOT = 4
 VIOLATION_FIELDS = 8
 
+
+
+@dataclass(frozen=True)
+class StridedSource:
+    """A real-KV source described by byte strides (a KvByteLayout) over a flat byte buffer.
+
+    ``data`` holds every byte from the tensor's first onward. Slot ``s``'s logical bytes are, for each head
+    ``h`` and element ``e`` in order, the ``element_bytes`` bytes at ``(s // page_size) * page_stride +
+    (s % page_size) * token_stride + h * head_stride + e * element_stride``.
+    """
+
+    data: bytes
+    page_size: int
+    page_stride: int
+    token_stride: int
+    head_stride: int
+    element_stride: int
+    num_heads: int
+    elements_per_head: int
+    element_bytes: int
+    read_bytes: int
+
+    def logical_bytes(self, slot: int, nbytes: int) -> bytes:
+        """The first ``nbytes`` of ``slot``'s logical stream, byte by byte."""
+        out = bytearray()
+        token = (slot // self.page_size) * self.page_stride + (slot % self.page_size) * self.token_stride
+        for h in range(self.num_heads):
+            for e in range(self.elements_per_head):
+                start = token + h * self.head_stride + e * self.element_stride
+                for b in range(self.element_bytes):
+                    if len(out) == nbytes:
+                        return bytes(out)
+                    if not 0 <= start + b < len(self.data):
+                        raise IndexError(f"slot {slot} reads byte {start + b} outside a {len(self.data)}-byte source")
+                    out.append(self.data[start + b])
+        if len(out) != nbytes:
+            raise ValueError(f"slot {slot}: the stream holds {len(out)} bytes, fewer than {nbytes}")
+        return bytes(out)
+
+
 # A real-KV source as the oracle takes it: (uint8 [rows, row_bytes] array, page_size,
-# num_bytes_per_token, read_bytes).
-Source = tuple[np.ndarray, int, int, int]
+# num_bytes_per_token, read_bytes), or a StridedSource.
+Source = tuple[np.ndarray, int, int, int] | StridedSource
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -156,7 +196,12 @@ def real_kv_hash(slot: int, sources: Sequence[Source], mode: int) -> int:
         # NONE never dereferences the sources, so garbage (even too-small) sources are fine here.
         return 0
     total = 0
-    for tensor, page_size, num_bytes_per_token, read_bytes in sources:
+    for source in sources:
+        if isinstance(source, StridedSource):
+            eff = 16 if mode == MODE_PARTIAL else source.read_bytes
+            total = splitmix64(total ^ fold_source_bytes(source.logical_bytes(slot, eff), eff))
+            continue
+        tensor, page_size, num_bytes_per_token, read_bytes = source
         arr = np.asarray(tensor)
         if arr.dtype != np.uint8 or arr.ndim != 2:
             raise ValueError("a real-KV source must be a uint8 [rows, row_bytes] array")

@@ -391,7 +391,8 @@ class ChainCase:
         }
 
     def copy_sources(self) -> list[tuple[np.ndarray, int, int, int]]:
-        return [(arr.copy(), ps, nb, rb) for arr, ps, nb, rb in self.sources]
+        # a strided source carries its KvByteLayout as a fifth entry (see strided_chain_cases)
+        return [(src[0].copy(), *src[1:]) for src in self.sources]  # type: ignore[misc]
 
     def apply_corruptions(
         self, canary_buf: np.ndarray, sources: list[tuple[np.ndarray, int, int, int]]
@@ -720,3 +721,45 @@ def scatter_cases(draw: st.DrawFn, hostile: bool = False) -> ScatterCase:
         req_pool_indices=_i64(rps),
         pool_out=np.ascontiguousarray(pool),
     )
+
+
+def _strided_source(draw: st.DrawFn, rng: np.random.Generator, num_slots: int) -> tuple[Any, ...]:
+    """A source with a KvByteLayout covering ``num_slots`` slots: ``(uint8 [1, span], page_size,
+    num_bytes_per_token, read_bytes, layout)``. The strides are drawn to reach every access kind the kernels
+    have (one contiguous run per token, one run per head, element by element), overlaps and holes included."""
+    from kvcanary_cupy import KvByteLayout
+
+    eb = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    heads = draw(st.integers(1, 3))
+    per_head = draw(st.integers(1, 5))
+    while (heads * per_head * eb) % 16:
+        per_head += 1
+    head_bytes = per_head * eb
+    element_stride = draw(st.sampled_from([eb, eb, 2 * eb, 0, 5 * eb]))
+    head_stride = draw(st.sampled_from([head_bytes, head_bytes + 16, 3 * head_bytes, eb, 0]))
+    token_extent = max(heads * max(head_stride, 1), per_head * max(element_stride, eb))
+    token_stride = draw(st.sampled_from([heads * head_bytes, -(-token_extent // 16) * 16, eb, 0]))
+    page_size = draw(st.sampled_from([1, 2, 4, 16]))
+    page_stride = draw(st.sampled_from([page_size * max(token_stride, token_extent), 0, 16 * eb]))
+    layout = KvByteLayout(page_stride=page_stride, token_stride=token_stride, head_stride=head_stride,
+                          element_stride=element_stride, num_heads=heads, elements_per_head=per_head, element_bytes=eb)
+    last = max((s // page_size) * page_stride + (s % page_size) * token_stride for s in range(num_slots))
+    span = last + layout.last_byte_in_token() + 1 + draw(st.sampled_from([0, 1, 16, 40]))
+    per_token = layout.bytes_per_token
+    read_bytes = 16 * draw(st.integers(1, per_token // 16))
+    return (rng.integers(0, 256, size=(1, span), dtype=np.uint8), page_size, per_token, read_bytes, layout)
+
+
+@st.composite
+def strided_chain_cases(draw: st.DrawFn, *, hostile: bool = False) -> ChainCase:
+    """A chain case whose real-KV sources are strided (KvByteLayout) and whose source flips land inside them."""
+    import dataclasses
+
+    case = draw(chain_cases(hostile=hostile))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    num_slots = int(case.canary_buf.shape[0])
+    sources = [_strided_source(draw, rng, num_slots) for _ in range(draw(st.integers(1, 4)))]
+    flips = [(k, 0, int(rng.integers(0, sources[k][0].shape[1])), int(rng.integers(1, 256)))
+             for k in rng.integers(0, len(sources), size=draw(st.integers(0, 6))).tolist()]
+    mode = draw(st.sampled_from([oracle.MODE_PARTIAL, oracle.MODE_ALL]))
+    return dataclasses.replace(case, sources=sources, source_flips=flips, mode=mode)

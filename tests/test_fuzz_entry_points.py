@@ -922,3 +922,93 @@ def _runtime_step_case(rt: CanaryRuntime, is_full: bool,
         what += "; " + _mutate_batch(fields, is_full, rng)
     watched.append(dict(fields))
     return lambda: rt.prepare(StepBatch(**fields)), watched, what
+
+
+# ---- strided real-KV layouts (KvByteLayout, the vLLM presets) ------------------------------------------------
+
+_LAYOUT_FIELDS = ("page_stride", "token_stride", "head_stride", "element_stride", "num_heads", "elements_per_head",
+                  "element_bytes")
+
+
+def _valid_layout_args() -> dict[str, Any]:
+    # 2 heads of 8 two-byte elements, heads 32 bytes apart, tokens 16 bytes apart: 64 bytes per token position
+    return {"page_stride": 512, "token_stride": 16, "head_stride": 256, "element_stride": 2, "num_heads": 2,
+            "elements_per_head": 8, "element_bytes": 2}
+
+
+def _strided_case(rng: random.Random) -> tuple[Callable[[], Any], Any, str]:
+    from kvcanary_cupy.kv_layouts import flash_attn_source, flashinfer_hnd_source, vllm_cpu_source
+
+    kind = rng.randrange(4)
+    if kind == 0:  # the descriptor itself
+        args = _valid_layout_args()
+        key = rng.choice(_LAYOUT_FIELDS)
+        invalid = {"num_heads": [0, -2], "elements_per_head": [0, -2], "element_bytes": [0, 3, 5, 32, -2]}
+        args[key] = rng.choice([*invalid.get(key, [-2, 3, 7]), *BAD_SCALARS])  # strides: odd, not whole elements
+        return lambda: kc.KvByteLayout(**args), args, f"KvByteLayout {key}={args[key]!r}"
+    if kind == 1:  # a source with a layout
+        layout = kc.KvByteLayout(**_valid_layout_args())
+        args = {"tensor": np.zeros(4 * 512, np.uint8), "page_size": 16, "num_bytes_per_token": 32, "read_bytes": 32,
+                "layout": layout}
+        change = rng.choice(["per_token", "beyond", "type", "tensor", "read"])
+        if change == "per_token":
+            args["num_bytes_per_token"] = rng.choice([16, 48, 64])
+            args["read_bytes"] = 16
+        elif change == "beyond":
+            args["tensor"] = np.zeros(rng.choice([16, 256, 270]), np.uint8)
+        elif change == "type":
+            args["layout"] = rng.choice([_valid_layout_args(), "flash", 3, (512, 16)])
+        elif change == "tensor":
+            args["tensor"] = rng.choice([None, np.zeros(0, np.uint8), np.zeros(4 * 512, np.uint8)[::-1],
+                                         _misaligned(np.zeros(4 * 512, np.uint8)), _FailingDlpack(), [0] * 64])
+        else:
+            args["read_bytes"] = rng.choice([0, 24, 48, *BAD_SCALARS])
+        return lambda: kc.RealKvSource(**args), args, f"RealKvSource with a layout: {change}"
+    if kind == 2:  # the presets
+        preset = rng.choice(["cpu", "flash", "hnd"])
+        shapes = {"cpu": (2, 2, 32, 16), "flash": (2, 2, 32, 2, 8), "hnd": (2, 2, 2, 32, 8)}
+        cache: Any = np.zeros(shapes[preset], np.float32)
+        kwargs: dict[str, Any] = {"which": "k", "read_bytes": 32}
+        if preset == "cpu":
+            kwargs.update(block_size=32, num_kv_heads=2, head_size=8, isa="vec")
+        change = rng.choice(["which", "read_bytes", "cache", "isa", "sizes"])
+        if change == "which":
+            kwargs["which"] = rng.choice(["K", "kv", None, 0, "key"])
+        elif change == "read_bytes":
+            kwargs["read_bytes"] = rng.choice([0, 24, 80, 4096, *BAD_SCALARS])
+        elif change == "cache":
+            cache = rng.choice([None, np.zeros((2, 2, 2), np.float32), np.zeros((3,) * len(shapes[preset]), np.float32),
+                                np.zeros((0, *shapes[preset][1:]), np.float32), _FailingDlpack(), "cache"])
+        elif change == "isa" and preset == "cpu":
+            kwargs["isa"] = rng.choice(["vec16", "amx", "neon", None, "VEC"])
+        elif preset == "cpu":
+            key = rng.choice(["block_size", "num_kv_heads", "head_size"])
+            kwargs[key] = rng.choice([0, -1, 7, 64, *BAD_SCALARS])
+        else:
+            cache = np.zeros(shapes[preset], np.float32)[..., ::-1]  # a negative stride is never read in place
+        build = {"cpu": vllm_cpu_source, "flash": flash_attn_source, "hnd": flashinfer_hnd_source}[preset]
+        return lambda: build(cache, **kwargs), cache, f"{preset} preset: {change}"
+    # a launch whose strided source covers fewer slots than the canary buffer: refused, nothing written
+    layout = kc.KvByteLayout(page_stride=32, token_stride=32, head_stride=0, element_stride=4, num_heads=1,
+                             elements_per_head=8, element_bytes=4)
+    short = kc.RealKvSource(np.zeros(32 * rng.randrange(1, 32), np.uint8), page_size=1, num_bytes_per_token=32,
+                            read_bytes=32, layout=layout)
+    ctx = kc.VerifyOrWriteContext.allocate(num_slots=32, real_kv_sources=(short,),
+                                           real_kv_hash_mode=kc.RealKvHashMode.ALL)
+    wp = kc.WritePlan.allocate(write_req_capacity=1)
+    wp.write_offsets[:] = [0, 1]
+    wp.write_num_valid_reqs[0] = 1
+    wp.write_seed_slot_indices[0] = -1
+    backend = rng.choice(BACKENDS)
+    one = np.ones(1, np.int64)
+    return (lambda: kc.launch_canary_write_kernel(context=ctx, plan=wp, input_ids=one, positions=one,
+                                                  out_cache_loc=one, enable_write_input_assert=False,
+                                                  backend=backend),
+            [ctx, wp], f"write with a short strided source on {backend}")
+
+
+def test_strided_sources_and_the_vllm_presets_refuse_random_bad_arguments():
+    rng = random.Random("strided")
+    for case in range(800):
+        call, watched, what = _strided_case(rng)
+        refuses(call, watched, f"case {case}: {what}")

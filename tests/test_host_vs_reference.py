@@ -109,6 +109,20 @@ def test_write_and_verify_flag_hostile_values_like_the_reference(case, shape):
         chain_results_equal(got, want)
 
 
+@settings(max_examples=examples(300))
+@given(strategies.strided_chain_cases(), shapes)
+def test_write_and_verify_over_strided_kv_layouts_match_reference(case, shape):
+    for got, want in zip(run_chain(host_backend(shape), case), run_chain("numpy", case), strict=True):
+        chain_results_equal(got, want)
+
+
+@settings(max_examples=examples(150))
+@given(strategies.strided_chain_cases(hostile=True), shapes)
+def test_strided_kv_layouts_with_hostile_values_match_reference(case, shape):
+    for got, want in zip(run_chain(host_backend(shape), case), run_chain("numpy", case), strict=True):
+        chain_results_equal(got, want)
+
+
 @settings(max_examples=examples(200))
 @given(strategies.scatter_cases(hostile=True), shapes)
 def test_scatter_matches_reference(case, shape):

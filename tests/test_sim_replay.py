@@ -159,6 +159,28 @@ def test_replay_refuses_malformed_dumps_naming_file_and_field(dumps, tmp_path, c
     assert "forged.npz" in err and field in err and "Traceback" not in err and "internal error" not in err
 
 
+@pytest.mark.parametrize("backend", ["numpy", pytest.param("host", marks=needs_host)])
+def test_a_dump_whose_sources_carry_a_kv_byte_layout_replays_the_same_rows(dumps, tmp_path, backend):
+    # The recorded rows re-described as strided sources (4-byte elements, pages one row apart) over the
+    # tensors' bytes as one run: the fingerprints, hence the violation rows, must not change.
+    case = load_case(dumps["kv-bitflip"])
+    meta, arrays = _meta(case), {}
+    assert meta["sources"]
+    for i, source in enumerate(meta["sources"]):
+        rows = case.arrays[f"source_{i}"]
+        arrays[f"source_{i}"] = np.ascontiguousarray(rows).reshape(1, -1)
+        source["layout"] = {"page_stride": int(rows.shape[1]), "token_stride": source["num_bytes_per_token"],
+                            "head_stride": 0, "element_stride": 4, "num_heads": 1,
+                            "elements_per_head": source["num_bytes_per_token"] // 4, "element_bytes": 4}
+    strided = load_case(_forge(case, tmp_path, meta=meta, **arrays))
+    outcome = replay_case(strided, backend)
+    assert outcome.reproduced
+    assert sorted(outcome.rows) == sorted(map(tuple, case.arrays["expected_rows"].tolist()))
+    meta["sources"][0]["layout"].pop("element_bytes")
+    with pytest.raises(ValueError, match=r"meta\.sources\[0\]\.layout must have exactly the keys"):
+        load_case(_forge(case, tmp_path, "bad.npz", meta=meta, **arrays))
+
+
 def test_replay_refuses_a_malformed_write_dump(dumps, tmp_path):
     case = load_case(dumps["wrong-token"])
     if case.meta["op"] != "write":

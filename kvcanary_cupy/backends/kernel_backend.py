@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..constants import MAX_REAL_KV_SOURCES
+from ..kv_layouts import ACCESS_TOKEN_RUN
 
 KERNEL_FILES = ("plan.cu", "verify.cu", "write.cu", "scatter.cu", "transfer.cu")
 _I64, _I32 = np.int64, np.int32
@@ -67,14 +68,26 @@ class LaunchShape:
 
 
 def _real_kv_args(ctx: Any) -> tuple[Any, ...]:
+    """Each source's pointer and layout (kernels/canary_common.cuh, KVC_REAL_KV_PARAM): a contiguous source
+    goes as its rows' own layout with 16-byte loads per token, exactly the walk it always had."""
     args: list[Any] = []
     for k in range(MAX_REAL_KV_SOURCES):
         if k < len(ctx.sources):
-            rows, page_size, bytes_per_token, read_bytes = ctx.sources[k]
-            stride = int(rows.strides[0]) if rows.shape[0] > 1 else int(rows.shape[1])
-            args += [rows, _I64(stride), _I64(page_size), _I64(bytes_per_token), _I64(read_bytes)]
+            source = ctx.sources[k]
+            rows, page_size, per_token, read_bytes = source.data, source.page_size, source.num_bytes_per_token, \
+                source.read_bytes
+            if source.contiguous:  # the rows' stride as launched (a device copy may have packed the rows)
+                stride = int(rows.strides[0]) if rows.shape[0] > 1 else int(rows.shape[1])
+                args += [rows, _I64(stride), _I64(page_size), _I64(per_token), _I64(0), _I64(16),
+                         _I64(per_token // 16), _I64(16), _I64(read_bytes), _I64(ACCESS_TOKEN_RUN)]
+            else:
+                lay = source.layout
+                args += [rows, _I64(lay.page_stride), _I64(page_size), _I64(lay.token_stride),
+                         _I64(lay.head_stride), _I64(lay.element_stride), _I64(lay.elements_per_head),
+                         _I64(lay.element_bytes), _I64(read_bytes), _I64(lay.access_kind())]
         else:  # unused ABI slot: never dereferenced (the kernels stop at kv_count)
-            args += [None, _I64(0), _I64(1), _I64(16), _I64(16)]
+            args += [None, _I64(0), _I64(1), _I64(16), _I64(0), _I64(16), _I64(1), _I64(16), _I64(16),
+                     _I64(ACCESS_TOKEN_RUN)]
     args += [_I32(len(ctx.sources)), _I32(ctx.mode)]
     return tuple(args)
 

@@ -11,6 +11,8 @@ Owns the adapters only; the behaviour is the core's (SPEC §0 lists where it del
   and :func:`launch_scatter_req_token_ids_kernel` dispatch like SGLang: CPU tensors through the NumPy
   reference, CUDA tensors through the CUDA kernels on torch's current stream. Dtypes are strict (SPEC §0.6).
   Host paths refuse to run under CUDA-graph capture, as SGLang's references did.
+* Real-KV sources are the core's :class:`RealKvSource`, strided layouts (:class:`KvByteLayout`, e.g. from
+  :mod:`kvcanary_cupy.kv_layouts`' presets over an engine's torch KV cache) included: read in place.
 * :func:`launch_canary_plan_kernels_torch_reference` converts its inputs the way SGLang's reference did and
   writes its results back into the plan's tensors wherever they live.
 """
@@ -46,6 +48,7 @@ from ..constants import (
 )
 from ..context import RealKvSource
 from ..dlpack import as_array
+from ..kv_layouts import KvByteLayout
 from ..layouts import BlockTable, PageList, SlotLayout, TokenTable
 from ..scatter import launch_scatter_req_token_ids as _core_scatter
 from ..verify import launch_canary_verify_kernel as _core_verify
@@ -56,6 +59,7 @@ __all__ = [
     "MAX_REAL_KV_SOURCES",
     "CanaryLaunchTag",
     "FailReason",
+    "KvByteLayout",
     "RealKvHashMode",
     "RealKvSource",
     "VerifyOrWriteContext",

@@ -27,6 +27,7 @@ violation rows with the recorded ones as multisets (the kernels append rows in a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -40,6 +41,7 @@ import numpy as np
 from .._errors import CanaryArgumentError
 from ..constants import CANARY_SLOT_BYTES, MAX_REAL_KV_SOURCES, FailReason, RealKvHashMode
 from ..context import RealKvSource, VerifyOrWriteContext
+from ..kv_layouts import KvByteLayout
 from ..layouts import BlockTable, PageList
 from ..plan import VerifyPlan, WritePlan, launch_canary_plan_kernels
 from ..verify import launch_canary_verify_kernel
@@ -133,11 +135,13 @@ class LaunchRecorder:
 
     def _context(self, ctx: VerifyOrWriteContext) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         arrays = {"canary_buf": _h(ctx.canary_buf)}
-        sources = []
+        sources: list[dict[str, Any]] = []
         for i, src in enumerate(ctx.real_kv_sources):
             arrays[f"source_{i}"] = _h(src.byte_rows)
             sources.append({"page_size": int(src.page_size), "num_bytes_per_token": int(src.num_bytes_per_token),
                             "read_bytes": int(src.read_bytes)})
+            if src.layout is not None:  # the recorded bytes are the tensor's span; the layout says where tokens lie
+                sources[-1]["layout"] = dataclasses.asdict(src.layout)
         meta = {"tag": int(ctx.kernel_kind), "real_kv_hash_mode": int(ctx.real_kv_hash_mode), "sources": sources,
                 "enable_chain_position_assert": int(_h(ctx.enable_chain_position_assert)[0]),
                 "ring_capacity": int(ctx.violation_ring.shape[0])}
@@ -318,6 +322,13 @@ def _check_case(path: Path, meta: dict[str, Any], arrays: dict[str, np.ndarray])
         for name in ("page_size", "num_bytes_per_token", "read_bytes"):
             key(source, name, int, f"meta.sources[{i}]", low=1, high=1 << 40)
         array(f"source_{i}", np.uint8, 2)
+        if "layout" in source:
+            layout = key(source, "layout", dict, f"meta.sources[{i}]")
+            fields = [f.name for f in dataclasses.fields(KvByteLayout)]
+            if sorted(layout) != sorted(fields):
+                raise bad(f"meta.sources[{i}].layout", f"must have exactly the keys {fields}, got {sorted(layout)}")
+            for name in fields:
+                key(layout, name, int, f"meta.sources[{i}].layout", low=0, high=1 << 48)
     if op == "verify":
         key(meta, "check_verify_expected_token", bool)
         slots = array("plan_slots", np.int64, 1)
@@ -428,7 +439,8 @@ def replay_case(case: ReplayCase, backend: str = "host") -> ReplayOutcome:
     """Rerun the recorded launch on ``backend`` (CPU arrays: ``host`` or ``numpy``)."""
     a, m = case.arrays, case.meta
     sources = tuple(RealKvSource(_aligned(a[f"source_{i}"]), page_size=s["page_size"],
-                                 num_bytes_per_token=s["num_bytes_per_token"], read_bytes=s["read_bytes"])
+                                 num_bytes_per_token=s["num_bytes_per_token"], read_bytes=s["read_bytes"],
+                                 layout=KvByteLayout(**s["layout"]) if "layout" in s else None)
                     for i, s in enumerate(m["sources"]))
     canary = a["canary_buf"]
     ctx = VerifyOrWriteContext.allocate(

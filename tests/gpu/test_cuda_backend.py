@@ -72,7 +72,8 @@ class _OnGpu:
         if isinstance(obj, np.ndarray):
             return cp.asarray(obj)
         if isinstance(obj, tuple):
-            return tuple(_OnGpu._to_device(v) for v in obj)
+            values = [_OnGpu._to_device(v) for v in obj]
+            return type(obj)(*values) if hasattr(obj, "_fields") else tuple(values)  # NamedTuples keep their type
         if dataclasses.is_dataclass(obj):
             fields = {f.name: _OnGpu._to_device(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
             if "canary_bytes" in fields:  # the int64 view must alias the device bytes, as on the host
@@ -116,6 +117,20 @@ def test_write_and_verify_match_reference(case):
 @settings(max_examples=200, deadline=None)
 @given(strategies.chain_cases(hostile=True))
 def test_write_and_verify_flag_hostile_values_like_the_reference(case):
+    for got, want in zip(run_chain(_OnGpu(), case), run_chain("numpy", case), strict=True):
+        chain_results_equal(got, want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(strategies.strided_chain_cases())
+def test_write_and_verify_over_strided_kv_layouts_match_reference(case):
+    for got, want in zip(run_chain(_OnGpu(), case), run_chain("numpy", case), strict=True):
+        chain_results_equal(got, want)
+
+
+@settings(max_examples=100, deadline=None)
+@given(strategies.strided_chain_cases(hostile=True))
+def test_strided_kv_layouts_with_hostile_values_match_reference(case):
     for got, want in zip(run_chain(_OnGpu(), case), run_chain("numpy", case), strict=True):
         chain_results_equal(got, want)
 

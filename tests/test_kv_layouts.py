@@ -1,0 +1,406 @@
+"""Real-KV fingerprints over strided KV layouts (KvByteLayout) and the vLLM presets, on every CPU backend.
+
+Expectations come from two independent places: the scalar oracle's StridedSource (byte-by-byte walk of
+the layout's definition) and the fingerprint of the same K/V values laid out contiguously (the source
+without a layout, whose hash is pinned by published vectors elsewhere).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from chain_helpers import context, fields, rows, verify, write
+from oracle import MODE_ALL, MODE_PARTIAL, StridedSource, real_kv_hash, to_i64
+
+import kvcanary_cupy as kc
+from kvcanary_cupy.backends import unavailable_reason
+from kvcanary_cupy.hashing import fold_real_kv
+from kvcanary_cupy.kv_layouts import (
+    ACCESS_ELEMENTS,
+    ACCESS_HEAD_RUNS,
+    ACCESS_TOKEN_RUN,
+    UNBOUNDED_SLOTS,
+    flash_attn_source,
+    flashinfer_hnd_source,
+    vllm_cpu_source,
+)
+
+CPU_BACKENDS = [
+    "numpy",
+    pytest.param("host", marks=pytest.mark.skipif(unavailable_reason("host") is not None,
+                                                  reason=f"host backend: {unavailable_reason('host')}")),
+]
+MODES = [kc.RealKvHashMode.PARTIAL, kc.RealKvHashMode.ALL]
+
+
+def layout(**kw) -> kc.KvByteLayout:
+    base = dict(page_stride=0, token_stride=0, head_stride=0, element_stride=2, num_heads=1, elements_per_head=8,
+                element_bytes=2)
+    base.update(kw)
+    return kc.KvByteLayout(**base)
+
+
+def oracle_source(source: kc.RealKvSource) -> StridedSource:
+    """The oracle's view of a layout source: the tensor's bytes from its first, and the layout's numbers."""
+    lay = source.layout
+    return StridedSource(bytes(np.asarray(source.byte_rows).reshape(-1).tobytes()), source.page_size,
+                         lay.page_stride, lay.token_stride, lay.head_stride, lay.element_stride, lay.num_heads,
+                         lay.elements_per_head, lay.element_bytes, source.read_bytes)
+
+
+def fingerprints(sources, slots, mode) -> list[int]:
+    """The vectorized reference's fingerprints (as the backends read sources: through ``view()``)."""
+    return fold_real_kv(np.asarray(slots, np.int64), [s.view() for s in sources], int(mode)).tolist()
+
+
+def random_layout_source(rng: np.random.Generator) -> tuple[kc.RealKvSource, int]:
+    """A source over random bytes with a random (possibly overlapping, interleaved) layout; its coverage."""
+    eb = int(rng.choice([1, 2, 4, 8, 16]))
+    heads = int(rng.integers(1, 4))
+    per_head = int(rng.integers(1, 6))
+    while (heads * per_head * eb) % 16:
+        per_head += 1
+    strides = [int(rng.integers(0, 9)) * eb for _ in range(4)]
+    lay = kc.KvByteLayout(page_stride=strides[0], token_stride=strides[1], head_stride=strides[2],
+                          element_stride=strides[3], num_heads=heads, elements_per_head=per_head, element_bytes=eb)
+    data = rng.integers(0, 256, size=int(lay.last_byte_in_token()) + 1 + int(rng.integers(0, 400)), dtype=np.uint8)
+    per_token = lay.bytes_per_token
+    read = 16 * int(rng.integers(1, per_token // 16 + 1))
+    source = kc.RealKvSource(data, page_size=int(rng.integers(1, 5)), num_bytes_per_token=per_token, read_bytes=read,
+                             layout=lay)
+    return source, source.slots_covered
+
+
+# --- the descriptor ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("element_bytes", 3, "KvByteLayout.element_bytes must be one of"),
+    ("element_bytes", 32, "KvByteLayout.element_bytes must be one of"),
+    ("num_heads", 0, "KvByteLayout.num_heads must be >= 1"),
+    ("elements_per_head", 0, "KvByteLayout.elements_per_head must be >= 1"),
+    ("page_stride", -2, "KvByteLayout.page_stride must be >= 0"),
+    ("token_stride", 3, "KvByteLayout.token_stride must be a multiple of element_bytes=2"),
+    ("head_stride", 1.0, "KvByteLayout.head_stride must be an int"),
+    ("element_stride", 5, "KvByteLayout.element_stride must be a multiple of element_bytes=2"),
+])
+def test_layout_fields_are_validated_by_name(field, value, words):
+    with pytest.raises(kc.CanaryArgumentError, match="^kv-canary: " + words):
+        layout(**{field: value})
+
+
+def test_source_refuses_a_layout_whose_length_differs_from_num_bytes_per_token():
+    with pytest.raises(kc.CanaryArgumentError, match="num_bytes_per_token must equal the layout's"):
+        kc.RealKvSource(np.zeros(256, np.uint8), page_size=1, num_bytes_per_token=32, read_bytes=16,
+                        layout=layout(elements_per_head=8))
+
+
+def test_source_refuses_a_layout_reaching_past_the_tensor_for_slot_0():
+    with pytest.raises(kc.CanaryArgumentError, match=r"RealKvSource\.layout addresses bytes beyond"):
+        kc.RealKvSource(np.zeros(64, np.uint8), page_size=1, num_bytes_per_token=16, read_bytes=16,
+                        layout=layout(element_stride=16))  # last element at 7 * 16 = 112 > 63
+
+
+def test_source_refuses_a_layout_that_is_not_a_kv_byte_layout():
+    with pytest.raises(kc.CanaryArgumentError, match=r"RealKvSource\.layout must be a KvByteLayout"):
+        kc.RealKvSource(np.zeros(64, np.uint8), page_size=1, num_bytes_per_token=16, read_bytes=16,
+                        layout={"page_stride": 16})
+
+
+def test_source_with_a_layout_refuses_a_misaligned_tensor():
+    buf = np.zeros(80, np.uint8)
+    with pytest.raises(kc.CanaryArgumentError, match="16-byte aligned"):
+        kc.RealKvSource(buf[1:65], page_size=1, num_bytes_per_token=16, read_bytes=16, layout=layout())
+
+
+def test_launch_refuses_a_layout_covering_fewer_slots_than_the_canary_buffer():
+    data = np.zeros(64 * 16 - 1, np.uint8)  # 63 whole tokens of 16 bytes, and 15 bytes of a 64th
+    source = kc.RealKvSource(data, page_size=1, num_bytes_per_token=16, read_bytes=16,
+                             layout=layout(page_stride=16))
+    assert source.slots_covered == 63
+    ctx = context(num_slots=64, real_kv_sources=(source,), real_kv_hash_mode=kc.RealKvHashMode.ALL)
+    before = ctx.canary_buf.copy()
+    with pytest.raises(kc.CanaryArgumentError, match=r"real_kv_sources\[0\] covers 63 slots"):
+        write(ctx, [1], [-1], [0], [5], [0])
+    assert np.array_equal(ctx.canary_buf, before)
+
+
+def test_slots_covered_matches_a_slot_by_slot_count():
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        lay = kc.KvByteLayout(page_stride=int(rng.integers(0, 6)) * 4, token_stride=int(rng.integers(0, 6)) * 4,
+                              head_stride=int(rng.integers(0, 6)) * 4, element_stride=int(rng.integers(0, 6)) * 4,
+                              num_heads=int(rng.integers(1, 3)), elements_per_head=int(rng.integers(1, 3)),
+                              element_bytes=4)
+        page_size, span = int(rng.integers(1, 5)), int(rng.integers(1, 120))
+
+        def fits(s, lay=lay, page_size=page_size, span=span):
+            start = (s // page_size) * lay.page_stride + (s % page_size) * lay.token_stride
+            return start + lay.last_byte_in_token() < span
+
+        got = lay.slots_covered(page_size, span)
+        if got == UNBOUNDED_SLOTS:
+            assert lay.page_stride == 0 and all(fits(s) for s in range(4 * page_size))
+        else:
+            assert all(fits(s) for s in range(got)) and not fits(got)
+
+
+def test_access_kind_picks_the_widest_loads_the_alignment_allows():
+    assert layout(num_heads=2, head_stride=16, page_stride=64, token_stride=32).access_kind() == ACCESS_TOKEN_RUN
+    assert layout(num_heads=2, head_stride=48, page_stride=64, token_stride=16).access_kind() == ACCESS_HEAD_RUNS
+    assert layout(num_heads=2, head_stride=40, token_stride=16).access_kind() == ACCESS_ELEMENTS
+    assert layout(element_stride=4).access_kind() == ACCESS_ELEMENTS
+    assert layout(token_stride=2).access_kind() == ACCESS_ELEMENTS
+
+
+# --- the reference against the oracle ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reference_matches_the_oracle_on_random_layouts(mode):
+    rng = np.random.default_rng(1234 + int(mode))
+    for _ in range(60):
+        sources = [random_layout_source(rng) for _ in range(int(rng.integers(1, 3)))]
+        covered = min(min(c for _, c in sources), 40)
+        if covered == 0:
+            continue
+        slots = rng.integers(0, covered, size=12)
+        srcs = [s for s, _ in sources]
+        want = [real_kv_hash(int(s), [oracle_source(x) for x in srcs], int(mode)) for s in slots]
+        assert fingerprints(srcs, slots, mode) == want
+
+
+def test_layout_of_the_contiguous_case_hashes_like_the_source_without_one():
+    rng = np.random.default_rng(3)
+    pool = rng.integers(0, 256, size=(6, 256), dtype=np.uint8)  # 6 pages, 128 used bytes of 256 per row
+    rows_view = pool[:, :128]
+    plain = kc.RealKvSource(rows_view, page_size=4, num_bytes_per_token=32, read_bytes=32)
+    slots = np.arange(24)
+    for eb in (1, 2, 4, 8, 16):
+        lay = kc.KvByteLayout(page_stride=256, token_stride=32, head_stride=16, element_stride=eb, num_heads=2,
+                              elements_per_head=16 // eb, element_bytes=eb)
+        strided = kc.RealKvSource(rows_view, page_size=4, num_bytes_per_token=32, read_bytes=32, layout=lay)
+        for mode in MODES:
+            assert fingerprints([strided], slots, mode) == fingerprints([plain], slots, mode)
+
+
+# --- the vLLM presets -------------------------------------------------------------------------------------
+
+def per_token_kv(num_slots: int, heads: int, d: int, dtype, seed: int) -> np.ndarray:
+    """Known K (or V) values: ``[slot, head, d]``, distinct per slot."""
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((num_slots, heads, d)).astype(dtype)
+
+
+def contiguous_fingerprints(values: np.ndarray, read_bytes: int, mode, slots) -> list[int]:
+    """Fingerprints of ``values[slot]`` laid out as one contiguous row per slot (the independent expectation)."""
+    flat = np.ascontiguousarray(values.reshape(values.shape[0], -1))
+    source = kc.RealKvSource(flat, page_size=1, num_bytes_per_token=flat.nbytes // flat.shape[0],
+                             read_bytes=read_bytes)
+    return fingerprints([source], slots, mode)
+
+
+def vllm_cpu_cache(k: np.ndarray, v: np.ndarray, block_size: int) -> np.ndarray:
+    """vLLM's CPU "vec" cache ``[blocks, heads, block_size, 2 * D]`` built from per-slot K/V, element by element."""
+    slots, heads, d = k.shape
+    blocks = slots // block_size
+    cache = np.zeros((blocks, heads, block_size * 2 * d), k.dtype)
+    for s in range(slots):
+        b, t = divmod(s, block_size)
+        for h in range(heads):
+            for e in range(d):
+                cache[b, h, e * block_size + t] = k[s, h, e]  # K column-major [D, block_size]
+                cache[b, h, block_size * d + t * d + e] = v[s, h, e]  # V row-major [block_size, D]
+    return cache.reshape(blocks, heads, block_size, 2 * d)
+
+
+@pytest.mark.parametrize(("dtype", "bs"), [(np.float32, 32), (np.float16, 32), (np.float32, 3)])
+@pytest.mark.parametrize("mode", MODES)
+def test_vllm_cpu_preset_hashes_like_contiguous_kv(dtype, bs, mode):
+    heads, d = 2, 16
+    k, v = per_token_kv(3 * bs, heads, d, dtype, 1), per_token_kv(3 * bs, heads, d, dtype, 2)
+    cache = vllm_cpu_cache(k, v, bs)
+    slots = np.arange(3 * bs)
+    read = heads * d * np.dtype(dtype).itemsize
+    for which, values in (("k", k), ("v", v)):
+        source = vllm_cpu_source(cache, block_size=bs, num_kv_heads=heads, head_size=d, which=which,
+                                 read_bytes=read, isa="vec")
+        assert source.page_size == bs and source.slots_covered == 3 * bs
+        assert fingerprints([source], slots, mode) == contiguous_fingerprints(values, read, mode, slots)
+
+
+def test_vllm_cpu_preset_reads_a_torch_cache_in_place():
+    torch = pytest.importorskip("torch")
+    bs, heads, d = 32, 2, 8
+    k = per_token_kv(2 * bs, heads, d, np.float32, 3)
+    v = per_token_kv(2 * bs, heads, d, np.float32, 4)
+    cache = torch.from_numpy(vllm_cpu_cache(k, v, bs)).to(torch.bfloat16)
+    k16 = cache.reshape(2, heads, 2, d, bs)[:, :, 0].permute(0, 3, 1, 2).reshape(2 * bs, heads, d)
+    source = vllm_cpu_source(cache, block_size=bs, num_kv_heads=heads, head_size=d, which="k", read_bytes=32,
+                             isa="vec")
+    slots = np.arange(2 * bs)
+    want = contiguous_fingerprints(k16.contiguous().view(torch.int16).numpy(), 32, MODE_ALL, slots)
+    assert fingerprints([source], slots, MODE_ALL) == want
+    cache[1, 0, 0, 5] += 1  # K element 0 of head 0 for token 5 of block 1 (column-major: plane index 0 * bs + 5)
+    after = fingerprints([source], slots, MODE_ALL)
+    assert [i for i in range(2 * bs) if after[i] != want[i]] == [bs + 5]
+
+
+@pytest.mark.parametrize("isa", ["vec16", "amx", "neon", ""])
+def test_vllm_cpu_preset_refuses_an_isa_whose_layout_is_not_implemented(isa):
+    cache = np.zeros((2, 1, 32, 32), np.float32)
+    with pytest.raises(kc.CanaryArgumentError, match=f"isa={isa!r}: the vLLM CPU KV layout of that ISA is not "
+                                                     "implemented"):
+        vllm_cpu_source(cache, block_size=32, num_kv_heads=1, head_size=16, which="k", read_bytes=16, isa=isa)
+
+
+def test_vllm_cpu_preset_checks_the_shape_and_which():
+    cache = np.zeros((2, 1, 32, 32), np.float32)
+    with pytest.raises(kc.CanaryArgumentError, match="kv_cache must have shape"):
+        vllm_cpu_source(cache, block_size=32, num_kv_heads=2, head_size=16, which="k", read_bytes=16, isa="vec")
+    with pytest.raises(kc.CanaryArgumentError, match="which must be 'k' or 'v'"):
+        vllm_cpu_source(cache, block_size=32, num_kv_heads=1, head_size=16, which="kv", read_bytes=16, isa="vec")
+    with pytest.raises(kc.CanaryArgumentError, match="must be 4-D"):
+        vllm_cpu_source(cache[0], block_size=32, num_kv_heads=1, head_size=16, which="v", read_bytes=16, isa="vec")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_flash_attn_preset_hashes_like_contiguous_kv(mode):
+    blocks, bs, heads, d = 3, 16, 4, 8
+    k, v = per_token_kv(blocks * bs, heads, d, np.float16, 5), per_token_kv(blocks * bs, heads, d, np.float16, 6)
+    cache = np.stack([k.reshape(blocks, bs, heads, d), v.reshape(blocks, bs, heads, d)])
+    slots = np.arange(blocks * bs)
+    for which, values in (("k", k), ("v", v)):
+        source = flash_attn_source(cache, which=which, read_bytes=64)
+        assert source.layout.access_kind() == ACCESS_TOKEN_RUN
+        assert fingerprints([source], slots, mode) == contiguous_fingerprints(values, 64, mode, slots)
+
+
+def test_flash_attn_preset_follows_a_permuted_allocation():
+    # The same logical [2, blocks, bs, heads, d] cache stored heads-first: the preset reads its strides.
+    blocks, bs, heads, d = 2, 16, 2, 8
+    k, v = per_token_kv(blocks * bs, heads, d, np.float32, 7), per_token_kv(blocks * bs, heads, d, np.float32, 8)
+    logical = np.stack([k.reshape(blocks, bs, heads, d), v.reshape(blocks, bs, heads, d)])
+    storage = np.ascontiguousarray(logical.transpose(0, 1, 3, 2, 4))  # [2, blocks, heads, bs, d] in memory
+    cache = storage.transpose(0, 1, 3, 2, 4)
+    slots = np.arange(blocks * bs)
+    source = flash_attn_source(cache, which="v", read_bytes=64)
+    assert fingerprints([source], slots, MODE_ALL) == contiguous_fingerprints(v, 64, MODE_ALL, slots)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_flashinfer_hnd_preset_hashes_like_contiguous_kv(mode):
+    blocks, bs, heads, d = 3, 16, 2, 8
+    k, v = per_token_kv(blocks * bs, heads, d, np.float32, 9), per_token_kv(blocks * bs, heads, d, np.float32, 10)
+    hnd = lambda x: x.reshape(blocks, bs, heads, d).transpose(0, 2, 1, 3)  # noqa: E731
+    cache = np.ascontiguousarray(np.stack([hnd(k), hnd(v)], axis=1))  # [blocks, 2, heads, bs, d]
+    slots = np.arange(blocks * bs)
+    for which, values in (("k", k), ("v", v)):
+        source = flashinfer_hnd_source(cache, which=which, read_bytes=64)
+        assert source.layout.access_kind() == ACCESS_HEAD_RUNS
+        assert fingerprints([source], slots, mode) == contiguous_fingerprints(values, 64, mode, slots)
+
+
+def test_presets_refuse_the_wrong_rank_or_kv_axis():
+    with pytest.raises(kc.CanaryArgumentError, match="kv_cache must have 2 on axis 0"):
+        flash_attn_source(np.zeros((3, 2, 16, 2, 8), np.float32), which="k", read_bytes=16)
+    with pytest.raises(kc.CanaryArgumentError, match="kv_cache must have 2 on axis 1"):
+        flashinfer_hnd_source(np.zeros((2, 3, 2, 16, 8), np.float32), which="k", read_bytes=16)
+    with pytest.raises(kc.CanaryArgumentError, match="must be 5-D"):
+        flash_attn_source(np.zeros((2, 2, 16, 8), np.float32), which="k", read_bytes=16)
+
+
+# --- through write and verify -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_write_then_verify_with_a_strided_source_catches_one_flipped_kv_element(backend, mode, which):
+    bs, heads, d = 32, 2, 8
+    k, v = per_token_kv(2 * bs, heads, d, np.float32, 11), per_token_kv(2 * bs, heads, d, np.float32, 12)
+    cache = vllm_cpu_cache(k, v, bs)
+    source = vllm_cpu_source(cache, block_size=bs, num_kv_heads=heads, head_size=d, which=which, read_bytes=64,
+                             isa="vec")
+    assert source.layout.access_kind() == (ACCESS_ELEMENTS if which == "k" else ACCESS_HEAD_RUNS)
+    ctx = context(num_slots=2 * bs, real_kv_sources=(source,), real_kv_hash_mode=mode)
+    slots = [3, 4, 40, 41]
+    write(ctx, [4], [-1], slots, [10, 11, 12, 13], [0, 1, 2, 3], backend=backend)
+    oracle = oracle_source(source)
+    assert [int(v) for v in fields(ctx)[slots, 3]] == [to_i64(real_kv_hash(s, [oracle], int(mode))) for s in slots]
+    verify(ctx, slots, [0, 1, 2, 3], [-1, 3, 4, 40], backend=backend)
+    assert rows(ctx) == []
+    token = 40 - bs  # slot 40: token 8 of block 1; flip element 0 of head 0
+    plane_index = token if which == "k" else bs * d + token * d
+    cache.reshape(2, heads, -1).view(np.uint32)[1, 0, plane_index] ^= 1 << 20
+    verify(ctx, slots, [0, 1, 2, 3], [-1, 3, 4, 40], backend=backend)
+    bad = rows(ctx)
+    assert len(bad) == 1 and bad[0][1] == 40 and bad[0][7] == kc.FailReason.VERIFY_REAL_KV_HASH_MISMATCH
+
+
+def test_public_names():
+    assert kc.KvByteLayout.__module__ == "kvcanary_cupy.kv_layouts"
+    assert kc.RealKvSource(np.zeros((1, 16), np.uint8), 1, 16, 16).layout is None
+    with pytest.raises(TypeError):
+        kc.RealKvSource(np.zeros(64, np.uint8), 1, 16, 16, layout())  # layout is keyword-only
+    assert MODE_PARTIAL == int(kc.RealKvHashMode.PARTIAL)
+
+
+# --- through the engine runtime -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("flip", [False, True])
+def test_runtime_over_a_vllm_cpu_cache_is_clean_and_catches_a_flipped_k_bit(backend, flip):
+    from kvcanary_cupy.runtime import (
+        CanaryConfig,
+        CanaryRuntime,
+        CanaryViolationError,
+        Capacities,
+        KvGroup,
+        KvPools,
+        StepBatch,
+    )
+
+    bs, heads, d = 32, 2, 4
+    cache = np.zeros((2, heads, bs, 2 * d), np.float32)  # 64 slots, slot 0 reserved
+    planes = cache.reshape(2, heads, 2 * bs * d)
+    src = {which: vllm_cpu_source(cache, block_size=bs, num_kv_heads=heads, head_size=d, which=which,
+                                  read_bytes=heads * d * 4, isa="vec") for which in ("k", "v")}
+    req_to_token = np.zeros((4, 16), np.int32)
+    rt = CanaryRuntime.create(CanaryConfig(mode="raise", backend=backend),
+                              KvPools((KvGroup.full("FULL", 2 * bs, src["k"], src["v"]),), req_to_token=req_to_token),
+                              Capacities(max_batch_size=4, max_tokens=16))
+    rt.mark_init_finished()
+
+    def forward(ids, positions, slots):  # K column-major, V row-major, per (block, head)
+        for token, pos, slot in zip(ids, positions, slots, strict=True):
+            values = np.random.default_rng([token, pos]).standard_normal((2, heads, d)).astype(np.float32)
+            b, t = divmod(slot, bs)
+            for h in range(heads):
+                planes[b, h, t : bs * d : bs] = values[0, h]
+                planes[b, h, bs * d + t * d : bs * d + (t + 1) * d] = values[1, h]
+
+    lengths, next_slot, raised = {1: 0, 2: 0}, 30, None  # slots 30.. cross from block 0 into block 1
+    for step in range(6):
+        rows, prefix, extend, ids, pos, loc = [], [], [], [], [], []
+        for rp, n in ((1, 4), (2, 3)) if step == 0 else ((1, 1), (2, 1)):
+            slots = list(range(next_slot, next_slot + n))
+            next_slot += n
+            req_to_token[rp, lengths[rp] : lengths[rp] + n] = slots
+            rows, prefix, extend = [*rows, rp], [*prefix, lengths[rp]], [*extend, n]
+            ids += [100 * rp + p for p in range(lengths[rp], lengths[rp] + n)]
+            pos += list(range(lengths[rp], lengths[rp] + n))
+            loc += slots
+            lengths[rp] += n
+        rt.prepare(StepBatch(*(np.array(a, np.int64) for a in (rows, prefix, extend, ids, pos, loc))))
+        rt.pre_forward()
+        forward(ids, pos, loc)
+        if flip and step == 3:
+            planes.view(np.uint32)[1, 1, 1] ^= 1 << 7  # K of slot 33 (block 1, token 1), head 1, element 0
+        rt.post_forward()
+        try:
+            rt.finish_step()
+        except CanaryViolationError as err:
+            raised = (step, [(v.slot, v.launch_tag, v.labels) for _, v in err.violations])
+            break
+    if not flip:
+        assert raised is None
+    else:
+        assert raised == (4, [(33, "TAIL_K_FULL", ["verify_real_kv_hash"])])
