@@ -13,14 +13,13 @@ K/V, so a KV cache group of more layers becomes one runtime group per 4 layers (
 
 Real-KV sources read the cache in place. On this CPU build the cache of a layer is ``[num_blocks, heads,
 block_size, 2 * head_size]`` and, per (block, head), K is stored column-major ``[head_size, block_size]`` and V
-row-major ``[block_size, head_size]`` (``layer.isa == "vec"``); the sources come from
-:mod:`kvcanary_cupy.kv_layouts` when it is there, else V of head 0 (contiguous per token) is fingerprinted.
+row-major ``[block_size, head_size]`` (``layer.isa == "vec"``); the sources are
+:func:`kvcanary_cupy.kv_layouts.vllm_cpu_source` views (no copy).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import time
 from collections import defaultdict
@@ -33,6 +32,7 @@ import numpy as np
 from ..._errors import fail
 from ...constants import MAX_REAL_KV_SOURCES
 from ...context import RealKvSource
+from ...kv_layouts import vllm_cpu_source
 from ...layouts import TokenTable
 from ...runtime import CanaryConfig, CanaryRuntime, Capacities, KvGroup, KvPools, StepBatch, StepReport
 from ...violations import Violation
@@ -130,27 +130,12 @@ class GroupGeometry:
 
 def _layer_sources(geo: GroupGeometry, layer: Any, cache: Any, which: str, read_bytes: int | None,
                    spec: Any) -> list[RealKvSource]:
-    """The real-KV sources of one layer (``which`` "k" or "v"), read in place."""
-    try:
-        kv_layouts: Any = importlib.import_module("kvcanary_cupy.kv_layouts")
-    except ImportError:
-        kv_layouts = None
-    if kv_layouts is not None:
-        per_token = int(spec.num_kv_heads) * int(spec.head_size) * cache.element_size()
-        return [kv_layouts.vllm_cpu_source(cache, block_size=geo.block_size, num_kv_heads=int(spec.num_kv_heads),
-                                           head_size=int(spec.head_size), which=which,
-                                           read_bytes=read_bytes or per_token,
-                                           isa=str(getattr(layer, "isa", "vec")))]
-    if which == "k":
-        return []  # K is column-major inside a block: not one contiguous run per token
-    isa = str(getattr(layer, "isa", "vec"))
-    if isa != "vec":
-        fail(f"vLLM CPU KV layout of ISA {isa!r} is not implemented (only 'vec')")
-    nb, _, bs, two_d = cache.shape
-    row = cache[:, 0].reshape(nb, bs * two_d)[:, bs * two_d // 2:]
-    per_token = two_d // 2 * cache.element_size()
-    return [RealKvSource(row.numpy(), page_size=bs, num_bytes_per_token=per_token,
-                         read_bytes=read_bytes or per_token)]
+    """The real-KV source of one layer (``which`` "k" or "v"), read in place through the CPU layout preset
+    (the layer's ISA decides the layout; one that is not implemented is refused, never read wrongly)."""
+    per_token = int(spec.num_kv_heads) * int(spec.head_size) * cache.element_size()
+    return [vllm_cpu_source(cache, block_size=geo.block_size, num_kv_heads=int(spec.num_kv_heads),
+                            head_size=int(spec.head_size), which=which, read_bytes=read_bytes or per_token,
+                            isa=str(getattr(layer, "isa", "vec")))]
 
 
 class VllmCanaryState:

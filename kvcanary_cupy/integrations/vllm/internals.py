@@ -49,6 +49,8 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("vllm.model_executor.layers.attention:Attention", "read: kv_cache tensor and isa (CPU KV layout)"),
     Internal("vllm.v1.engine.llm_engine:LLMEngine", "read: engine_core.engine_core.model_executor."
              "driver_worker.worker.model_runner (in-process LLM only)"),
+    Internal("vllm.entrypoints.llm:LLM.reset_prefix_cache", "called by install(): drops blocks cached before it",
+             ("self",)),
     Internal("vllm.plugins:load_general_plugins", "calls the entry points of group vllm.general_plugins"),
 )
 
