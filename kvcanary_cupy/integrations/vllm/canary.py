@@ -377,7 +377,7 @@ def _host(t: Any) -> np.ndarray:
 
 
 def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[str, Any],
-               geos: list[GroupGeometry]) -> VllmStep:
+               geos: list[GroupGeometry], max_tokens: int) -> VllmStep:
     """Read one step from the forward's arguments, the attention metadata and the runner's request state."""
     batch = runner.input_batch
     b = int(batch.num_reqs)
@@ -428,14 +428,18 @@ def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[st
     parts_src: list[np.ndarray] = []
     parts_ids: list[np.ndarray] = []
     parts_pos: list[np.ndarray] = []
+    budget = max_tokens - t  # re-stamped tokens the runtime's capacity still takes this step
     for i in range(b):
         past = int(prefix[i])
         start = past
         if past and written_now.size:
-            own = geo0.slots_of(tables[geo0.index][i], past)
-            hit = np.flatnonzero(np.isin(own, written_now))
-            if hit.size:
-                start = int(hit[0])
+            # only the tail of the prefix that is written in this very step (a block table pointing elsewhere
+            # is a fault the verify must see, not a dependency to re-stamp)
+            now = np.isin(geo0.slots_of(tables[geo0.index][i], past), written_now)
+            run = past - int(np.flatnonzero(~now)[-1]) - 1 if not now.all() else past
+            if 0 < run <= budget:
+                start = past - run
+                budget -= run
         new_prefix[i] = start
         lo, hi = int(cu[i]), int(cu[i + 1])
         parts_src += [np.full(past - start, -1, np.int64), np.arange(lo, hi, dtype=np.int64)]

@@ -153,7 +153,7 @@ class VllmCanary:
             for obs in self.observers:
                 obs.before_forward(self, st.steps, kwargs, metadata)
             start = time.perf_counter()
-            batch = build_step(st.steps, self.runner, kwargs, metadata, st.geos)
+            batch = build_step(st.steps, self.runner, kwargs, metadata, st.geos, st.max_tokens)
             st.seconds["batch"] += time.perf_counter() - start
             st.before_forward(batch)
             out = original(*args, **kwargs)
