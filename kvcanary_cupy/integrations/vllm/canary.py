@@ -1,0 +1,463 @@
+"""The canary's side of vLLM's V1 model runner: the runner's KV cache described to
+:class:`kvcanary_cupy.runtime.CanaryRuntime`, and one engine step driven through the runtime's four phases.
+
+Slot numbering is vLLM's own: ``slot = block_id * block_size + offset`` per KV cache group, so the attention
+metadata's ``slot_mapping`` is the write's ``out_cache_loc`` with no translation, and the metadata's
+``block_table`` (the one attention reads) gives the plan's slots: ``block_table[row, p // block_size] *
+block_size + p % block_size``, written per position into a :class:`~kvcanary_cupy.layouts.TokenTable` (a
+same-step prefix hit needs a per-position exception, below). Expected
+tokens come from the runner's request state (``prompt_token_ids + output_token_ids``), never from the batch.
+
+Each vLLM KV cache group is a runtime *model* of its own; a runtime group takes at most 4 real-KV sources per
+K/V, so a KV cache group of more layers becomes one runtime group per 4 layers (same slots and plan inputs).
+
+Real-KV sources read the cache in place. On this CPU build the cache of a layer is ``[num_blocks, heads,
+block_size, 2 * head_size]`` and, per (block, head), K is stored column-major ``[head_size, block_size]`` and V
+row-major ``[block_size, head_size]`` (``layer.isa == "vec"``); the sources are
+:func:`kvcanary_cupy.kv_layouts.vllm_cpu_source` views (no copy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from ..._errors import fail
+from ...constants import MAX_REAL_KV_SOURCES
+from ...context import RealKvSource
+from ...kv_layouts import vllm_cpu_source
+from ...layouts import TokenTable
+from ...runtime import CanaryConfig, CanaryRuntime, Capacities, KvGroup, KvPools, StepBatch, StepReport
+from ...violations import Violation
+
+ENV_PREFIX = "KVCANARY_VLLM"
+
+
+@dataclass(frozen=True)
+class StepViolation:
+    """One ring row with the engine step whose launch appended it and the canary group it belongs to."""
+
+    step: int
+    group: str
+    violation: Violation
+
+
+@dataclass
+class CanaryOptions:
+    """What the canary does in vLLM (turned into a runtime :class:`CanaryConfig`).
+
+    ``mode``: ``log`` (one warning per violation), ``raise`` (the runtime's ``CanaryViolationError`` one step
+    later, which fails the step) or ``off`` (hooks in place, nothing allocated or launched).
+    ``real_kv_hash``: ``partial`` (first 16 bytes of each source's row per token), ``all`` or ``none``;
+    ``with_v`` adds V endpoints next to K; ``backend`` as for the launchers (``auto``, ``numpy``, ``host``).
+    ``sweep_interval``: every N steps verify every slot of the complete blocks the runner has seen and that vLLM
+    has not handed out fresh since (what its prefix cache can still hit); 0: never.
+    """
+
+    mode: str = "log"
+    real_kv_hash: str = "partial"
+    with_v: bool = True
+    backend: str = "auto"
+    ring_capacity: int = 4096
+    sweep_interval: int = 8
+    logger: str = "kvcanary_cupy.vllm"
+
+    def config(self) -> CanaryConfig:
+        if self.mode not in ("off", "log", "raise"):
+            fail(f"mode must be 'off', 'log' or 'raise', got {self.mode!r}")
+        if self.real_kv_hash not in ("none", "partial", "all"):
+            fail(f"real_kv_hash must be 'none', 'partial' or 'all', got {self.real_kv_hash!r}")
+        return CanaryConfig(mode=self.mode, ring_capacity=self.ring_capacity, real_kv_hash_mode=self.real_kv_hash,
+                            write_input_assert=True, verify_token_assert=True, backend=self.backend,
+                            sweep_interval=self.sweep_interval, logger=self.logger)
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> CanaryOptions | None:
+        """Options from ``KVCANARY_VLLM`` (the mode: ``log``, ``raise`` or ``off``) and ``KVCANARY_VLLM_<FIELD>``
+        (``REAL_KV_HASH``, ``WITH_V``, ``BACKEND``, ``RING_CAPACITY``, ``SWEEP_INTERVAL``); None when
+        ``KVCANARY_VLLM`` is unset or empty (the plugin then does nothing)."""
+        env = os.environ if environ is None else environ
+        mode = env.get(ENV_PREFIX, "").strip().lower()
+        if not mode:
+            return None
+        values: dict[str, Any] = {"mode": mode}
+        for f in fields(cls):
+            raw = env.get(f"{ENV_PREFIX}_{f.name.upper()}")
+            if raw is None or f.name == "mode":
+                continue
+            if f.type in ("int", int):
+                try:
+                    values[f.name] = int(raw)
+                except ValueError:
+                    fail(f"{ENV_PREFIX}_{f.name.upper()} must be an integer, got {raw!r}")
+            elif f.type in ("bool", bool):
+                if raw.lower() not in ("0", "1", "true", "false", "yes", "no"):
+                    fail(f"{ENV_PREFIX}_{f.name.upper()} must be 0/1/true/false, got {raw!r}")
+                values[f.name] = raw.lower() in ("1", "true", "yes")
+            else:
+                values[f.name] = raw
+        opts = cls(**values)
+        opts.config()
+        return opts
+
+
+@dataclass
+class GroupGeometry:
+    """One vLLM KV cache group as the canary sees it."""
+
+    index: int
+    name: str
+    block_size: int
+    num_blocks: int
+    layer_names: list[str]
+    caches: list[Any]  # one torch tensor per layer
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def slots_of(self, blocks: list[int] | np.ndarray, length: int) -> np.ndarray:
+        pos = np.arange(length, dtype=np.int64)
+        return np.asarray(blocks, np.int64)[pos // self.block_size] * self.block_size + pos % self.block_size
+
+
+def _layer_sources(geo: GroupGeometry, layer: Any, cache: Any, which: str, read_bytes: int | None,
+                   spec: Any) -> list[RealKvSource]:
+    """The real-KV source of one layer (``which`` "k" or "v"), read in place through the CPU layout preset
+    (the layer's ISA decides the layout; one that is not implemented is refused, never read wrongly)."""
+    per_token = int(spec.num_kv_heads) * int(spec.head_size) * cache.element_size()
+    return [vllm_cpu_source(cache, block_size=geo.block_size, num_kv_heads=int(spec.num_kv_heads),
+                            head_size=int(spec.head_size), which=which, read_bytes=read_bytes or per_token,
+                            isa=str(getattr(layer, "isa", "vec")))]
+
+
+class VllmCanaryState:
+    """The runtime over one model runner's KV caches, and the engine step driven through its phases."""
+
+    def __init__(self, runner: Any, opts: CanaryOptions) -> None:
+        import torch
+
+        self.opts = opts
+        self.runner = runner
+        self.device = torch.device("cpu") if not runner.kv_caches else runner.kv_caches[0].device
+        if self.device.type != "cpu":
+            fail("the vLLM integration runs on vLLM's CPU build only for now (a CUDA runner's metadata and "
+                 "caches need device copies this integration does not make yet)")
+        forward_context = runner.compilation_config.static_forward_context
+        self.geos: list[GroupGeometry] = []
+        groups: list[KvGroup] = []
+        read = 16 if opts.real_kv_hash == "partial" else None
+        for gi, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+            spec = group.kv_cache_spec
+            if type(spec).__name__ != "FullAttentionSpec":
+                fail(f"KV cache group {gi} is a {type(spec).__name__}; the vLLM integration handles full "
+                     "attention only (sliding-window and Mamba groups are refused rather than checked wrongly)")
+            caches = [forward_context[name].kv_cache for name in group.layer_names]
+            geo = GroupGeometry(index=gi, name=f"G{gi}", block_size=int(spec.block_size),
+                                num_blocks=int(caches[0].shape[0]), layer_names=list(group.layer_names),
+                                caches=caches)
+            self.geos.append(geo)
+            k: list[RealKvSource] = []
+            v: list[RealKvSource] = []
+            if opts.real_kv_hash != "none":
+                for name, cache in zip(group.layer_names, caches, strict=True):
+                    k += _layer_sources(geo, forward_context[name], cache, "k", read, spec)
+                    if opts.with_v:
+                        v += _layer_sources(geo, forward_context[name], cache, "v", read, spec)
+            chunks = max(1, -(-max(len(k), len(v)) // MAX_REAL_KV_SOURCES))
+            for c in range(chunks):
+                lo, hi = c * MAX_REAL_KV_SOURCES, (c + 1) * MAX_REAL_KV_SOURCES
+                name = geo.name if chunks == 1 else f"{geo.name}:{c}"
+                groups.append(KvGroup(name=name, num_slots=geo.num_slots, k_sources=tuple(k[lo:hi]),
+                                      v_sources=tuple(v[lo:hi]) if opts.with_v else None, model=geo.name,
+                                      layout=None))
+        self.max_requests = int(runner.max_num_reqs)
+        self.max_len = int(runner.max_model_len) + 1
+        rows = self.max_requests + 1
+        self.tables = {geo.index: np.zeros((rows, self.max_len), np.int32) for geo in self.geos}
+        layouts = {geo.name: TokenTable(torch.from_numpy(self.tables[geo.index])) for geo in self.geos}
+        groups = [KvGroup(name=g.name, num_slots=g.num_slots, k_sources=g.k_sources, v_sources=g.v_sources,
+                          model=g.model, layout=layouts[g.model]) for g in groups]
+        self.group_names = [g.name for g in groups]
+
+        self.seconds: dict[str, float] = defaultdict(float)
+        # A row that hits blocks a sibling writes in the same step re-stamps them (see build_step): at most every
+        # token of the step once more per such row; 4x the step's tokens covers n <= 4 siblings.
+        self.max_tokens = 4 * int(runner.max_num_tokens)
+        caps = Capacities(max_batch_size=self.max_requests, max_tokens=self.max_tokens,
+                          max_context_len=self.max_len, pool_rows=rows,
+                          max_history_tokens=self.max_requests * self.max_len)
+        # Where each complete block sits in the sequence that wrote it (the sweep needs positions, which the
+        # runner does not keep); a block vLLM hands out fresh is dropped.
+        self.block_index: dict[tuple[int, int], int] = {}
+        self.rt = CanaryRuntime.create(opts.config(), KvPools(tuple(groups), layout=None), caps, device="cpu",
+                                       framework="torch", timer=self._timer, sweep_source=self._cached_slots)
+        # The runner's own dummy/profile forwards never reach the canary (only execute_model's do), so the
+        # write's chain-position assert goes on at once.
+        self.rt.mark_init_finished()
+        self.violations: list[StepViolation] = []
+        self.health_problems: list[tuple[int, str]] = []
+        self.status_bits = 0
+        self.dropped = 0
+        self.steps = 0
+
+    @contextlib.contextmanager
+    def _timer(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - start
+
+    # -- the step --------------------------------------------------------------------------------------------
+
+    def forget_blocks(self, block_ids: list[int] | None) -> None:
+        """vLLM handed these blocks out fresh (and zeroed them): they hold nothing the sweep may check."""
+        for block in block_ids or ():
+            for geo in self.geos:
+                self.block_index.pop((geo.index, int(block)), None)
+
+    def before_forward(self, batch: VllmStep) -> None:
+        """Phases 1 and 2 of every group: stage the batch, then plan, HEAD verify and HEAD write."""
+        import torch
+
+        b = batch.size
+        if b > self.max_requests:
+            fail(f"vLLM scheduled {b} requests in one step, more than the {self.max_requests} the canary was "
+                 "sized for (max_num_seqs)")
+        history = np.concatenate([batch.expected_pool[i + 1, : int(n)] for i, n in enumerate(batch.valid_lens)]
+                                 ).astype(np.int64) if b else np.zeros(0, np.int64)
+        offsets = np.zeros(b + 1, np.int64)
+        np.cumsum(batch.valid_lens, out=offsets[1:])
+        dev = torch.from_numpy
+        rows, prefix, extend = dev(batch.rows), dev(batch.prefix_lens), dev(batch.extend_lens)
+        ids, pos, valid = dev(batch.input_ids), dev(batch.positions), dev(batch.valid_lens)
+        want_ids, want_pos = dev(batch.expected_input_ids), dev(batch.expected_positions)
+        for n, geo in enumerate(self.geos):
+            self._fill_table(geo, batch)
+            first = n == 0  # the expected-token pool is shared: one scatter per step
+            step = StepBatch(
+                req_pool_indices=rows, prefix_lens=prefix, extend_seq_lens=extend, input_ids=ids, positions=pos,
+                out_cache_loc=dev(batch.slot_mappings[geo.index]), expected_input_ids=want_ids,
+                expected_positions=want_pos, valid_lens=valid, history_ids=dev(history) if first else None,
+                history_offsets=dev(offsets) if first else None, history_req_pool_indices=rows if first else None)
+            self.rt.prepare(step, model=geo.name)
+            self.rt.pre_forward(model=geo.name)
+
+    def _fill_table(self, geo: GroupGeometry, batch: VllmStep) -> None:
+        """Rows ``1..B`` of the group's per-position slot table from this step's block table."""
+        table = self.tables[geo.index]
+        for i in range(batch.size):
+            total = int(batch.prefix_lens[i] + batch.extend_lens[i])
+            table[i + 1, :total] = geo.slots_of(batch.block_tables[geo.index][i], total)
+
+    def after_forward(self, batch: VllmStep, written: dict[int, np.ndarray]) -> None:
+        """Phases 3 and 4: TAIL verify and TAIL write (stamped where attention really wrote: the slot mapping as
+        it was when the forward returned), then the one-step-late read of the rings and, when due, the sweep."""
+        import torch
+
+        for geo in self.geos:
+            loc = batch.canary_tokens(written[geo.index], batch.slot_mappings[geo.index])
+            moved = not np.array_equal(loc, batch.slot_mappings[geo.index])
+            self.rt.post_forward(model=geo.name, out_cache_loc=torch.from_numpy(loc) if moved else None)
+        self._note_complete_blocks(batch)
+        self._collect(self.rt.finish_step())
+        self.steps += 1
+
+    def _note_complete_blocks(self, batch: VllmStep) -> None:
+        """Index every block a request of this step writes: complete ones at their place in the sequence, a
+        block still being filled dropped (vLLM may have handed it out again since it was last complete; it does
+        not zero reused blocks here, so the runner's own tables are the only record of reuse)."""
+        for geo in self.geos:
+            table = batch.block_tables[geo.index]
+            for i in range(batch.size):
+                total = int(batch.prefix_lens[i] + batch.extend_lens[i])
+                complete = total // geo.block_size
+                for k in range(-(-total // geo.block_size)):
+                    block = int(table[i, k])
+                    if block <= 0:
+                        continue
+                    if k < complete:
+                        self.block_index[(geo.index, block)] = k
+                    else:
+                        self.block_index.pop((geo.index, block), None)
+
+    def _cached_slots(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The sweep source: every slot of every complete block still indexed, with its position; predecessors
+        inside a block, none across blocks (prev 0 skips that one chain check, a first block anchors at -1)."""
+        geo = self.geos[0]
+        offsets = np.arange(geo.block_size, dtype=np.int64)
+        slots, positions, prevs = [], [], []
+        for (gi, block), k in self.block_index.items():
+            if gi != geo.index:
+                continue
+            first = block * geo.block_size
+            slots.append(first + offsets)
+            positions.append(k * geo.block_size + offsets)
+            prev = first + offsets - 1
+            prev[0] = -1 if k == 0 else 0
+            prevs.append(prev)
+        if not slots:
+            empty = np.zeros(0, np.int64)
+            return empty, empty, empty
+        return np.concatenate(slots), np.concatenate(positions), np.concatenate(prevs)
+
+    def flush(self) -> None:
+        """Read everything still pending (the last step's launches)."""
+        self._collect(self.rt.flush())
+
+    def _collect(self, report: StepReport) -> None:
+        for group, violation in report.new_violations:
+            self.violations.append(StepViolation(report.launch_step, group, violation))
+        self.health_problems += [(report.launch_step, p) for p in report.health_problems]
+        self.status_bits |= report.status_bits
+        self.dropped += report.dropped
+
+    def counters(self) -> dict[str, int]:
+        """Entries verified and written and kernels launched by the HEAD and TAIL endpoints (not the sweep)."""
+        out = {"verify_entries": 0, "write_entries": 0, "launches": 0}
+        for (_, tag, op), (slots, kernels) in self.rt.run_counters().items():
+            if not tag.startswith("SWEEP_"):
+                out[f"{op}_entries"] += slots
+                out["launches"] += kernels
+        return out
+
+
+@dataclass
+class VllmStep:
+    """One runner step as the canary's plan inputs (copied out of vLLM's reused buffers before the forward)."""
+
+    step: int
+    request_ids: list[str]
+    rows: np.ndarray  # int64 [B]: 1..B
+    prefix_lens: np.ndarray  # int64 [B]
+    extend_lens: np.ndarray  # int64 [B]
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    expected_input_ids: np.ndarray  # int64 [T]
+    expected_positions: np.ndarray  # int64 [T]
+    expected_pool: np.ndarray  # int32 [B+1, width]
+    valid_lens: np.ndarray  # int64 [B]
+    block_tables: dict[int, np.ndarray]  # group index -> int32 [B, max_blocks] (copy of the metadata's)
+    slot_mappings: dict[int, np.ndarray]  # group index -> int64 [T']: the canary's out_cache_loc
+    source_index: np.ndarray  # int64 [T']: the forward's token behind each canary token, -1 for a re-stamp
+
+    @property
+    def forward_tokens(self) -> int:
+        """Tokens the forward itself received this step."""
+        return int((self.source_index >= 0).sum())
+
+    def canary_tokens(self, forward_values: np.ndarray, restamp_values: np.ndarray) -> np.ndarray:
+        """A per-token array of the forward (``[T]``) in the canary's token order, re-stamped tokens taken from
+        ``restamp_values`` (``[T']``)."""
+        out = restamp_values.copy()
+        real = self.source_index >= 0
+        out[real] = forward_values[self.source_index[real]]
+        return out
+
+    @property
+    def size(self) -> int:
+        return len(self.request_ids)
+
+    def slot(self, geo: GroupGeometry, i: int, position: int) -> int:
+        """The slot of ``position`` of batch row ``i`` in group ``geo`` (from this step's block table)."""
+        block = int(self.block_tables[geo.index][i, position // geo.block_size])
+        return block * geo.block_size + position % geo.block_size
+
+
+def _host(t: Any) -> np.ndarray:
+    return t.detach().to("cpu").numpy()
+
+
+def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[str, Any],
+               geos: list[GroupGeometry], max_tokens: int) -> VllmStep:
+    """Read one step from the forward's arguments, the attention metadata and the runner's request state."""
+    batch = runner.input_batch
+    b = int(batch.num_reqs)
+    ids = list(batch.req_ids[:b])
+    first = metadata[geos[0].layer_names[0]]
+    cu = _host(first.query_start_loc)[: b + 1].astype(np.int64)
+    seq = _host(first.seq_lens)[:b].astype(np.int64)
+    t = int(cu[b])
+    input_ids = _host(kwargs["input_ids"]).reshape(-1)[:t].astype(np.int64)
+    positions = _host(kwargs["positions"]).reshape(-1)[:t].astype(np.int64)
+    extend = cu[1:] - cu[:-1]
+    prefix = seq - extend
+    want_ids = np.empty(t, np.int64)
+    want_pos = np.empty(t, np.int64)
+    histories = []
+    for i, rid in enumerate(ids):
+        state = runner.requests[rid]
+        if state.prompt_token_ids is None:
+            fail(f"request {rid} has no prompt token ids (prompt embeddings are not supported)")
+        history = list(state.prompt_token_ids) + list(state.output_token_ids)
+        end = int(prefix[i] + extend[i])
+        if len(history) < end:
+            fail(f"request {rid} schedules positions up to {end} but its state holds {len(history)} tokens "
+                 "(async scheduling is not supported: use async_scheduling=False)")
+        histories.append(history[:end])
+        want_ids[cu[i]: cu[i + 1]] = history[int(prefix[i]): end]
+        want_pos[cu[i]: cu[i + 1]] = np.arange(prefix[i], end)
+    width = max([len(h) for h in histories] + [1])
+    pool = np.zeros((b + 1, width), np.int32)
+    for i, h in enumerate(histories):
+        pool[i + 1, : len(h)] = h
+    valid = np.array([len(h) for h in histories], np.int64)
+    tables, forward_slots = {}, {}
+    for geo in geos:
+        md = metadata[geo.layer_names[0]]
+        tables[geo.index] = _host(md.block_table)[:b].astype(np.int32).copy()
+        forward_slots[geo.index] = _host(md.slot_mapping)[:t].astype(np.int64).copy()
+    # A same-step prefix hit: vLLM caches a block when it allocates it, so a row scheduled next to the row that
+    # writes the block (a parallel-sampling sibling, an identical prompt) starts past it although nothing is
+    # written yet; attention is right (every layer writes all rows' K/V before it attends) but the canary's
+    # verify and the write's seed would run before the stamp. The canary sees such a row as writing from the
+    # first same-step position on: those tokens (the same ids, positions and slots the other row writes) are
+    # stamped twice with identical records, and only what was really cached before the step is verified.
+    geo0 = geos[0]
+    written_now = forward_slots[geo0.index]
+    new_prefix = prefix.copy()
+    parts_slots: dict[int, list[np.ndarray]] = {g.index: [] for g in geos}
+    parts_src: list[np.ndarray] = []
+    parts_ids: list[np.ndarray] = []
+    parts_pos: list[np.ndarray] = []
+    budget = max_tokens - t  # re-stamped tokens the runtime's capacity still takes this step
+    for i in range(b):
+        past = int(prefix[i])
+        start = past
+        if past and written_now.size:
+            # only the tail of the prefix that is written in this very step (a block table pointing elsewhere
+            # is a fault the verify must see, not a dependency to re-stamp)
+            now = np.isin(geo0.slots_of(tables[geo0.index][i], past), written_now)
+            run = past - int(np.flatnonzero(~now)[-1]) - 1 if not now.all() else past
+            if 0 < run <= budget:
+                start = past - run
+                budget -= run
+        new_prefix[i] = start
+        lo, hi = int(cu[i]), int(cu[i + 1])
+        parts_src += [np.full(past - start, -1, np.int64), np.arange(lo, hi, dtype=np.int64)]
+        parts_ids += [np.asarray(histories[i][start:past], np.int64), want_ids[lo:hi]]
+        parts_pos += [np.arange(start, past, dtype=np.int64), want_pos[lo:hi]]
+        for geo in geos:
+            slots = geo.slots_of(tables[geo.index][i], past)[start:]
+            parts_slots[geo.index] += [slots, forward_slots[geo.index][lo:hi]]
+    source = np.concatenate(parts_src) if parts_src else np.zeros(0, np.int64)
+    restamp_ids = np.concatenate(parts_ids) if parts_ids else np.zeros(0, np.int64)
+    restamp_pos = np.concatenate(parts_pos) if parts_pos else np.zeros(0, np.int64)
+    slot_mappings = {g: np.concatenate(p) if p else np.zeros(0, np.int64) for g, p in parts_slots.items()}
+    step_batch = VllmStep(step=step, request_ids=ids, rows=np.arange(1, b + 1, dtype=np.int64),
+                          prefix_lens=new_prefix, extend_lens=extend + (prefix - new_prefix),
+                          input_ids=input_ids, positions=positions, expected_input_ids=restamp_ids,
+                          expected_positions=restamp_pos, expected_pool=pool, valid_lens=valid,
+                          block_tables=tables, slot_mappings=slot_mappings, source_index=source)
+    # what the forward received, in the canary's order (a re-stamped token is what the other row received)
+    step_batch.input_ids = step_batch.canary_tokens(input_ids, restamp_ids)
+    step_batch.positions = step_batch.canary_tokens(positions, restamp_pos)
+    return step_batch

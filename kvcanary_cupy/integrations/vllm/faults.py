@@ -1,0 +1,302 @@
+"""Faults injected into vLLM's real structures at the canary's hook points (the bugs of vLLM's own history).
+
+Each injector is a :class:`~.hooks.StepObserver` armed at a step; it fires once, at the first step from then on
+where it finds a target, and records what it did (:class:`InjectedFault`). What each one touches is what the
+attention kernels of that step read or write (the forward context's metadata, the forward's inputs, a layer's
+KV cache tensor), so the engine really runs with the fault:
+
+* ``kv-bitflip`` -- one bit of a live request's V bytes flipped in a layer's KV cache tensor (within the first
+  16 bytes of the token's row, so PARTIAL hashing sees it), after the step that wrote it;
+* ``block-table`` -- a decoding request's block-table entry (``attn_metadata.block_table``) sent to another
+  request's block for one step, then put back;
+* ``slot-mapping`` -- one new token's ``slot_mapping`` entry sent to a slot another live request holds: its K/V
+  land there (the victim's KV is overwritten, its own slot is never written);
+* ``prefix-unwritten`` -- a prefix-cache hit on a block whose KV was never written: the hitting request's cached
+  block is swapped for a fresh block for its first step (vllm#37152, blocks registered before the forward
+  wrote them);
+* ``prefix-foreign`` -- a prefix-cache hit on a block that holds another sequence (vllm#44701, a cross-tenant
+  hit from colliding block-hash keys);
+* ``preempt-reuse`` -- a block freed on preemption and handed to another request while a resumed request still
+  maps it: the resumed request's block-table entry points at its old block, now another request's;
+* ``wrong-token`` -- a token id in the forward's ``input_ids`` replaced by another id;
+* ``position-shift`` -- one token's position in the forward's ``positions`` shifted by one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+FAULT_KINDS: dict[str, str] = {
+    "kv-bitflip": "a bit flips in a live request's V bytes in a layer's KV cache tensor",
+    "block-table": "a decoding request's block-table entry points at another request's block for a step",
+    "slot-mapping": "one token's slot-mapping entry sends its K/V into another request's slot",
+    "prefix-unwritten": "a prefix-cache hit maps a block whose KV was never written (vllm#37152)",
+    "prefix-foreign": "a prefix-cache hit maps a block holding another sequence (vllm#44701)",
+    "preempt-reuse": "a resumed request still maps a block freed on preemption and now another request's",
+    "wrong-token": "the forward receives a wrong token id",
+    "position-shift": "one token's position is shifted by one",
+}
+
+
+@dataclass
+class InjectedFault:
+    kind: str
+    step: int  # the canary step in which the fault takes effect
+    request: str
+    position: int | None
+    slot: int | None
+    detail: str
+
+
+@dataclass
+class _Row:
+    rid: str
+    start: int  # first token of the row in the batch
+    query: int
+    past: int
+
+
+def _rows(canary: Any, metadata: dict[str, Any]) -> tuple[list[_Row], Any]:
+    batch = canary.runner.input_batch
+    n = int(batch.num_reqs)
+    md = next(iter(metadata.values()))
+    cu = md.query_start_loc[: n + 1].tolist()
+    seq = md.seq_lens[:n].tolist()
+    rows = [_Row(rid, int(cu[i]), int(cu[i + 1] - cu[i]), int(seq[i] - (cu[i + 1] - cu[i])))
+            for i, rid in enumerate(batch.req_ids[:n])]
+    return rows, md
+
+
+class Injector:
+    """Base: armed at ``at``, fires once; subclasses override the hook they need."""
+
+    kind = ""
+
+    def __init__(self, at: int = 0, seed: int = 0) -> None:
+        self.at = at
+        self.rng = np.random.default_rng(seed)
+        self.fault: InjectedFault | None = None
+        self._restore: list[tuple[Any, int, int, int]] = []  # (tensor, row, col, value) put back after the step
+
+    @property
+    def armed(self) -> bool:
+        return self.fault is None
+
+    def before_forward(self, canary: Any, step: int, kwargs: dict[str, Any], metadata: dict[str, Any]) -> None:
+        if self.armed and step >= self.at:
+            rows, md = _rows(canary, metadata)
+            self.fire(canary, step, kwargs, metadata, rows, md)
+
+    def fire(self, canary: Any, step: int, kwargs: dict[str, Any], metadata: dict[str, Any], rows: list[_Row],
+             md: Any) -> None:
+        pass
+
+    def after_forward(self, canary: Any, step: int, batch: Any) -> None:
+        for tensor, row, col, value in self._restore:
+            tensor[row, col] = value
+        self._restore.clear()
+
+    def _set_block(self, metadata: dict[str, Any], row: int, col: int, block: int) -> int:
+        """Point ``block_table[row, col]`` at ``block`` in every distinct metadata table; the old id."""
+        seen: set[int] = set()
+        old = -1
+        for md in metadata.values():
+            table = md.block_table
+            if id(table) in seen:
+                continue
+            seen.add(id(table))
+            old = int(table[row, col])
+            self._restore.append((table, row, col, old))
+            table[row, col] = block
+        return old
+
+
+def _other_block(rows: list[_Row], md: Any, me: int, bs: int) -> int | None:
+    """A complete block of another row of this step (its KV holds another sequence)."""
+    for j, other in enumerate(rows):
+        if j != me and other.past >= bs:
+            return int(md.block_table[j, 0])
+    return None
+
+
+class KvBitflip(Injector):
+    kind = "kv-bitflip"
+
+    def after_forward(self, canary: Any, step: int, batch: Any) -> None:
+        super().after_forward(canary, step, batch)
+        if not self.armed or step < self.at:
+            return
+        import torch
+
+        geo = canary.state.geos[0]
+        for i, rid in enumerate(batch.request_ids):
+            done = int(batch.prefix_lens[i] + batch.extend_lens[i])
+            if int(batch.extend_lens[i]) != 1 or done < 2:
+                continue
+            position = int(self.rng.integers(0, done - 1))
+            slot = batch.slot(geo, i, position)
+            cache = geo.caches[0]
+            block, offset = divmod(slot, geo.block_size)
+            half = cache.shape[-1] // 2  # V row-major after K's [D, block_size]: head 0, element 0..3 of V
+            flat = cache[block, 0].reshape(-1)
+            index = half * geo.block_size + offset * half
+            element = flat[index: index + 1]
+            bit = int(self.rng.integers(0, 8 * element.element_size()))
+            as_bytes = element.view(torch.uint8)  # the element's bytes, in place
+            as_bytes[bit // 8] ^= 1 << (bit % 8)
+            self.fault = InjectedFault(self.kind, step + 1, rid, position, slot,
+                                       f"bit {bit} of V[head 0, element 0] in {geo.layer_names[0]}")
+            return
+
+
+class BlockTableRedirect(Injector):
+    kind = "block-table"
+
+    def fire(self, canary, step, kwargs, metadata, rows, md):
+        bs = canary.state.geos[0].block_size
+        for i, row in enumerate(rows):
+            if row.query == 1 and row.past >= bs:
+                other = _other_block(rows, md, i, bs)
+                if other is None or other == int(md.block_table[i, 0]):
+                    continue
+                old = self._set_block(metadata, i, 0, other)
+                self.fault = InjectedFault(self.kind, step, row.rid, 0, old * bs, f"block 0: {old} -> {other}")
+                return
+
+
+class SlotMappingRedirect(Injector):
+    kind = "slot-mapping"
+
+    def fire(self, canary, step, kwargs, metadata, rows, md):
+        bs = canary.state.geos[0].block_size
+        for i, row in enumerate(rows):
+            if row.query < 1:
+                continue
+            for j, other in enumerate(rows):
+                if j == i or other.past < 2:
+                    continue
+                victim = int(md.block_table[j, 0]) * bs + 1  # position 1 of the other request
+                token = row.start + row.query - 1
+                seen: set[int] = set()
+                tensors = [m.slot_mapping for m in metadata.values()]
+                from vllm.forward_context import get_forward_context
+
+                ctx = get_forward_context()
+                if isinstance(getattr(ctx, "slot_mapping", None), dict):
+                    tensors += list(ctx.slot_mapping.values())
+                old = -1
+                for t in tensors:
+                    if id(t) in seen:
+                        continue
+                    seen.add(id(t))
+                    old = int(t[token])
+                    t[token] = victim
+                self.fault = InjectedFault(self.kind, step, row.rid, row.past + row.query - 1, old,
+                                           f"slot {old} -> {victim} ({other.rid}'s position 1)")
+                return
+
+
+class PrefixUnwritten(Injector):
+    kind = "prefix-unwritten"
+
+    def fire(self, canary, step, kwargs, metadata, rows, md):
+        st = canary.state
+        bs, geo = st.geos[0].block_size, st.geos[0]
+        used = {int(b) for b in md.block_table[: len(rows)].reshape(-1).tolist()} | {b for (_, b) in st.block_index}
+        for i, row in enumerate(rows):
+            if row.query > 1 and row.past >= bs:  # a prefill whose first blocks came from the prefix cache
+                fresh = next(b for b in range(geo.num_blocks - 1, 0, -1) if b not in used)
+                old = self._set_block(metadata, i, 0, fresh)
+                self.fault = InjectedFault(self.kind, step, row.rid, 0, old * bs,
+                                           f"cached block {old} -> never-written block {fresh}")
+                return
+
+
+class PrefixForeign(Injector):
+    kind = "prefix-foreign"
+
+    def fire(self, canary, step, kwargs, metadata, rows, md):
+        st = canary.state
+        bs = st.geos[0].block_size
+        for i, row in enumerate(rows):
+            if row.query > 1 and row.past >= bs:
+                mine = set(md.block_table[i].tolist())
+                foreign = [b for (_, b) in st.block_index if b not in mine]
+                if not foreign:
+                    continue
+                old = self._set_block(metadata, i, 0, foreign[0])
+                self.fault = InjectedFault(self.kind, step, row.rid, 0, old * bs,
+                                           f"cached block {old} -> block {foreign[0]} of another sequence")
+                return
+
+
+class PreemptReuse(Injector):
+    kind = "preempt-reuse"
+
+    def __init__(self, at: int = 0, seed: int = 0) -> None:
+        super().__init__(at, seed)
+        self.history: dict[str, list[int]] = {}  # request -> its first block list (before any preemption)
+
+    def fire(self, canary, step, kwargs, metadata, rows, md):
+        bs = canary.state.geos[0].block_size
+        owner: dict[int, str] = {}
+        for i, row in enumerate(rows):
+            for b in md.block_table[i, : -(-(row.past + row.query) // bs)].tolist():
+                owner[int(b)] = row.rid
+        for i, row in enumerate(rows):
+            blocks = md.block_table[i, : -(-(row.past + row.query) // bs)].tolist()
+            before = self.history.setdefault(row.rid, [int(b) for b in blocks])
+            if row.past < bs:
+                continue
+            for k in range(min(len(before), len(blocks), row.past // bs)):
+                old = before[k]
+                if old != blocks[k] and owner.get(old, row.rid) != row.rid:
+                    self._set_block(metadata, i, k, old)
+                    self.fault = InjectedFault(self.kind, step, row.rid, k * bs, old * bs,
+                                               f"resumed request maps its pre-preemption block {old}, now "
+                                               f"{owner[old]}'s (its own is {blocks[k]})")
+                    return
+            if len(blocks) > len(before):
+                self.history[row.rid] = before + [int(b) for b in blocks[len(before):]]
+
+
+class WrongToken(Injector):
+    kind = "wrong-token"
+
+    def fire(self, canary, step, kwargs, metadata, rows, md):
+        row = rows[int(self.rng.integers(0, len(rows)))]
+        j = row.start + row.query - 1
+        ids = kwargs["input_ids"]
+        old = int(ids[j])
+        ids[j] = (old + 1 + int(self.rng.integers(0, 100))) % max(2, old + 200)
+        self.fault = InjectedFault(self.kind, step, row.rid, row.past + row.query - 1, None,
+                                   f"token {old} -> {int(ids[j])}")
+
+
+class PositionShift(Injector):
+    kind = "position-shift"
+
+    def fire(self, canary, step, kwargs, metadata, rows, md):
+        row = rows[int(self.rng.integers(0, len(rows)))]
+        j = row.start + row.query - 1
+        positions = kwargs["positions"]
+        old = int(positions[j])
+        positions[j] = old + 1
+        self.fault = InjectedFault(self.kind, step, row.rid, old, None, f"position {old} -> {old + 1}")
+
+
+INJECTORS: dict[str, type[Injector]] = {cls.kind: cls for cls in (
+    KvBitflip, BlockTableRedirect, SlotMappingRedirect, PrefixUnwritten, PrefixForeign, PreemptReuse, WrongToken,
+    PositionShift)}
+
+
+def injector(kind: str, at: int = 0, seed: int = 0) -> Injector:
+    """An armed injector of ``kind`` (one of :data:`FAULT_KINDS`)."""
+    from ..._errors import fail
+
+    if kind not in INJECTORS:
+        fail(f"fault kind must be one of {sorted(INJECTORS)}, got {kind!r}")
+    return INJECTORS[kind](at, seed)

@@ -1,0 +1,86 @@
+"""Every vLLM internal the integration patches or reads, in one list (docs/vllm.md prints the same list).
+
+A test walks :data:`INTERNALS` against the installed vLLM and fails when one is missing or its signature changed:
+the integration then needs a look before the supported range is widened."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One internal: ``module:qualname`` (a class, function or method), how the canary uses it, and the
+    parameter names it relies on (empty: none checked) or the instance attributes read (``attributes``)."""
+
+    target: str
+    use: str
+    parameters: tuple[str, ...] = ()
+    attributes: tuple[str, ...] = ()
+
+
+RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+
+INTERNALS: tuple[Internal, ...] = (
+    Internal(f"{RUNNER}.execute_model", "patched per instance: the step's SchedulerOutput, real steps only",
+             ("self", "scheduler_output", "intermediate_tensors")),
+    Internal(f"{RUNNER}._model_forward", "patched per instance: plan/HEAD before, TAIL after the forward",
+             ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds")),
+    Internal(f"{RUNNER}.__init__", "read: requests, input_batch, kv_caches, kv_cache_config, max_num_reqs, "
+             "max_num_tokens, max_model_len, compilation_config.static_forward_context"),
+    Internal("vllm.v1.worker.cpu_model_runner:CPUModelRunner", "the runner class on CPU (a GPUModelRunner)"),
+    Internal("vllm.forward_context:get_forward_context", "read inside the forward: attn_metadata per layer"),
+    Internal("vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadata",
+             "read: query_start_loc, seq_lens, block_table, slot_mapping (what attention reads and writes)",
+             attributes=("query_start_loc", "seq_lens", "block_table", "slot_mapping", "num_actual_tokens")),
+    Internal("vllm.v1.worker.gpu_input_batch:CachedRequestState",
+             "read: prompt_token_ids + output_token_ids (the expected tokens)",
+             attributes=("prompt_token_ids", "output_token_ids", "num_computed_tokens", "block_ids")),
+    Internal("vllm.v1.worker.gpu_input_batch:InputBatch", "read: req_ids, num_reqs (the batch rows' order)",
+             attributes=("req_ids", "num_reqs")),
+    Internal("vllm.v1.core.sched.output:SchedulerOutput",
+             "read: new_block_ids_to_zero (fresh blocks: dropped from the sweep), preempted_req_ids (counted)",
+             attributes=("new_block_ids_to_zero", "preempted_req_ids", "num_scheduled_tokens",
+                         "total_num_scheduled_tokens")),
+    Internal("vllm.v1.kv_cache_interface:FullAttentionSpec", "read: block_size, num_kv_heads, head_size",
+             attributes=("block_size", "num_kv_heads", "head_size")),
+    Internal("vllm.model_executor.layers.attention:Attention", "read: kv_cache tensor and isa (CPU KV layout)"),
+    Internal("vllm.v1.engine.llm_engine:LLMEngine", "read: engine_core.engine_core.model_executor."
+             "driver_worker.worker.model_runner (in-process LLM only)"),
+    Internal("vllm.entrypoints.llm:LLM.reset_prefix_cache", "called by install(): drops blocks cached before it",
+             ("self",)),
+    Internal("vllm.plugins:load_general_plugins", "calls the entry points of group vllm.general_plugins"),
+)
+
+
+def resolve(target: str) -> object:
+    """The object named ``module:qualname`` (AttributeError / ImportError when it is gone)."""
+    module, _, qualname = target.partition(":")
+    obj: object = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def problems() -> list[str]:
+    """What no longer matches in the installed vLLM (empty when every internal is as the integration expects)."""
+    out = []
+    for item in INTERNALS:
+        try:
+            obj = resolve(item.target)
+        except (ImportError, AttributeError) as exc:
+            out.append(f"{item.target}: missing ({exc})")
+            continue
+        if item.parameters:
+            names = tuple(inspect.signature(obj).parameters)  # type: ignore[arg-type]
+            if names[: len(item.parameters)] != item.parameters:
+                out.append(f"{item.target}: parameters {names}, expected to start with {item.parameters}")
+        if item.attributes:
+            fields = set(getattr(obj, "__dataclass_fields__", {})) | set(getattr(obj, "__annotations__", {}))
+            fields |= set(dir(obj))
+            missing = [a for a in item.attributes if a not in fields]
+            if missing:
+                out.append(f"{item.target}: attributes {missing} missing")
+    return out

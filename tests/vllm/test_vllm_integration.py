@@ -1,0 +1,100 @@
+"""The canary inside an in-process vLLM engine: clean workloads are token-exact with zero violations, every
+fault injected into vLLM's real structures is detected with its reason and step, install/remove restores the
+runner."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcanary_cupy.integrations import vllm as kv
+from kvcanary_cupy.integrations.vllm.faults import FAULT_KINDS, injector
+from kvcanary_cupy.integrations.vllm.workloads import workloads
+
+WORKLOADS = workloads()
+_baselines: dict[str, list[list[int]]] = {}
+
+
+def baseline(llm, name: str) -> list[list[int]]:
+    """The workload's completions without the canary, from an empty prefix cache."""
+    if name not in _baselines:
+        assert llm.reset_prefix_cache()
+        _baselines[name] = WORKLOADS[name].run(llm)
+    return _baselines[name]
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_clean_workload_is_token_exact_with_zero_violations(llm, name):
+    want = baseline(llm, name)
+    canary = kv.install(llm, backend="numpy", sweep_interval=2)
+    try:
+        got = WORKLOADS[name].run(llm)
+        canary.finish()
+    finally:
+        canary.remove()
+    assert got == want
+    assert canary.violations == []
+    assert canary.state is not None and canary.state.health_problems == [] and canary.state.dropped == 0
+    counters = canary.state.counters()
+    assert counters["write_entries"] >= sum(len(p) for p in WORKLOADS[name].prompts)
+    assert counters["verify_entries"] > 0
+    if name == "preemption":
+        assert canary.preemptions > 0  # the KV budget really forced vLLM to preempt
+    if name == "shared-prefix":
+        assert canary.state.seconds["sweep"] > 0  # the sweep walked the cached blocks
+
+
+def test_remove_restores_the_runners_methods(llm):
+    runner = kv.find_runner(llm)
+    before = dict(vars(runner))
+    canary = kv.install(llm, backend="numpy")
+    assert "_model_forward" in vars(runner) and "execute_model" in vars(runner)
+    with pytest.raises(ValueError, match=r"^kv-canary: a kv-canary is already installed"):
+        kv.install(llm)
+    canary.remove()
+    assert {k for k in vars(runner)} == set(before)
+    assert type(runner)._model_forward is runner._model_forward.__func__
+    assert type(runner).execute_model is runner.execute_model.__func__
+    assert WORKLOADS["mixed-lengths"].run(llm) == baseline(llm, "mixed-lengths")
+
+
+def test_mode_off_launches_nothing_and_changes_nothing(llm):
+    canary = kv.install(llm, mode="off")
+    try:
+        got = WORKLOADS["mixed-lengths"].run(llm)
+    finally:
+        canary.remove()
+    assert got == baseline(llm, "mixed-lengths")
+    assert canary.state is None and canary.steps == 0
+
+
+# The workload each fault needs: a decoding request next to others, a prefix-cache hit, a preemption.
+FAULT_WORKLOAD = {"kv-bitflip": "mixed-lengths", "block-table": "mixed-lengths", "slot-mapping": "mixed-lengths",
+                  "prefix-unwritten": "shared-prefix", "prefix-foreign": "shared-prefix",
+                  "preempt-reuse": "preemption", "wrong-token": "mixed-lengths", "position-shift": "mixed-lengths"}
+# The reason each fault must raise (an independent statement of what the canary checks for it).
+FAULT_REASON = {"kv-bitflip": "VERIFY_REAL_KV_HASH_MISMATCH", "block-table": "VERIFY_TOKEN_MISMATCH",
+                "slot-mapping": "VERIFY_TOKEN_MISMATCH", "prefix-unwritten": "VERIFY_TOKEN_MISMATCH",
+                "prefix-foreign": "VERIFY_TOKEN_MISMATCH", "preempt-reuse": "VERIFY_TOKEN_MISMATCH",
+                "wrong-token": "WRITE_TOKEN_MISMATCH", "position-shift": "WRITE_POSITION_MISMATCH"}
+
+
+def test_every_fault_kind_has_a_workload_and_a_reason():
+    assert set(FAULT_WORKLOAD) == set(FAULT_KINDS) == set(FAULT_REASON)
+
+
+@pytest.mark.parametrize("kind", sorted(FAULT_KINDS))
+def test_fault_is_detected_with_its_reason_and_step(llm, kind):
+    canary = kv.install(llm, backend="numpy", sweep_interval=0)
+    fault = injector(kind, at=1 if kind.startswith("prefix") else 3, seed=1)
+    canary.observers.append(fault)
+    try:
+        WORKLOADS[FAULT_WORKLOAD[kind]].run(llm)
+        canary.finish()
+    finally:
+        canary.remove()
+    assert fault.fault is not None, f"{kind} found no target"
+    reasons = {r for v in canary.violations for r in v.violation.reasons}
+    assert FAULT_REASON[kind] in reasons, (fault.fault, reasons)
+    first = min(v.step for v in canary.violations)
+    assert first >= fault.fault.step  # nothing flagged before the fault took effect: no false positive
+    assert any(v.step <= fault.fault.step + 2 for v in canary.violations if FAULT_REASON[kind] in v.violation.reasons)

