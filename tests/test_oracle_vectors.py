@@ -684,12 +684,13 @@ def test_smoke_chain_cases(case: strategies.ChainCase) -> None:
 @SMOKE
 @given(strategies.chain_cases(hostile=True))
 def test_smoke_chain_cases_hostile(case: strategies.ChainCase) -> None:
-    """Hostile values add only the two bounds bits to the status; every row carries the launch's tag, names a
-    slot inside the canary buffer (an out-of-range slot is skipped, never reported as read) and at least one
-    defined reason bit."""
+    """Hostile values add only the bounds bits and the out-of-order write bit to the status; every row carries
+    the launch's tag, names a slot inside the canary buffer (an out-of-range slot is skipped, never reported as
+    read) and at least one defined reason bit."""
     status0 = case.status
     state = _run_chain(case)
-    bounds = oracle.STATUS_SLOT_OUT_OF_RANGE | oracle.STATUS_TOKEN_RANGE_OUT_OF_BOUNDS
+    bounds = (oracle.STATUS_SLOT_OUT_OF_RANGE | oracle.STATUS_TOKEN_RANGE_OUT_OF_BOUNDS
+              | oracle.STATUS_WRITE_OFFSETS_OUT_OF_ORDER)
     assert state.status & ~(status0 | bounds) == 0
     reasons = 0x3F  # the six FailReason bits
     for row in state.rows:

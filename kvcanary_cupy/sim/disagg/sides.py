@@ -42,6 +42,7 @@ class SideSimulation(Simulation):
                                       start=0, stop=0, partial_hash=False, kv_groups=["FULL"])
         self.timer = PhaseTimer(self.xp if self.backend == "cuda" else None)
         self.recorder = None
+        self.tiers = None  # a disaggregated side keeps no lower KV tier (--tiers is refused with it)
         self.runtime = self._install_canary()
         self._clear_findings(max_steps)
         self._start = time.perf_counter()
