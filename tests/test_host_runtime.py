@@ -916,7 +916,7 @@ def test_one_block_launch_stays_on_the_calling_thread(host_cache_dir):
     mod.get_function("maybe_trap")(1, 64, (out, np.int32(-1), np.int32(-1)), threads=4)
     assert mod.runtime_stats()["workers"] == 0
     mod.get_function("maybe_trap")(2, 32, (out, np.int32(-1), np.int32(-1)), threads=4)
-    assert mod.runtime_stats()["workers"] == 1  # never more helpers than blocks beyond the caller's
+    assert mod.runtime_stats()["workers"] == 1  # never more workers than blocks beyond the caller's
     mod.get_function("maybe_trap")(8, 8, (out, np.int32(-1), np.int32(-1)), threads=4)
     assert mod.runtime_stats()["workers"] == 3
 
