@@ -20,8 +20,8 @@ import pytest
 import kvcanary_cupy
 
 ROOT = Path(__file__).resolve().parents[1]
-_SKIP = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", "report",
-                               ".mypy_cache", ".ruff_cache", ".pytest_cache", ".hypothesis", ".benchmarks",
+_SKIP = shutil.ignore_patterns(".git", ".venv", ".venv-vllm", "build", "dist", "*.egg-info", "__pycache__", "*.pyc",
+                               "report", ".mypy_cache", ".ruff_cache", ".pytest_cache", ".hypothesis", ".benchmarks",
                                "results")
 
 
