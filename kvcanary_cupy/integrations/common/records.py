@@ -135,3 +135,21 @@ def run_workloads(sim: EngineSimulation[Any, RunT], names: list[str], workload: 
             if progress is not None:
                 progress(done, total, f"{name}: {kind}")
     sim.total_steps = offset
+
+
+def run_with_canary(canary: Any, observers: Iterable[Any], workload: Callable[[], Any],
+                    close: Callable[[], None] | None = None) -> tuple[Any, float]:
+    """Run ``workload()`` with ``canary`` installed and ``observers`` watching its steps (the workload's stats,
+    an injector): its result and wall time. The canary reads what the last step appended, then is removed
+    whatever happens (and ``close()`` undoes what an injector still patches)."""
+    canary.observers.extend(observers)
+    start = time.perf_counter()
+    try:
+        out = workload()
+        wall = time.perf_counter() - start
+        canary.finish()
+    finally:
+        canary.remove()
+        if close is not None:
+            close()
+    return out, wall

@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from ..common.records import WorkloadRuns, parse_inject, run_workloads
+from ..common.records import WorkloadRuns, parse_inject, run_with_canary, run_workloads
 from .canary import CanaryOptions
 from .faults import FAULT_KINDS, Injector, make_injector
 from .hooks import TransformersCanary, install
@@ -42,18 +42,8 @@ class TransformersSimulation(SimulationRecord):
                              backend=self.cfg.backend, sweep_interval=self.cfg.sweep_interval)
         canary: TransformersCanary = install(model, opts)
         stats = WorkloadStats()
-        canary.observers.append(stats)
-        if injector is not None:
-            canary.observers.append(injector)
-        start = time.perf_counter()
-        try:
-            out = w.run(model)
-            wall = time.perf_counter() - start
-            canary.finish()
-        finally:
-            canary.remove()
-            if injector is not None:
-                injector.close()
+        out, wall = run_with_canary(canary, [stats] if injector is None else [stats, injector], lambda: w.run(model),
+                                    None if injector is None else injector.close)
         seconds: Counter[str] = Counter()
         counters: Counter[str] = Counter()
         status = dropped = 0

@@ -18,7 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..common.records import EngineSimConfig, EngineSimulation, RunRecord, WorkloadRuns, parse_inject, run_workloads
+from ..common.records import (
+    EngineSimConfig,
+    EngineSimulation,
+    RunRecord,
+    WorkloadRuns,
+    parse_inject,
+    run_with_canary,
+    run_workloads,
+)
 from .canary import CanaryOptions
 from .faults import FAULT_KINDS, injector
 from .hooks import install
@@ -81,16 +89,7 @@ class VllmSimulation(EngineSimulation[VllmSimConfig, RunResult]):
                              backend=self.cfg.backend, sweep_interval=self.cfg.sweep_interval)
         canary = install(llm, opts)
         stats = WorkloadStats()
-        canary.observers.append(stats)
-        if fault is not None:
-            canary.observers.append(fault)
-        start = time.perf_counter()
-        try:
-            tokens = w.run(llm)
-            wall = time.perf_counter() - start
-            canary.finish()
-        finally:
-            canary.remove()
+        tokens, wall = run_with_canary(canary, [stats] if fault is None else [stats, fault], lambda: w.run(llm))
         st = canary.state
         return RunResult(workload=w.name, kind=kind, steps=canary.steps, step_offset=offset,
                          violations=canary.violations, fault=None if fault is None else fault.fault, stats=stats,
