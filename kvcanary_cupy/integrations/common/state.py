@@ -3,8 +3,9 @@
 :class:`EngineCanaryState` is the base of every engine's canary state (one runtime over the engine's KV cache):
 the violations read so far with the engine step whose launch appended them (:class:`StepViolation`), the health
 problems, status bits and ring drops, the wall time per canary phase, the HEAD/TAIL endpoint counters, the runtime
-``StepBatch`` of every group built from one engine step, and the slots of cached blocks the sweep verifies. How an
-engine's cache maps onto runtime groups and how its step is read stay in the engine's package.
+``StepBatch`` of every group built from one engine step, and the slots of cached blocks the sweep verifies. Reading
+a step uses :func:`host_array` and :func:`expected_pool`. How an engine's cache maps onto runtime groups and how its
+step is read stay in the engine's package.
 """
 
 from __future__ import annotations
@@ -129,6 +130,22 @@ class EngineCanaryState:
                 out[f"{op}_entries"] += slots
                 out["launches"] += kernels
         return out
+
+
+def host_array(tensor: Any) -> np.ndarray:
+    """A torch tensor of the engine as a host NumPy array (a copy only when it lives on a device)."""
+    return tensor.detach().to("cpu").numpy()
+
+
+def expected_pool(histories: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Each batch row's token history (what the engine's request state says it holds) as rows ``1..B`` of an
+    int32 pool (row 0 is the padding sentinel), and each history's length."""
+    width = max([len(h) for h in histories] + [1])
+    pool = np.zeros((len(histories) + 1, width), np.int32)
+    for i, h in enumerate(histories):
+        pool[i + 1, : len(h)] = h
+    valid = np.array([len(h) for h in histories], np.int64)
+    return pool, valid
 
 
 def cached_block_slots(blocks: Iterable[tuple[int, int]], page_size: int, stride: int

@@ -32,7 +32,7 @@ from ...kv_layouts import vllm_cpu_source
 from ...layouts import TokenTable
 from ...runtime import CanaryConfig, CanaryRuntime, Capacities, KvGroup, KvPools
 from ..common.options import EngineCanaryOptions
-from ..common.state import EngineCanaryState, StepViolation, cached_block_slots
+from ..common.state import EngineCanaryState, StepViolation, cached_block_slots, expected_pool, host_array
 
 __all__ = ["ENV_PREFIX", "CanaryOptions", "GroupGeometry", "StepViolation", "VllmCanaryState", "VllmStep",
            "build_step"]
@@ -290,10 +290,6 @@ class VllmStep:
         return block * geo.block_size + position % geo.block_size
 
 
-def _host(t: Any) -> np.ndarray:
-    return t.detach().to("cpu").numpy()
-
-
 def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[str, Any],
                geos: list[GroupGeometry], max_tokens: int) -> VllmStep:
     """Read one step from the forward's arguments, the attention metadata and the runner's request state."""
@@ -301,11 +297,11 @@ def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[st
     b = int(batch.num_reqs)
     ids = list(batch.req_ids[:b])
     first = metadata[geos[0].layer_names[0]]
-    cu = _host(first.query_start_loc)[: b + 1].astype(np.int64)
-    seq = _host(first.seq_lens)[:b].astype(np.int64)
+    cu = host_array(first.query_start_loc)[: b + 1].astype(np.int64)
+    seq = host_array(first.seq_lens)[:b].astype(np.int64)
     t = int(cu[b])
-    input_ids = _host(kwargs["input_ids"]).reshape(-1)[:t].astype(np.int64)
-    positions = _host(kwargs["positions"]).reshape(-1)[:t].astype(np.int64)
+    input_ids = host_array(kwargs["input_ids"]).reshape(-1)[:t].astype(np.int64)
+    positions = host_array(kwargs["positions"]).reshape(-1)[:t].astype(np.int64)
     extend = cu[1:] - cu[:-1]
     prefix = seq - extend
     want_ids = np.empty(t, np.int64)
@@ -323,16 +319,12 @@ def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[st
         histories.append(history[:end])
         want_ids[cu[i]: cu[i + 1]] = history[int(prefix[i]): end]
         want_pos[cu[i]: cu[i + 1]] = np.arange(prefix[i], end)
-    width = max([len(h) for h in histories] + [1])
-    pool = np.zeros((b + 1, width), np.int32)
-    for i, h in enumerate(histories):
-        pool[i + 1, : len(h)] = h
-    valid = np.array([len(h) for h in histories], np.int64)
+    pool, valid = expected_pool(histories)
     tables, forward_slots = {}, {}
     for geo in geos:
         md = metadata[geo.layer_names[0]]
-        tables[geo.index] = _host(md.block_table)[:b].astype(np.int32).copy()
-        forward_slots[geo.index] = _host(md.slot_mapping)[:t].astype(np.int64).copy()
+        tables[geo.index] = host_array(md.block_table)[:b].astype(np.int32).copy()
+        forward_slots[geo.index] = host_array(md.slot_mapping)[:t].astype(np.int64).copy()
     # A same-step prefix hit: vLLM caches a block when it allocates it, so a row scheduled next to the row that
     # writes the block (a parallel-sampling sibling, an identical prompt) starts past it although nothing is
     # written yet; attention is right (every layer writes all rows' K/V before it attends) but the canary's
