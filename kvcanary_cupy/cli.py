@@ -16,6 +16,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any, TextIO
 
 PROG = "kvcanary"
@@ -343,41 +344,40 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 def _cmd_simulate_transformers(args: argparse.Namespace) -> int:
     try:
-        from .integrations.transformers.report import print_report, write_html, write_json
-        from .integrations.transformers.simulate import config_from_args, run_quietly
+        from .integrations.transformers import report, simulate
     except ImportError as exc:
         raise BadArguments(f"--engine transformers needs torch and transformers: {exc}") from None
-    try:
-        if args.disaggregated:
-            raise ValueError("--disaggregated does not apply to --engine transformers")
-        if args.tiers or args.tier_dir is not None:
-            raise ValueError("--tiers applies to the synthetic engine (--engine synthetic); transformers' own CPU "
-                             "offload (cpu_offload_space) needs pinned memory, which CPU-only torch refuses")
-        cfg = config_from_args(args)
-    except ValueError as exc:
-        raise BadArguments(str(exc)) from None
-    _check_outputs(args)
-    report = run_quietly(cfg, progress=not args.quiet)
-    _emit(args, report, print_report, write_json, write_html)
-    return int(report["exit_code"])
+    refused = None
+    if args.tiers or args.tier_dir is not None:
+        refused = ("--tiers applies to the synthetic engine (--engine synthetic); transformers' own CPU offload "
+                   "(cpu_offload_space) needs pinned memory, which CPU-only torch refuses")
+    return _simulate_engine(args, "transformers", report, simulate, refused)
 
 
 def _cmd_simulate_vllm(args: argparse.Namespace) -> int:
     """``--engine vllm``: vLLM's CPU build in-process (docs/vllm.md); --model-size small/medium pick its models."""
     try:
-        from .integrations.vllm.report import print_report, write_html, write_json
-        from .integrations.vllm.simulate import config_from_args, run_quietly
+        from .integrations.vllm import report, simulate
     except ImportError as exc:
         raise BadArguments(f"--engine vllm needs vLLM (pip install 'kvcanary_cupy[vllm]'): {exc}") from None
+    return _simulate_engine(args, "vllm", report, simulate)
+
+
+def _simulate_engine(args: argparse.Namespace, engine: str, report_module: ModuleType, simulate_module: ModuleType,
+                     refused: str | None = None) -> int:
+    """``simulate --engine <engine>`` for an engine the canary is installed in, with that integration's
+    ``report`` and ``simulate`` modules; ``refused``: why an option given cannot apply to this engine."""
     try:
         if args.disaggregated:
-            raise ValueError("--disaggregated does not apply to --engine vllm")
-        cfg = config_from_args(args)
+            raise ValueError(f"--disaggregated does not apply to --engine {engine}")
+        if refused is not None:
+            raise ValueError(refused)
+        cfg = simulate_module.config_from_args(args)
     except ValueError as exc:
         raise BadArguments(str(exc)) from None
     _check_outputs(args)
-    report = run_quietly(cfg, progress=not args.quiet)
-    _emit(args, report, print_report, write_json, write_html)
+    report = simulate_module.run_quietly(cfg, progress=not args.quiet)
+    _emit(args, report, report_module.print_report, report_module.write_json, report_module.write_html)
     return int(report["exit_code"])
 
 

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import re
-
-from ..._errors import fail
+from ..common.version import VersionGate
 
 SUPPORTED_RANGE = ">=5.24,<5.25"
-_LOW, _HIGH = (5, 24), (5, 25)
+_GATE = VersionGate("transformers", SUPPORTED_RANGE,
+                    missing=f"the transformers integration needs transformers{SUPPORTED_RANGE} "
+                            "(pip install 'kvcanary_cupy[transformers]')",
+                    unsupported_hint=" (pip install 'kvcanary_cupy[transformers]')")
 
 
 def parse_version(text: str) -> tuple[int, int]:
     """``"5.24.0"`` -> ``(5, 24)``; patch, pre-release and local parts are ignored."""
-    match = re.match(r"(\d+)\.(\d+)", text)
-    if match is None:
-        fail(f"transformers version {text!r} cannot be parsed; supported: transformers{SUPPORTED_RANGE}")
-    return int(match.group(1)), int(match.group(2))
+    return _GATE.parse(text)
 
 
 def check_version(version: str | None = None) -> str:
@@ -23,14 +21,4 @@ def check_version(version: str | None = None) -> str:
 
     The continuous-batching internals the canary hooks change between minor releases, so anything outside
     the range the tests ran on is refused instead of being hooked blindly."""
-    if version is None:
-        try:
-            import transformers
-        except ImportError:
-            fail(f"the transformers integration needs transformers{SUPPORTED_RANGE} "
-                 "(pip install 'kvcanary_cupy[transformers]')")
-        version = str(transformers.__version__)
-    if not _LOW <= parse_version(version) < _HIGH:
-        fail(f"transformers {version} is not supported by kvcanary_cupy.integrations.transformers; "
-             f"supported: transformers{SUPPORTED_RANGE} (pip install 'kvcanary_cupy[transformers]')")
-    return version
+    return _GATE.check(version)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..._errors import fail
+from ..common.state import expected_pool, host_array
 
 
 @dataclass
@@ -49,20 +50,16 @@ class StepBatch:
         return int(slots[position])
 
 
-def _host(t: Any) -> np.ndarray:
-    return t.detach().to("cpu").numpy()
-
-
 def build_step_batch(step: int, kwargs: dict[str, Any], requests: list[Any], geos: list[Any],
                      tables: dict[int, np.ndarray]) -> StepBatch:
     """Read one step from the forward's keyword arguments and the engine's ``requests_in_batch``; fill rows
     ``1..B`` of each group's layout buffer in ``tables`` (block ids for full attention, ring slots per position
     for sliding windows) in place."""
     b = len(requests)
-    cu = _host(kwargs["cu_seq_lens_q"])[: b + 1].astype(np.int64)
+    cu = host_array(kwargs["cu_seq_lens_q"])[: b + 1].astype(np.int64)
     t = int(cu[b])
-    input_ids = _host(kwargs["input_ids"]).reshape(-1)[:t].astype(np.int64)
-    positions = _host(kwargs["position_ids"]).reshape(-1)[:t].astype(np.int64)
+    input_ids = host_array(kwargs["input_ids"]).reshape(-1)[:t].astype(np.int64)
+    positions = host_array(kwargs["position_ids"]).reshape(-1)[:t].astype(np.int64)
     ids, prefix, extend, histories = [], np.zeros(b, np.int64), np.zeros(b, np.int64), []
     want_ids = np.empty(t, np.int64)
     want_pos = np.empty(t, np.int64)
@@ -80,11 +77,7 @@ def build_step_batch(step: int, kwargs: dict[str, Any], requests: list[Any], geo
         histories.append(history)
         want_ids[cu[i]: cu[i + 1]] = history[past: past + q]
         want_pos[cu[i]: cu[i + 1]] = np.arange(past, past + q)
-    width = max([len(h) for h in histories] + [1])
-    pool = np.zeros((b + 1, width), np.int32)
-    for i, h in enumerate(histories):
-        pool[i + 1, : len(h)] = h
-    valid = np.array([len(h) for h in histories], np.int64)
+    pool, valid = expected_pool(histories)
     block_tables, head_locs = {}, {}
     write_index = kwargs["write_index"]
     for geo in geos:
@@ -101,7 +94,7 @@ def build_step_batch(step: int, kwargs: dict[str, Any], requests: list[Any], geo
             else:
                 table[i + 1, : len(blocks)] = blocks
         block_tables[geo.index] = snapshot
-        loc = _host(write_index[geo.index]).reshape(-1)[:t].astype(np.int64)
+        loc = host_array(write_index[geo.index]).reshape(-1)[:t].astype(np.int64)
         loc[loc == geo.write_trash_index] = -1
         head_locs[geo.index] = loc
     return StepBatch(step=step, request_ids=ids, rows=np.arange(1, b + 1, dtype=np.int64), prefix_lens=prefix,

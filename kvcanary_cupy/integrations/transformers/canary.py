@@ -23,10 +23,6 @@ write one slot, so the scheduled slot keeps its stale TAIL record and the next v
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections import defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,19 +34,12 @@ from ...backends import BACKEND_NAMES
 from ...constants import MAX_REAL_KV_SOURCES
 from ...context import RealKvSource
 from ...layouts import BlockTable, TokenTable
-from ...runtime import CanaryConfig, CanaryRuntime, Capacities, KvGroup, KvPools, StepBatch, StepReport
-from ...violations import Violation
+from ...runtime import CanaryConfig, CanaryRuntime, Capacities, KvGroup, KvPools
+from ..common.options import EngineCanaryOptions
+from ..common.state import EngineCanaryState, StepViolation, cached_block_slots
 from .batch import StepBatch as EngineStep
 
-
-@dataclass(frozen=True)
-class StepViolation:
-    """One ring row with the engine step whose launch appended it and the attention group it belongs to."""
-
-    step: int
-    group: str
-    violation: Violation
-
+__all__ = ["CanaryOptions", "GroupGeometry", "StepViolation", "TransformersCanaryState"]
 
 @dataclass
 class GroupGeometry:
@@ -109,7 +98,7 @@ class GroupGeometry:
 
 
 @dataclass
-class CanaryOptions:
+class CanaryOptions(EngineCanaryOptions):
     """What the canary does in the engine (turned into a runtime :class:`CanaryConfig`).
 
     ``mode``: ``log`` (one warning per violation), ``raise`` (the runtime's ``CanaryViolationError`` one step
@@ -122,12 +111,6 @@ class CanaryOptions:
     ``max_verify_entries_per_step``: the runtime's bounded verify (0, the default: every prefix slot every step).
     """
 
-    mode: str = "log"
-    real_kv_hash: str = "partial"
-    with_v: bool = True
-    backend: str = "auto"
-    ring_capacity: int = 4096
-    sweep_interval: int = 8
     logger: str = "kvcanary_cupy.transformers"
     max_verify_entries_per_step: int = 0
 
@@ -151,18 +134,16 @@ class CanaryOptions:
 
     def config(self) -> CanaryConfig:
         self.validate()
-        return CanaryConfig(mode=self.mode, ring_capacity=self.ring_capacity, real_kv_hash_mode=self.real_kv_hash,
-                            write_input_assert=True, verify_token_assert=True, backend=self.backend,
-                            sweep_interval=self.sweep_interval, logger=self.logger,
-                            max_verify_entries_per_step=self.max_verify_entries_per_step)
+        return self.runtime_config(max_verify_entries_per_step=self.max_verify_entries_per_step)
 
 
-class TransformersCanaryState:
+class TransformersCanaryState(EngineCanaryState):
     """The runtime over one PagedAttentionCache, and the engine step driven through its phases."""
 
     def __init__(self, cache: Any, opts: CanaryOptions, max_requests: int | None) -> None:
         import torch
 
+        super().__init__()
         self.opts = opts
         self.cache = cache
         self.device = cache.cache_tensor.device
@@ -196,7 +177,6 @@ class TransformersCanaryState:
                                           **common))
                 else:
                     groups.append(KvGroup(**common))
-        self.seconds: dict[str, float] = defaultdict(float)  # wall time per canary phase
         caps = Capacities(max_batch_size=self.max_requests, max_tokens=int(cache.max_batch_tokens),
                           max_context_len=self.max_len, pool_rows=self.max_requests + 1,
                           max_history_tokens=self.max_requests * self.max_len)
@@ -212,11 +192,6 @@ class TransformersCanaryState:
         # first q - window tokens to trash), so its seed is slot 0 and the "+1 after the seed" rule would fail
         # on every such chunk of a clean run.
         self.rt.mark_init_finished(groups=[g.name for g in groups if g.swa_window == 0])
-        self.violations: list[StepViolation] = []
-        self.health_problems: list[tuple[int, str]] = []
-        self.status_bits = 0
-        self.dropped = 0
-        self.steps = 0
 
     def _layout(self, geo: GroupGeometry) -> Any:
         """Full attention: the block table itself. Sliding window: a per-position ring table (a slot depends on
@@ -226,20 +201,6 @@ class TransformersCanaryState:
             return TokenTable(table)
         return BlockTable(table, geo.page_size, block_stride=geo.stride, num_slots=geo.num_slots)
 
-    def _dev(self, arr: np.ndarray) -> Any:
-        """A host array as a torch tensor on the cache's device (no copy on a CPU cache)."""
-        import torch
-
-        return torch.from_numpy(arr).to(self.device)
-
-    @contextlib.contextmanager
-    def _timer(self, phase: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[phase] += time.perf_counter() - start
-
     # -- the step --------------------------------------------------------------------------------------------
 
     def before_forward(self, batch: EngineStep) -> None:
@@ -248,23 +209,10 @@ class TransformersCanaryState:
         if b > self.max_requests:
             fail(f"the engine scheduled {b} requests in one step, more than the {self.max_requests} the canary "
                  "was sized for (ContinuousBatchingConfig.max_requests_per_batch)")
-        history = np.concatenate([batch.expected_pool[i + 1, : int(n)] for i, n in enumerate(batch.valid_lens)]
-                                 ).astype(np.int64) if b else np.zeros(0, np.int64)
-        offsets = np.zeros(b + 1, np.int64)
-        np.cumsum(batch.valid_lens, out=offsets[1:])
-        dev = self._dev
-        rows, prefix, extend = dev(batch.rows), dev(batch.prefix_lens), dev(batch.extend_lens)
-        ids, pos, valid = dev(batch.input_ids), dev(batch.positions), dev(batch.valid_lens)
-        want_ids, want_pos = dev(batch.expected_input_ids), dev(batch.expected_positions)
-        for n, geo in enumerate(self.geos):
+        steps = self._step_batches(batch, [batch.head_locs[geo.index] for geo in self.geos])
+        for geo, step in zip(self.geos, steps, strict=True):
             if self.device.type != "cpu":
-                self.device_tables[geo.index][: b + 1].copy_(dev(self.tables[geo.index][: b + 1]))
-            first = n == 0  # the expected-token pool is shared: one scatter per step
-            step = StepBatch(
-                req_pool_indices=rows, prefix_lens=prefix, extend_seq_lens=extend, input_ids=ids, positions=pos,
-                out_cache_loc=dev(batch.head_locs[geo.index]), expected_input_ids=want_ids,
-                expected_positions=want_pos, valid_lens=valid, history_ids=dev(history) if first else None,
-                history_offsets=dev(offsets) if first else None, history_req_pool_indices=rows if first else None)
+                self.device_tables[geo.index][: b + 1].copy_(self._dev(self.tables[geo.index][: b + 1]))
             self.rt.prepare(step, model=self.model_of[geo.index])
             self.rt.pre_forward(model=self.model_of[geo.index])
 
@@ -274,11 +222,8 @@ class TransformersCanaryState:
         when due, the sweep of the cached blocks."""
         self._note_complete_blocks(batch)
         for geo in self.geos:
-            loc = written[geo.index]
-            moved = not np.array_equal(loc, batch.head_locs[geo.index])
-            self.rt.post_forward(model=self.model_of[geo.index], out_cache_loc=self._dev(loc) if moved else None)
-        self._collect(self.rt.finish_step())
-        self.steps += 1
+            self._post_forward(self.model_of[geo.index], written[geo.index], batch.head_locs[geo.index])
+        self._finish_step()
 
     def copy_blocks(self, group: int, sources: list[int], dests: list[int]) -> None:
         """The engine copied whole blocks (a fork): copy their canary records too, in every buffer of the group,
@@ -304,38 +249,4 @@ class TransformersCanaryState:
         that one chain check, a block at the start of a sequence anchors at -1)."""
         geo = self.geos[0]
         blocks = [b for b in geo.allocator.ledger.cached_blocks if b in self.block_index] if not geo.window else []
-        ps = geo.page_size
-        offsets = np.arange(ps, dtype=np.int64)
-        slots, positions, prevs = [], [], []
-        for b in blocks:
-            k = self.block_index[b]
-            first = b * geo.stride
-            slots.append(first + offsets)
-            positions.append(k * ps + offsets)
-            prev = first + offsets - 1
-            prev[0] = -1 if k == 0 else 0
-            prevs.append(prev)
-        if not slots:
-            empty = np.zeros(0, np.int64)
-            return empty, empty, empty
-        return np.concatenate(slots), np.concatenate(positions), np.concatenate(prevs)
-
-    def flush(self) -> None:
-        """Read everything still pending (the last step's launches)."""
-        self._collect(self.rt.flush())
-
-    def _collect(self, report: StepReport) -> None:
-        for group, violation in report.new_violations:
-            self.violations.append(StepViolation(report.launch_step, group, violation))
-        self.health_problems += [(report.launch_step, p) for p in report.health_problems]
-        self.status_bits |= report.status_bits
-        self.dropped += report.dropped
-
-    def counters(self) -> dict[str, int]:
-        """Entries verified and written and kernels launched by the HEAD and TAIL endpoints (not the sweep)."""
-        out = {"verify_entries": 0, "write_entries": 0, "launches": 0}
-        for (_, tag, op), (slots, kernels) in self.rt.run_counters().items():
-            if not tag.startswith("SWEEP_"):
-                out[f"{op}_entries"] += slots
-                out["launches"] += kernels
-        return out
+        return cached_block_slots(((b, self.block_index[b]) for b in blocks), geo.page_size, geo.stride)

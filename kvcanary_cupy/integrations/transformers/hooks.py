@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..._errors import fail
+from ..common.hooks import InstanceOverrides
 from ._version import check_version
 from .batch import StepBatch, build_step_batch
 from .canary import CanaryOptions, StepViolation, TransformersCanaryState
@@ -49,11 +50,12 @@ class StepObserver(Protocol):
     # engine copied blocks (a fork) and the canary copied their records.
 
 
-class TransformersCanary:
+class TransformersCanary(InstanceOverrides):
     """The canary installed in one transformers model or continuous-batching manager (:func:`install`)."""
 
     def __init__(self, target: Any, options: CanaryOptions | None = None) -> None:
         check_version()
+        super().__init__()
         from transformers.generation.continuous_batching import ContinuousBatchingManager
         from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
@@ -76,7 +78,6 @@ class TransformersCanary:
             fail("a kv-canary is already installed in this model; remove() it first")
         self.states: dict[int, TransformersCanaryState] = {}
         self.observers: list[StepObserver] = []
-        self._wrapped: list[tuple[Any, str]] = []  # (object, attribute) set on instances, deleted by remove()
         self._current: tuple[TransformersCanaryState, StepBatch] | None = None
         self._layer_writes: dict[tuple[int, int], np.ndarray] = {}
         self._handles = [
@@ -99,30 +100,13 @@ class TransformersCanary:
 
     # -- install / remove ------------------------------------------------------------------------------------
 
-    def _set(self, obj: Any, name: str, value: Any) -> None:
-        if name in vars(obj):
-            fail(f"{type(obj).__name__}.{name} is already overridden on this instance; refusing to stack hooks")
-        setattr(obj, name, value)
-        self._wrapped.append((obj, name))
-
     def remove(self) -> None:
         """Remove every hook and instance override; the engine runs its original methods again."""
         if not self.installed:
             return
         for handle in self._handles:
             handle.remove()
-        for obj, name in reversed(self._wrapped):
-            if name in vars(obj):
-                delattr(obj, name)
-        self._wrapped.clear()
-        self.installed = False
-
-    def __enter__(self) -> TransformersCanary:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.finish()
-        self.remove()
+        self._unset_all()
 
     # -- results ---------------------------------------------------------------------------------------------
 

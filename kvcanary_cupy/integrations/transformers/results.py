@@ -5,25 +5,18 @@ those two imports the other at module level.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from .canary import StepViolation
+from ..common.records import EngineSimConfig, EngineSimulation, RunRecord
 from .faults import FAULT_KINDS
 from .workloads import MODEL_SIZES, workloads
 
 
 @dataclass(frozen=True)
-class TransformersSimConfig:
+class TransformersSimConfig(EngineSimConfig):
     model_size: str = "small"
-    inject: tuple[str, ...] = ()
-    seed: int = 0
-    backend: str = "auto"
-    real_kv_hash: str = "partial"
-    with_v: bool = True
     inject_at: int = 4
-    sweep_interval: int = 8
-    workloads: tuple[str, ...] = ()  # empty: all
 
     def validate(self) -> None:
         from ..._errors import fail
@@ -32,16 +25,8 @@ class TransformersSimConfig:
         check_version()
         if self.model_size not in MODEL_SIZES:
             fail(f"--model-size must be one of {', '.join(MODEL_SIZES)}, got {self.model_size!r}")
-        for kind in self.inject:
-            if kind not in FAULT_KINDS:
-                fail(f"unknown fault kind {kind!r} for --engine transformers; choose from {', '.join(FAULT_KINDS)}")
-        if self.backend not in ("auto", "numpy", "host"):
-            fail(f"--backend {self.backend} is not available with --engine transformers on a CPU model "
-                 "(use auto, numpy or host)")
-        known = workloads()
-        for name in self.workloads:
-            if name not in known:
-                fail(f"unknown workload {name!r}; choose from {', '.join(known)}")
+        self.check_choices("transformers", fault_kinds=FAULT_KINDS, workloads=workloads(),
+                           backend_note=" on a CPU model")
 
 
 class WorkloadStats:
@@ -78,32 +63,10 @@ class WorkloadStats:
 
 
 @dataclass
-class RunResult:
-    workload: str
-    kind: str | None
-    steps: int
-    step_offset: int
-    tokens: dict[str, list[int]]
-    errors: dict[str, str]
-    violations: list[StepViolation]
-    fault: Any
-    stats: WorkloadStats
-    seconds: dict[str, float]
-    wall: float
-    counters: dict[str, int]
-    status_bits: int
-    dropped: int
-    health_problems: list[tuple[int, str]]
+class RunResult(RunRecord):
+    tokens: dict[str, list[int]]  # request id -> generated tokens
+    errors: dict[str, str]  # request id -> the engine's error, for requests that failed
 
 
-@dataclass
-class SimulationRecord:
+class SimulationRecord(EngineSimulation[TransformersSimConfig, RunResult]):
     """The outcome of a simulation; ``wall`` and ``total_steps`` are set when the run finishes."""
-
-    cfg: TransformersSimConfig
-    runs: list[RunResult] = field(default_factory=list)
-    token_exact: dict[str, bool] = field(default_factory=dict)
-    reference_wall: dict[str, float] = field(default_factory=dict)
-    model_params: int = 0
-    wall: float = 0.0
-    total_steps: int = 0

@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from ..common.records import WorkloadRuns, parse_inject, run_with_canary, run_workloads
 from .canary import CanaryOptions
 from .faults import FAULT_KINDS, Injector, make_injector
 from .hooks import TransformersCanary, install
@@ -41,18 +42,8 @@ class TransformersSimulation(SimulationRecord):
                              backend=self.cfg.backend, sweep_interval=self.cfg.sweep_interval)
         canary: TransformersCanary = install(model, opts)
         stats = WorkloadStats()
-        canary.observers.append(stats)
-        if injector is not None:
-            canary.observers.append(injector)
-        start = time.perf_counter()
-        try:
-            out = w.run(model)
-            wall = time.perf_counter() - start
-            canary.finish()
-        finally:
-            canary.remove()
-            if injector is not None:
-                injector.close()
+        out, wall = run_with_canary(canary, [stats] if injector is None else [stats, injector], lambda: w.run(model),
+                                    None if injector is None else injector.close)
         seconds: Counter[str] = Counter()
         counters: Counter[str] = Counter()
         status = dropped = 0
@@ -63,10 +54,12 @@ class TransformersSimulation(SimulationRecord):
             counters.update(st.counters())
             status |= st.status_bits
             dropped += st.dropped
-        return RunResult(w.name, kind, canary.steps, offset, {rid: list(r.generated_tokens) for rid, r in out.items()},
-                         {rid: str(r.error) for rid, r in out.items() if r.error is not None}, canary.violations,
-                         None if injector is None else injector.fault, stats, dict(seconds), wall, dict(counters),
-                         status, dropped, health)
+        return RunResult(workload=w.name, kind=kind, steps=canary.steps, step_offset=offset,
+                         violations=canary.violations, fault=None if injector is None else injector.fault,
+                         stats=stats, seconds=dict(seconds), wall=wall, counters=dict(counters), status_bits=status,
+                         dropped=dropped, health_problems=health,
+                         tokens={rid: list(r.generated_tokens) for rid, r in out.items()},
+                         errors={rid: str(r.error) for rid, r in out.items() if r.error is not None})
 
     def run(self, progress: Any = None) -> dict[str, Any]:
         self.cfg.validate()
@@ -74,53 +67,33 @@ class TransformersSimulation(SimulationRecord):
         chosen = workloads(seed=self.cfg.seed)
         names = list(self.cfg.workloads) or list(chosen)
         models: dict[str, Any] = {}
-        offset = 0
-        total = len(names) * (2 + len(self.cfg.inject))
-        done = 0
-        for name in names:
+
+        def workload(name: str) -> WorkloadRuns[RunResult]:
             w = chosen[name]
             if w.arch not in models:
                 models[w.arch] = build_model(w.arch, self.cfg.model_size, self.cfg.seed)
             model = models[w.arch]
             self.model_params = max(self.model_params, sum(p.numel() for p in model.parameters()))
-            t = time.perf_counter()
-            reference = w.run(model)
-            self.reference_wall[name] = time.perf_counter() - t
-            ref_tokens = {rid: list(r.generated_tokens) for rid, r in reference.items()}
-            done += 1
-            clean = self._run(model, w, None, offset, None)
-            offset += clean.steps + 1
-            self.runs.append(clean)
-            self.token_exact[name] = clean.tokens == ref_tokens and not clean.errors
-            done += 1
-            if progress is not None:
-                progress(done, total, f"{name}: clean run, {len(clean.violations)} violation(s)")
-            for i, kind in enumerate(self.cfg.inject):
-                injector = make_injector(kind, self.cfg.inject_at, seed=self.cfg.seed * 100 + i,
-                                         vocab_size=int(model.config.vocab_size))
-                result = self._run(model, w, kind, offset, injector)
-                offset += result.steps + 1
-                self.runs.append(result)
-                done += 1
-                if progress is not None:
-                    progress(done, total, f"{name}: {kind}")
+
+            def run(kind: str | None, offset: int, i: int) -> RunResult:
+                injector = None if kind is None else make_injector(
+                    kind, self.cfg.inject_at, seed=self.cfg.seed * 100 + i, vocab_size=int(model.config.vocab_size))
+                return self._run(model, w, kind, offset, injector)
+
+            return WorkloadRuns(
+                reference=lambda: w.run(model), run=run,
+                token_exact=lambda clean, reference: clean.tokens == {
+                    rid: list(r.generated_tokens) for rid, r in reference.items()} and not clean.errors)
+
+        run_workloads(self, names, workload, progress)
         self.wall = time.perf_counter() - start
-        self.total_steps = offset
         return build_report(self)
 
 
 def config_from_args(args: Any) -> TransformersSimConfig:
     """The run's configuration from ``kvcanary simulate --engine transformers`` arguments (ValueError if bad)."""
-    inject: list[str] = []
-    for item in args.inject:
-        for name in item.split(","):
-            name = name.split(":", 1)[0].strip()
-            if name == "all":
-                inject.extend(k for k in FAULT_KINDS if k not in inject)
-            elif name and name not in inject:
-                inject.append(name)
-    cfg = TransformersSimConfig(model_size=args.model_size, inject=tuple(inject), seed=args.seed,
-                                backend=args.backend, real_kv_hash=args.real_kv_hash, with_v=True,
+    cfg = TransformersSimConfig(model_size=args.model_size, inject=parse_inject(args.inject, FAULT_KINDS),
+                                seed=args.seed, backend=args.backend, real_kv_hash=args.real_kv_hash, with_v=True,
                                 sweep_interval=args.sweep_interval)
     cfg.validate()
     return cfg

@@ -19,11 +19,7 @@ row-major ``[block_size, head_size]`` (``layer.isa == "vec"``); the sources are
 
 from __future__ import annotations
 
-import contextlib
 import os
-import time
-from collections import defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -34,23 +30,18 @@ from ...constants import MAX_REAL_KV_SOURCES
 from ...context import RealKvSource
 from ...kv_layouts import vllm_cpu_source
 from ...layouts import TokenTable
-from ...runtime import CanaryConfig, CanaryRuntime, Capacities, KvGroup, KvPools, StepBatch, StepReport
-from ...violations import Violation
+from ...runtime import CanaryConfig, CanaryRuntime, Capacities, KvGroup, KvPools
+from ..common.options import EngineCanaryOptions
+from ..common.state import EngineCanaryState, StepViolation, cached_block_slots, expected_pool, host_array
+
+__all__ = ["ENV_PREFIX", "CanaryOptions", "GroupGeometry", "StepViolation", "VllmCanaryState", "VllmStep",
+           "build_step"]
 
 ENV_PREFIX = "KVCANARY_VLLM"
 
 
-@dataclass(frozen=True)
-class StepViolation:
-    """One ring row with the engine step whose launch appended it and the canary group it belongs to."""
-
-    step: int
-    group: str
-    violation: Violation
-
-
 @dataclass
-class CanaryOptions:
+class CanaryOptions(EngineCanaryOptions):
     """What the canary does in vLLM (turned into a runtime :class:`CanaryConfig`).
 
     ``mode``: ``log`` (one warning per violation), ``raise`` (the runtime's ``CanaryViolationError`` one step
@@ -61,12 +52,6 @@ class CanaryOptions:
     has not handed out fresh since (what its prefix cache can still hit); 0: never.
     """
 
-    mode: str = "log"
-    real_kv_hash: str = "partial"
-    with_v: bool = True
-    backend: str = "auto"
-    ring_capacity: int = 4096
-    sweep_interval: int = 8
     logger: str = "kvcanary_cupy.vllm"
 
     def config(self) -> CanaryConfig:
@@ -74,9 +59,7 @@ class CanaryOptions:
             fail(f"mode must be 'off', 'log' or 'raise', got {self.mode!r}")
         if self.real_kv_hash not in ("none", "partial", "all"):
             fail(f"real_kv_hash must be 'none', 'partial' or 'all', got {self.real_kv_hash!r}")
-        return CanaryConfig(mode=self.mode, ring_capacity=self.ring_capacity, real_kv_hash_mode=self.real_kv_hash,
-                            write_input_assert=True, verify_token_assert=True, backend=self.backend,
-                            sweep_interval=self.sweep_interval, logger=self.logger)
+        return self.runtime_config()
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> CanaryOptions | None:
@@ -138,12 +121,13 @@ def _layer_sources(geo: GroupGeometry, layer: Any, cache: Any, which: str, read_
                             isa=str(getattr(layer, "isa", "vec")))]
 
 
-class VllmCanaryState:
+class VllmCanaryState(EngineCanaryState):
     """The runtime over one model runner's KV caches, and the engine step driven through its phases."""
 
     def __init__(self, runner: Any, opts: CanaryOptions) -> None:
         import torch
 
+        super().__init__()
         self.opts = opts
         self.runner = runner
         self.device = torch.device("cpu") if not runner.kv_caches else runner.kv_caches[0].device
@@ -187,7 +171,6 @@ class VllmCanaryState:
                           model=g.model, layout=layouts[g.model]) for g in groups]
         self.group_names = [g.name for g in groups]
 
-        self.seconds: dict[str, float] = defaultdict(float)
         # A row that hits blocks a sibling writes in the same step re-stamps them (see build_step): at most every
         # token of the step once more per such row; 4x the step's tokens covers n <= 4 siblings.
         self.max_tokens = 4 * int(runner.max_num_tokens)
@@ -202,19 +185,6 @@ class VllmCanaryState:
         # The runner's own dummy/profile forwards never reach the canary (only execute_model's do), so the
         # write's chain-position assert goes on at once.
         self.rt.mark_init_finished()
-        self.violations: list[StepViolation] = []
-        self.health_problems: list[tuple[int, str]] = []
-        self.status_bits = 0
-        self.dropped = 0
-        self.steps = 0
-
-    @contextlib.contextmanager
-    def _timer(self, phase: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[phase] += time.perf_counter() - start
 
     # -- the step --------------------------------------------------------------------------------------------
 
@@ -226,28 +196,13 @@ class VllmCanaryState:
 
     def before_forward(self, batch: VllmStep) -> None:
         """Phases 1 and 2 of every group: stage the batch, then plan, HEAD verify and HEAD write."""
-        import torch
-
         b = batch.size
         if b > self.max_requests:
             fail(f"vLLM scheduled {b} requests in one step, more than the {self.max_requests} the canary was "
                  "sized for (max_num_seqs)")
-        history = np.concatenate([batch.expected_pool[i + 1, : int(n)] for i, n in enumerate(batch.valid_lens)]
-                                 ).astype(np.int64) if b else np.zeros(0, np.int64)
-        offsets = np.zeros(b + 1, np.int64)
-        np.cumsum(batch.valid_lens, out=offsets[1:])
-        dev = torch.from_numpy
-        rows, prefix, extend = dev(batch.rows), dev(batch.prefix_lens), dev(batch.extend_lens)
-        ids, pos, valid = dev(batch.input_ids), dev(batch.positions), dev(batch.valid_lens)
-        want_ids, want_pos = dev(batch.expected_input_ids), dev(batch.expected_positions)
-        for n, geo in enumerate(self.geos):
+        steps = self._step_batches(batch, [batch.slot_mappings[geo.index] for geo in self.geos])
+        for geo, step in zip(self.geos, steps, strict=True):
             self._fill_table(geo, batch)
-            first = n == 0  # the expected-token pool is shared: one scatter per step
-            step = StepBatch(
-                req_pool_indices=rows, prefix_lens=prefix, extend_seq_lens=extend, input_ids=ids, positions=pos,
-                out_cache_loc=dev(batch.slot_mappings[geo.index]), expected_input_ids=want_ids,
-                expected_positions=want_pos, valid_lens=valid, history_ids=dev(history) if first else None,
-                history_offsets=dev(offsets) if first else None, history_req_pool_indices=rows if first else None)
             self.rt.prepare(step, model=geo.name)
             self.rt.pre_forward(model=geo.name)
 
@@ -261,15 +216,11 @@ class VllmCanaryState:
     def after_forward(self, batch: VllmStep, written: dict[int, np.ndarray]) -> None:
         """Phases 3 and 4: TAIL verify and TAIL write (stamped where attention really wrote: the slot mapping as
         it was when the forward returned), then the one-step-late read of the rings and, when due, the sweep."""
-        import torch
-
         for geo in self.geos:
-            loc = batch.canary_tokens(written[geo.index], batch.slot_mappings[geo.index])
-            moved = not np.array_equal(loc, batch.slot_mappings[geo.index])
-            self.rt.post_forward(model=geo.name, out_cache_loc=torch.from_numpy(loc) if moved else None)
+            planned = batch.slot_mappings[geo.index]
+            self._post_forward(geo.name, batch.canary_tokens(written[geo.index], planned), planned)
         self._note_complete_blocks(batch)
-        self._collect(self.rt.finish_step())
-        self.steps += 1
+        self._finish_step()
 
     def _note_complete_blocks(self, batch: VllmStep) -> None:
         """Index every block a request of this step writes: complete ones at their place in the sequence, a
@@ -293,41 +244,8 @@ class VllmCanaryState:
         """The sweep source: every slot of every complete block still indexed, with its position; predecessors
         inside a block, none across blocks (prev 0 skips that one chain check, a first block anchors at -1)."""
         geo = self.geos[0]
-        offsets = np.arange(geo.block_size, dtype=np.int64)
-        slots, positions, prevs = [], [], []
-        for (gi, block), k in self.block_index.items():
-            if gi != geo.index:
-                continue
-            first = block * geo.block_size
-            slots.append(first + offsets)
-            positions.append(k * geo.block_size + offsets)
-            prev = first + offsets - 1
-            prev[0] = -1 if k == 0 else 0
-            prevs.append(prev)
-        if not slots:
-            empty = np.zeros(0, np.int64)
-            return empty, empty, empty
-        return np.concatenate(slots), np.concatenate(positions), np.concatenate(prevs)
-
-    def flush(self) -> None:
-        """Read everything still pending (the last step's launches)."""
-        self._collect(self.rt.flush())
-
-    def _collect(self, report: StepReport) -> None:
-        for group, violation in report.new_violations:
-            self.violations.append(StepViolation(report.launch_step, group, violation))
-        self.health_problems += [(report.launch_step, p) for p in report.health_problems]
-        self.status_bits |= report.status_bits
-        self.dropped += report.dropped
-
-    def counters(self) -> dict[str, int]:
-        """Entries verified and written and kernels launched by the HEAD and TAIL endpoints (not the sweep)."""
-        out = {"verify_entries": 0, "write_entries": 0, "launches": 0}
-        for (_, tag, op), (slots, kernels) in self.rt.run_counters().items():
-            if not tag.startswith("SWEEP_"):
-                out[f"{op}_entries"] += slots
-                out["launches"] += kernels
-        return out
+        blocks = ((block, k) for (gi, block), k in self.block_index.items() if gi == geo.index)
+        return cached_block_slots(blocks, geo.block_size, geo.block_size)
 
 
 @dataclass
@@ -372,10 +290,6 @@ class VllmStep:
         return block * geo.block_size + position % geo.block_size
 
 
-def _host(t: Any) -> np.ndarray:
-    return t.detach().to("cpu").numpy()
-
-
 def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[str, Any],
                geos: list[GroupGeometry], max_tokens: int) -> VllmStep:
     """Read one step from the forward's arguments, the attention metadata and the runner's request state."""
@@ -383,11 +297,11 @@ def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[st
     b = int(batch.num_reqs)
     ids = list(batch.req_ids[:b])
     first = metadata[geos[0].layer_names[0]]
-    cu = _host(first.query_start_loc)[: b + 1].astype(np.int64)
-    seq = _host(first.seq_lens)[:b].astype(np.int64)
+    cu = host_array(first.query_start_loc)[: b + 1].astype(np.int64)
+    seq = host_array(first.seq_lens)[:b].astype(np.int64)
     t = int(cu[b])
-    input_ids = _host(kwargs["input_ids"]).reshape(-1)[:t].astype(np.int64)
-    positions = _host(kwargs["positions"]).reshape(-1)[:t].astype(np.int64)
+    input_ids = host_array(kwargs["input_ids"]).reshape(-1)[:t].astype(np.int64)
+    positions = host_array(kwargs["positions"]).reshape(-1)[:t].astype(np.int64)
     extend = cu[1:] - cu[:-1]
     prefix = seq - extend
     want_ids = np.empty(t, np.int64)
@@ -405,16 +319,12 @@ def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[st
         histories.append(history[:end])
         want_ids[cu[i]: cu[i + 1]] = history[int(prefix[i]): end]
         want_pos[cu[i]: cu[i + 1]] = np.arange(prefix[i], end)
-    width = max([len(h) for h in histories] + [1])
-    pool = np.zeros((b + 1, width), np.int32)
-    for i, h in enumerate(histories):
-        pool[i + 1, : len(h)] = h
-    valid = np.array([len(h) for h in histories], np.int64)
+    pool, valid = expected_pool(histories)
     tables, forward_slots = {}, {}
     for geo in geos:
         md = metadata[geo.layer_names[0]]
-        tables[geo.index] = _host(md.block_table)[:b].astype(np.int32).copy()
-        forward_slots[geo.index] = _host(md.slot_mapping)[:t].astype(np.int64).copy()
+        tables[geo.index] = host_array(md.block_table)[:b].astype(np.int32).copy()
+        forward_slots[geo.index] = host_array(md.slot_mapping)[:t].astype(np.int64).copy()
     # A same-step prefix hit: vLLM caches a block when it allocates it, so a row scheduled next to the row that
     # writes the block (a parallel-sampling sibling, an identical prompt) starts past it although nothing is
     # written yet; attention is right (every layer writes all rows' K/V before it attends) but the canary's

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..._errors import fail
+from ..common.hooks import InstanceOverrides
 from ._version import check_version
 from .canary import CanaryOptions, StepViolation, VllmCanaryState, VllmStep, build_step
 
@@ -53,11 +54,12 @@ def find_runner(target: Any) -> Any:
              "(KVCANARY_VLLM=log)")
 
 
-class VllmCanary:
+class VllmCanary(InstanceOverrides):
     """The canary installed in one vLLM model runner (:func:`install`)."""
 
     def __init__(self, target: Any, options: CanaryOptions | None = None) -> None:
         check_version()
+        super().__init__()
         self.options = options or CanaryOptions()
         self.options.config()  # validates
         self.runner = find_runner(target)
@@ -67,7 +69,6 @@ class VllmCanary:
         self.observers: list[StepObserver] = []
         self.in_step = False
         self.preemptions = 0  # requests vLLM preempted while the canary watched (SchedulerOutput)
-        self._wrapped: list[tuple[Any, str]] = []
         self._set(self.runner, "execute_model", self._wrap_execute(self.runner.execute_model))
         self._set(self.runner, "_model_forward", self._wrap_forward(self.runner._model_forward))
         self._set(self.runner, "_kvcanary", self)
@@ -80,28 +81,11 @@ class VllmCanary:
             fail("vLLM refused to reset its prefix cache (requests still running): install the canary while "
                  "the engine is idle")
 
-    def _set(self, obj: Any, name: str, value: Any) -> None:
-        if name in vars(obj):
-            fail(f"{type(obj).__name__}.{name} is already overridden on this instance; refusing to stack hooks")
-        setattr(obj, name, value)
-        self._wrapped.append((obj, name))
-
     def remove(self) -> None:
         """Remove every instance override; the runner runs its class's methods again."""
         if not self.installed:
             return
-        for obj, name in reversed(self._wrapped):
-            if name in vars(obj):
-                delattr(obj, name)
-        self._wrapped.clear()
-        self.installed = False
-
-    def __enter__(self) -> VllmCanary:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.finish()
-        self.remove()
+        self._unset_all()
 
     # -- results ---------------------------------------------------------------------------------------------
 

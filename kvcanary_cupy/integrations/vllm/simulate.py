@@ -14,27 +14,29 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .canary import CanaryOptions, StepViolation
+from ..common.records import (
+    EngineSimConfig,
+    EngineSimulation,
+    RunRecord,
+    WorkloadRuns,
+    parse_inject,
+    run_with_canary,
+    run_workloads,
+)
+from .canary import CanaryOptions
 from .faults import FAULT_KINDS, injector
 from .hooks import install
 from .workloads import MODEL_SIZES, Workload, engine, num_params, save_llama, workloads
 
 
 @dataclass(frozen=True)
-class VllmSimConfig:
+class VllmSimConfig(EngineSimConfig):
     model_size: str = "tiny"
-    inject: tuple[str, ...] = ()
-    seed: int = 0
-    backend: str = "auto"
-    real_kv_hash: str = "partial"
-    with_v: bool = True
     inject_at: int = 1
-    sweep_interval: int = 8
-    workloads: tuple[str, ...] = ()  # empty: all
 
     def validate(self) -> None:
         from ..._errors import fail
@@ -43,14 +45,7 @@ class VllmSimConfig:
         check_version()
         if self.model_size not in MODEL_SIZES:
             fail(f"--model-size must be one of {', '.join(MODEL_SIZES)} for --engine vllm, got {self.model_size!r}")
-        for kind in self.inject:
-            if kind not in FAULT_KINDS:
-                fail(f"unknown fault kind {kind!r} for --engine vllm; choose from {', '.join(FAULT_KINDS)}")
-        if self.backend not in ("auto", "numpy", "host"):
-            fail(f"--backend {self.backend} is not available with --engine vllm (use auto, numpy or host)")
-        for name in self.workloads:
-            if name not in workloads():
-                fail(f"unknown workload {name!r}; choose from {', '.join(workloads())}")
+        self.check_choices("vllm", fault_kinds=FAULT_KINDS, workloads=workloads())
 
 
 class WorkloadStats:
@@ -80,54 +75,28 @@ class WorkloadStats:
 
 
 @dataclass
-class RunResult:
-    workload: str
-    kind: str | None
-    steps: int
-    step_offset: int
-    tokens: list[list[int]]
-    violations: list[StepViolation]
-    fault: Any
-    stats: WorkloadStats
-    seconds: dict[str, float]
-    wall: float
-    counters: dict[str, int]
-    status_bits: int
-    dropped: int
-    health_problems: list[tuple[int, str]]
-    preemptions: int
+class RunResult(RunRecord):
+    tokens: list[list[int]]  # per prompt, its completions' token ids
+    preemptions: int  # requests vLLM preempted during the run
 
 
 @dataclass
-class VllmSimulation:
-    cfg: VllmSimConfig
-    runs: list[RunResult] = field(default_factory=list)
-    token_exact: dict[str, bool] = field(default_factory=dict)
-    reference_wall: dict[str, float] = field(default_factory=dict)
-    model_params: int = 0
-    wall: float = 0.0
-    total_steps: int = 0
+class VllmSimulation(EngineSimulation[VllmSimConfig, RunResult]):
+    """Runs the configured workloads (reference, clean, one per fault kind) in one engine and records them."""
 
     def _run(self, llm: Any, w: Workload, kind: str | None, offset: int, fault: Any) -> RunResult:
         opts = CanaryOptions(mode="log", real_kv_hash=self.cfg.real_kv_hash, with_v=self.cfg.with_v,
                              backend=self.cfg.backend, sweep_interval=self.cfg.sweep_interval)
         canary = install(llm, opts)
         stats = WorkloadStats()
-        canary.observers.append(stats)
-        if fault is not None:
-            canary.observers.append(fault)
-        start = time.perf_counter()
-        try:
-            tokens = w.run(llm)
-            wall = time.perf_counter() - start
-            canary.finish()
-        finally:
-            canary.remove()
+        tokens, wall = run_with_canary(canary, [stats] if fault is None else [stats, fault], lambda: w.run(llm))
         st = canary.state
-        return RunResult(w.name, kind, canary.steps, offset, tokens, canary.violations,
-                         None if fault is None else fault.fault, stats, dict(st.seconds) if st else {}, wall,
-                         st.counters() if st else {}, st.status_bits if st else 0, st.dropped if st else 0,
-                         list(st.health_problems) if st else [], canary.preemptions)
+        return RunResult(workload=w.name, kind=kind, steps=canary.steps, step_offset=offset,
+                         violations=canary.violations, fault=None if fault is None else fault.fault, stats=stats,
+                         seconds=dict(st.seconds) if st else {}, wall=wall, counters=st.counters() if st else {},
+                         status_bits=st.status_bits if st else 0, dropped=st.dropped if st else 0,
+                         health_problems=list(st.health_problems) if st else [], tokens=tokens,
+                         preemptions=canary.preemptions)
 
     def run(self, progress: Any = None) -> dict[str, Any]:
         self.cfg.validate()
@@ -137,33 +106,18 @@ class VllmSimulation:
         folder = Path(tempfile.gettempdir()) / f"kvcanary-vllm-{self.cfg.model_size}-seed{self.cfg.seed}"
         llm = engine(save_llama(folder, self.cfg.model_size, seed=self.cfg.seed), self.cfg.model_size)
         self.model_params = num_params(self.cfg.model_size)
-        offset = 0
-        total = len(names) * (2 + len(self.cfg.inject))
-        done = 0
-        for name in names:
+
+        def workload(name: str) -> WorkloadRuns[RunResult]:
             w = chosen[name]
-            llm.reset_prefix_cache()
-            t = time.perf_counter()
-            reference = w.run(llm)
-            self.reference_wall[name] = time.perf_counter() - t
-            done += 1
-            clean = self._run(llm, w, None, offset, None)
-            offset += clean.steps + 1
-            self.runs.append(clean)
-            self.token_exact[name] = clean.tokens == reference
-            done += 1
-            if progress is not None:
-                progress(done, total, f"{name}: clean run, {len(clean.violations)} violation(s)")
-            for i, kind in enumerate(self.cfg.inject):
-                result = self._run(llm, w, kind, offset, injector(kind, self.cfg.inject_at,
-                                                                   seed=self.cfg.seed * 100 + i))
-                offset += result.steps + 1
-                self.runs.append(result)
-                done += 1
-                if progress is not None:
-                    progress(done, total, f"{name}: {kind}")
+            llm.reset_prefix_cache()  # every run starts from the same engine state
+            return WorkloadRuns(
+                reference=lambda: w.run(llm),
+                run=lambda kind, offset, i: self._run(llm, w, kind, offset, None if kind is None else injector(
+                    kind, self.cfg.inject_at, seed=self.cfg.seed * 100 + i)),
+                token_exact=lambda clean, reference: clean.tokens == reference)
+
+        run_workloads(self, names, workload, progress)
         self.wall = time.perf_counter() - start
-        self.total_steps = offset
         from .report import build_report
 
         return build_report(self)
@@ -171,17 +125,9 @@ class VllmSimulation:
 
 def config_from_args(args: Any) -> VllmSimConfig:
     """The run's configuration from ``kvcanary simulate --engine vllm`` arguments (ValueError if bad)."""
-    inject: list[str] = []
-    for item in args.inject:
-        for name in item.split(","):
-            name = name.split(":", 1)[0].strip()
-            if name == "all":
-                inject.extend(k for k in FAULT_KINDS if k not in inject)
-            elif name and name not in inject:
-                inject.append(name)
     size = {"small": "tiny", "medium": "bench"}.get(args.model_size, args.model_size)
-    cfg = VllmSimConfig(model_size=size, inject=tuple(inject), seed=args.seed, backend=args.backend,
-                        real_kv_hash=args.real_kv_hash, sweep_interval=args.sweep_interval)
+    cfg = VllmSimConfig(model_size=size, inject=parse_inject(args.inject, FAULT_KINDS), seed=args.seed,
+                        backend=args.backend, real_kv_hash=args.real_kv_hash, sweep_interval=args.sweep_interval)
     cfg.validate()
     return cfg
 
