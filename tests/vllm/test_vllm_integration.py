@@ -57,6 +57,21 @@ def test_remove_restores_the_runners_methods(llm):
     assert WORKLOADS["mixed-lengths"].run(llm) == baseline(llm, "mixed-lengths")
 
 
+@pytest.mark.parametrize(("target", "args", "kwargs", "message"), [
+    ("class", (), {}, r"target must be an in-process vllm\.LLM, its engine or a model runner, got the class"),
+    ("llm", ("raise",), {}, r"options must be a CanaryOptions \(or None\), got str"),
+    ("llm", ({"mode": "raise"},), {}, r"options must be a CanaryOptions \(or None\), got dict"),
+    ("llm", (), {"moed": "raise"}, r"install\(\) got unknown option field\(s\) moed"),
+    ("llm", (kv.CanaryOptions(),), {"mode": "raise"}, r"give either options or option fields, not both"),
+])
+def test_install_refuses_wrong_objects_and_hooks_nothing(llm, target, args, kwargs, message):
+    runner = kv.find_runner(llm)
+    before = dict(vars(runner))
+    with pytest.raises(ValueError, match=r"^kv-canary: " + message):
+        kv.install(type(llm) if target == "class" else llm, *args, **kwargs)
+    assert vars(runner) == before
+
+
 def test_mode_off_launches_nothing_and_changes_nothing(llm):
     canary = kv.install(llm, mode="off")
     try:

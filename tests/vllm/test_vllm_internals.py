@@ -35,7 +35,17 @@ def test_options_come_from_the_environment():
     opts = CanaryOptions.from_env({"KVCANARY_VLLM": "raise", "KVCANARY_VLLM_SWEEP_INTERVAL": "3",
                                    "KVCANARY_VLLM_WITH_V": "0", "KVCANARY_VLLM_BACKEND": "numpy"})
     assert opts == CanaryOptions(mode="raise", sweep_interval=3, with_v=False, backend="numpy")
-    with pytest.raises(ValueError, match=r"^kv-canary: mode must be"):
+    with pytest.raises(ValueError, match=r"^kv-canary: CanaryOptions.mode must be one of off, log, raise"):
         CanaryOptions.from_env({"KVCANARY_VLLM": "loud"})
     with pytest.raises(ValueError, match=r"^kv-canary: KVCANARY_VLLM_SWEEP_INTERVAL must be an integer"):
         CanaryOptions.from_env({"KVCANARY_VLLM": "log", "KVCANARY_VLLM_SWEEP_INTERVAL": "often"})
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("mode", "LOG"), ("mode", None), ("real_kv_hash", "some"), ("with_v", "no"), ("with_v", 1),
+    ("backend", "gpu"), ("ring_capacity", 0), ("ring_capacity", True), ("sweep_interval", -1),
+    ("sweep_interval", 1.5), ("logger", ""),
+])
+def test_every_option_field_is_checked_strictly(field, value):
+    with pytest.raises(ValueError, match=rf"^kv-canary: CanaryOptions\.{field} "):
+        CanaryOptions(**{field: value})

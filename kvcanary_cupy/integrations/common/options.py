@@ -4,10 +4,16 @@ backend, ring size, sweep interval, logger) and how they become the runtime's :c
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
+from ..._errors import fail
+from ..._validate import bool_arg, int_arg
+from ...backends import BACKEND_NAMES
 from ...runtime import CanaryConfig
+
+Options = TypeVar("Options", bound="EngineCanaryOptions")
 
 
 @dataclass
@@ -21,6 +27,47 @@ class EngineCanaryOptions:
     ring_capacity: int = 4096
     sweep_interval: int = 8
     logger: str = "kvcanary_cupy"
+
+    # the real_kv_hash values an engine supports
+    REAL_KV_HASH_CHOICES: ClassVar[tuple[str, ...]] = ("none", "partial", "all")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Every field strictly (a ``kv-canary: `` error naming ``CanaryOptions.<field>``): no truthiness, no
+        arrays, no conversion. Run at construction and again before use (the fields are mutable)."""
+        for name, choices in (("mode", ("off", "log", "raise")), ("real_kv_hash", self.REAL_KV_HASH_CHOICES),
+                              ("backend", ("auto", *BACKEND_NAMES))):
+            value = getattr(self, name)
+            # isinstance first: `in` on an array or an object with an odd __eq__ would not give a bool
+            if not isinstance(value, str) or value not in choices:
+                fail(f"CanaryOptions.{name} must be one of {', '.join(choices)}, got {value!r}")
+        bool_arg(self.with_v, "CanaryOptions.with_v")
+        int_arg(self.ring_capacity, "CanaryOptions.ring_capacity", minimum=1, maximum=(1 << 31) - 1)
+        int_arg(self.sweep_interval, "CanaryOptions.sweep_interval", minimum=0)
+        if not isinstance(self.logger, str) or not self.logger:
+            fail(f"CanaryOptions.logger must be a non-empty str, got {self.logger!r}")
+
+    @classmethod
+    def from_install(cls: type[Options], options: Any, option_fields: dict[str, Any]) -> Options:
+        """The options of an engine's ``install(target, options=None, **option_fields)``: a ``CanaryOptions`` of
+        this class (validated again: its fields may have been changed), or one built from keyword fields; both,
+        unknown fields, or any other object are refused."""
+        if options is not None and option_fields:
+            fail("give either options or option fields, not both")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(option_fields) - set(known))
+        if unknown:
+            fail(f"install() got unknown option field(s) {', '.join(unknown)}; CanaryOptions fields: "
+                 f"{', '.join(known)}")
+        if options is None:
+            return cls(**option_fields)
+        if not isinstance(options, cls):
+            fail(f"options must be a CanaryOptions (or None), got {type(options).__name__}; pass option fields as "
+                 "keywords instead, e.g. install(target, mode='raise')")
+        options.validate()
+        return options
 
     def runtime_config(self, **extra: Any) -> CanaryConfig:
         """The runtime's config of these options (``extra``: further :class:`CanaryConfig` fields). The write-input

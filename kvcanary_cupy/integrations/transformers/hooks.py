@@ -20,7 +20,6 @@ Where it hooks (transformers 5.24; see docs/transformers.md):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -60,7 +59,7 @@ class TransformersCanary(InstanceOverrides):
         from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
         self._paged_cache_type = PagedAttentionCache
-        self.options = _options_arg(options)
+        self.options = CanaryOptions.from_install(options, {})
         self._managers: list[Any] = []
         self.model: Any
         if isinstance(target, type):
@@ -232,29 +231,11 @@ def _check_supported(processor: Any) -> None:
              "use ContinuousBatchingConfig(use_cuda_graph=False)")
 
 
-def _options_arg(options: Any) -> CanaryOptions:
-    """``options`` checked: a :class:`CanaryOptions` (validated again: its fields may have been changed), or
-    None for the defaults."""
-    if options is None:
-        return CanaryOptions()
-    if not isinstance(options, CanaryOptions):
-        fail(f"options must be a CanaryOptions (or None), got {type(options).__name__}; pass option fields as "
-             "keywords instead, e.g. install(model, mode='raise')")
-    options.validate()
-    return options
-
-
 def install(target: Any, options: CanaryOptions | None = None, **option_fields: Any) -> TransformersCanary:
     """Install the canary into a transformers model (before ``generate_batch`` / ``init_continuous_batching``) or
     a ``ContinuousBatchingManager``; ``remove()`` the returned object to take it out again. ``option_fields``
     build a :class:`CanaryOptions` when ``options`` is not given."""
-    if options is not None and option_fields:
-        fail("give either options or option fields, not both")
-    known = [f.name for f in dataclasses.fields(CanaryOptions)]
-    unknown = sorted(set(option_fields) - set(known))
-    if unknown:
-        fail(f"install() got unknown option field(s) {', '.join(unknown)}; CanaryOptions fields: {', '.join(known)}")
-    return TransformersCanary(target, _options_arg(options) if options is not None else CanaryOptions(**option_fields))
+    return TransformersCanary(target, CanaryOptions.from_install(options, option_fields))
 
 
 def remove(target: Any) -> None:

@@ -55,10 +55,7 @@ class CanaryOptions(EngineCanaryOptions):
     logger: str = "kvcanary_cupy.vllm"
 
     def config(self) -> CanaryConfig:
-        if self.mode not in ("off", "log", "raise"):
-            fail(f"mode must be 'off', 'log' or 'raise', got {self.mode!r}")
-        if self.real_kv_hash not in ("none", "partial", "all"):
-            fail(f"real_kv_hash must be 'none', 'partial' or 'all', got {self.real_kv_hash!r}")
+        self.validate()
         return self.runtime_config()
 
     @classmethod

@@ -60,8 +60,10 @@ class VllmCanary(InstanceOverrides):
     def __init__(self, target: Any, options: CanaryOptions | None = None) -> None:
         check_version()
         super().__init__()
-        self.options = options or CanaryOptions()
-        self.options.config()  # validates
+        self.options = CanaryOptions.from_install(options, {})
+        if isinstance(target, type):
+            fail(f"target must be an in-process vllm.LLM, its engine or a model runner, got the class "
+                 f"{target.__name__}")
         self.runner = find_runner(target)
         if getattr(self.runner, "_kvcanary", None) is not None:
             fail("a kv-canary is already installed in this model runner; remove() it first")
@@ -156,9 +158,7 @@ def install(target: Any, options: CanaryOptions | None = None, **option_fields: 
     """Install the canary into an in-process ``vllm.LLM`` (or its engine, or a model runner); ``remove()`` the
     returned object to take it out again. ``option_fields`` build a :class:`CanaryOptions` when ``options`` is
     not given."""
-    if options is not None and option_fields:
-        fail("give either options or option fields, not both")
-    return VllmCanary(target, options or CanaryOptions(**option_fields))
+    return VllmCanary(target, CanaryOptions.from_install(options, option_fields))
 
 
 def remove(target: Any) -> None:
