@@ -53,6 +53,8 @@ CASES = {
     # not flagged; request 1 wants 1 of its 3 tokens.
     "bad-row-beside-a-pool-reader": case([9, 1], [2, 3], [0, 0], pool=POOL8, lens=[2, 1]),
     "bad-row-alone-reads-no-pool": case([9], [2], [0], pool=POOL8, lens=[2]),
+    # Row index 4 of a 4-row table: the first index outside, for the seed and the entries alike.
+    "row-index-equal-to-the-row-count": case([4], [2], [1]),
     # A pool with no columns: nothing can be read, every expected token is -1.
     "empty-pool": case([1, 2], [3, 2], [1, 1], pool=np.zeros((4, 0), np.int32), lens=[0, 0]),
     # Window [4, 8) read with offset -2: source positions 2..5 of a 5-wide pool row; 5 is outside.
@@ -65,7 +67,8 @@ CASES = {
 STATUS = {"empty-req-to-token": 2, "prefix-one-past-the-row": 2, "lut-moves-slot-zero-and-keeps-negatives": 0,
           "pool-read-outside-beside-unwanted-tokens": 8, "bad-row-and-pool-read-outside": 1 | 8,
           "bad-row-beside-a-pool-reader": 1, "bad-row-alone-reads-no-pool": 1, "empty-pool": 0,
-          "negative-offset-window-reads-past-the-pool": 8}
+          "negative-offset-window-reads-past-the-pool": 8,
+          "row-index-equal-to-the-row-count": 1}
 
 
 def test_each_case_raises_the_status_bits_worked_out_by_hand():
