@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from plan_helpers import linear_rtt, run_plan
 
+import kvcanary_cupy as kc
 from kvcanary_cupy.constants import PlanStatus
 
 RTT = linear_rtt(4, 32)  # 1000 + 32 r + c
@@ -52,10 +53,11 @@ def test_an_entry_beyond_the_row_names_its_own_request():
 
 
 def test_a_seed_outside_the_lut_is_named():
-    # Request 0's seed is req_to_token[1, 19] = 1051; the LUT has 1040 entries. Entries overflow.
+    # Seeds req_to_token[1, 2] = 1034 (inside a 1040-entry LUT) and req_to_token[2, 19] = 1083 (outside): the
+    # second is named. Entries overflow.
     lut = np.arange(1040, dtype=np.int64)
-    message = refused(rpi=[1], prefix=[20], extend=[1], rtt=RTT, window=64, lut=lut, capacity=4)
-    assert message == ("kv-canary: req_to_token[1, 19]=1051 is outside full_to_swa_index_mapping (length 1040)")
+    message = refused(rpi=[1, 2], prefix=[3, 20], extend=[1, 1], rtt=RTT, window=64, lut=lut, capacity=4)
+    assert message == ("kv-canary: req_to_token[2, 19]=1083 is outside full_to_swa_index_mapping (length 1040)")
 
 
 def test_an_entry_slot_outside_the_lut_is_named():
@@ -97,9 +99,24 @@ def test_an_expected_token_pool_row_outside_the_pool_is_named():
 
 
 def test_the_lowest_status_bit_gives_the_message_whatever_the_order_found():
-    # A LUT problem (bit 3) in request 0's seed and a row problem (bit 1) in request 1's: the row is named.
+    # Request 0's seed is outside the LUT (bit 4), found first, while seeds are checked; request 1 writes
+    # nothing and its row does not exist (bit 1), found later, while entries are checked: the row is named.
     lut = np.arange(1040, dtype=np.int64)
-    message = refused(rpi=[1, 9], prefix=[20, 2], extend=[1, 1], rtt=RTT, window=64, lut=lut, capacity=4)
+    kwargs = {"rpi": [1, 9], "prefix": [20, 2], "extend": [1, 0], "rtt": RTT, "window": 64, "lut": lut}
+    message = refused(**kwargs)
     assert re.fullmatch(r"kv-canary: req_pool_indices\[1\]=9 is outside req_to_token's 4 rows", message)
-    assert flagged(rpi=[1, 9], prefix=[20, 2], extend=[1, 1], rtt=RTT, window=64, lut=lut, capacity=4) == (
-        PlanStatus.REQ_POOL_INDEX_OUT_OF_RANGE | PlanStatus.SWA_SLOT_OUTSIDE_LUT)
+    assert flagged(**kwargs) == PlanStatus.REQ_POOL_INDEX_OUT_OF_RANGE | PlanStatus.SWA_SLOT_OUTSIDE_LUT
+
+
+def test_a_paged_seed_flagged_while_entries_overflow_is_refused():
+    # Block table row [0, 5] of 4-slot blocks in a 16-slot buffer: the seed (position 5) lies in block 5,
+    # outside the buffer. Capacity 2 < 6 entries: only the seed is checked.
+    layout = kc.BlockTable(np.array([[0, 5]], np.int32), 4, batch_rows=True, num_slots=16)
+    kwargs = {"prefix_lens": np.array([6], np.int64), "extend_seq_lens": np.array([1], np.int64),
+              "swa_window_size": 0, "full_to_swa_index_mapping": None, "verify_capacity": 2, "layout": layout}
+    vp, wp = kc.VerifyPlan.allocate(verify_capacity=2), kc.WritePlan.allocate(write_req_capacity=1)
+    with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: .*block id 5"):
+        kc.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, **kwargs)
+    kc.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, on_invalid="flag", **kwargs)
+    assert int(vp.status[0]) == PlanStatus.BLOCK_ID_OUTSIDE_SLOTS
+    assert (int(vp.enable[0]), int(wp.write_seed_slot_indices[0])) == (0, -1)

@@ -30,12 +30,19 @@ POOL = np.arange(100, 100 + 4 * 5, dtype=np.int32).reshape(4, 5)
 POOL8 = np.arange(100, 100 + 4 * 8, dtype=np.int32).reshape(4, 8)
 
 
+def _with(table: np.ndarray, row: int, column: int, value: int) -> np.ndarray:
+    out = table.copy()
+    out[row, column] = value
+    return out
+
+
 def _lut_case() -> PlanCase:
     # A LUT that moves slot 0 too (lut[0] = 100) and a row holding 0, a negative value and the LUT's last index:
     # the negative value sends the translation through its masked path.
     rtt = RTT.copy()
     rtt[1, :3] = [0, -5, 1039]
     lut = np.arange(1040, dtype=np.int64) + 100
+    lut[1035] = 2**53 + 1  # a value a float64 temporary could not hold
     return case([1], [5], [1], rtt=rtt, window=64, lut=lut)
 
 
@@ -53,6 +60,14 @@ CASES = {
     # not flagged; request 1 wants 1 of its 3 tokens.
     "bad-row-beside-a-pool-reader": case([9, 1], [2, 3], [0, 0], pool=POOL8, lens=[2, 1]),
     "bad-row-alone-reads-no-pool": case([9], [2], [0], pool=POOL8, lens=[2]),
+    # Position 8 of row 1 holds 1040, the first slot outside a 1040-entry LUT; the seed 1051 is outside too.
+    "entry-slot-outside-the-lut": case([1], [20], [1], window=64, lut=np.arange(1040, dtype=np.int64)),
+    # Entries at 16..19 inside the LUT, the predecessor at 15 outside it: only the head is neutralised.
+    "predecessor-before-the-window-outside-the-lut": case([1], [20], [0], rtt=_with(RTT, 1, 15, 5000), window=4,
+                                                          lut=np.arange(2000, dtype=np.int64)),
+    # Seeds 1034 (inside) and 1083 (outside a 1040-entry LUT); entries overflow, only seeds are planned.
+    "seed-outside-the-lut": case([1, 2], [3, 20], [1, 1], window=64, lut=np.arange(1040, dtype=np.int64),
+                                 capacity=4),
     # Row index 4 of a 4-row table: the first index outside, for the seed and the entries alike.
     "row-index-equal-to-the-row-count": case([4], [2], [1]),
     # A pool with no columns: nothing can be read, every expected token is -1.
@@ -63,12 +78,14 @@ CASES = {
 }
 
 
-# The status bits each case must raise, worked out by hand (PlanStatus: 1 row, 2 beyond the row, 8 pool).
+# The status bits each case must raise, worked out by hand (PlanStatus: 1 row, 2 beyond the row, 4 LUT, 8 pool).
 STATUS = {"empty-req-to-token": 2, "prefix-one-past-the-row": 2, "lut-moves-slot-zero-and-keeps-negatives": 0,
           "pool-read-outside-beside-unwanted-tokens": 8, "bad-row-and-pool-read-outside": 1 | 8,
           "bad-row-beside-a-pool-reader": 1, "bad-row-alone-reads-no-pool": 1, "empty-pool": 0,
           "negative-offset-window-reads-past-the-pool": 8,
-          "row-index-equal-to-the-row-count": 1}
+          "row-index-equal-to-the-row-count": 1,
+          "entry-slot-outside-the-lut": 4, "predecessor-before-the-window-outside-the-lut": 4,
+          "seed-outside-the-lut": 4}
 
 
 def test_each_case_raises_the_status_bits_worked_out_by_hand():
