@@ -10,6 +10,8 @@ from differential import plan_matches_oracle, run_plan
 from plan_helpers import linear_rtt
 from strategies import PlanCase
 
+import kvcanary_cupy as kc
+
 RTT = linear_rtt(4, 32)  # row r, column c holds 1000 + 32 r + c
 LUT = np.arange(4096, dtype=np.int64)
 
@@ -68,6 +70,14 @@ CASES = {
     # Seeds 1034 (inside) and 1083 (outside a 1040-entry LUT); entries overflow, only seeds are planned.
     "seed-outside-the-lut": case([1, 2], [3, 20], [1, 1], window=64, lut=np.arange(1040, dtype=np.int64),
                                  capacity=4),
+    # Only the first slot (5000) is outside a 2000-entry LUT: it and its successor (whose predecessor it is)
+    # are neutralised, the third entry is not.
+    "first-slot-outside-the-lut": case([1], [3], [0], rtt=_with(RTT, 1, 0, 5000), window=64,
+                                       lut=np.arange(2000, dtype=np.int64)),
+    # Positions 32, 33 lie beyond the row (bit 2) and position 5 holds 5000, outside the LUT (bit 4): both
+    # checks neutralise their own entries and only those.
+    "lut-outside-beside-entries-beyond-the-row": case([1], [34], [0], rtt=_with(RTT, 1, 5, 5000), window=64,
+                                                      lut=np.arange(4096, dtype=np.int64)),
     # Row index 4 of a 4-row table: the first index outside, for the seed and the entries alike.
     "row-index-equal-to-the-row-count": case([4], [2], [1]),
     # A pool with no columns: nothing can be read, every expected token is -1.
@@ -85,7 +95,8 @@ STATUS = {"empty-req-to-token": 2, "prefix-one-past-the-row": 2, "lut-moves-slot
           "negative-offset-window-reads-past-the-pool": 8,
           "row-index-equal-to-the-row-count": 1,
           "entry-slot-outside-the-lut": 4, "predecessor-before-the-window-outside-the-lut": 4,
-          "seed-outside-the-lut": 4}
+          "seed-outside-the-lut": 4, "first-slot-outside-the-lut": 4,
+          "lut-outside-beside-entries-beyond-the-row": 2 | 4}
 
 
 def test_each_case_raises_the_status_bits_worked_out_by_hand():
@@ -98,3 +109,18 @@ def test_each_case_raises_the_status_bits_worked_out_by_hand():
 def test_the_numpy_plan_matches_the_oracle(name):
     c = CASES[name]
     plan_matches_oracle(run_plan("numpy", c), oracle.plan_oracle(**c.oracle_kwargs()), c)
+
+
+def test_a_page_list_without_req_pool_indices_reads_pool_row_zero_for_batch_row_zero():
+    # Without req_pool_indices, batch row r reads expected-token pool row r, row 0 included (no padding
+    # sentinel). Page 2 of 4 slots: slots 8, 9, 10; the pool row holds 50..53, 3 of them valid.
+    layout = kc.PageList(np.array([0, 1], np.int32), np.array([2], np.int32), 4)
+    vp, wp = kc.VerifyPlan.allocate(verify_capacity=8), kc.WritePlan.allocate(write_req_capacity=1)
+    kc.launch_canary_plan_kernels(
+        verify_plan_out=vp, write_plan_out=wp, prefix_lens=np.array([3], np.int64),
+        extend_seq_lens=np.array([1], np.int64), layout=layout, swa_window_size=0, full_to_swa_index_mapping=None,
+        verify_capacity=8, req_to_verify_expected_tokens=np.array([[50, 51, 52, 53]], np.int32),
+        req_to_verify_expected_tokens_valid_lens=np.array([3], np.int64), kv_token_id_vs_position_offset=0)
+    assert int(vp.status[0]) == 0
+    assert vp.verify_slot_indices[:3].tolist() == [8, 9, 10]
+    assert vp.verify_expected_tokens[:3].tolist() == [50, 51, 52]
