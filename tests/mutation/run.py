@@ -41,7 +41,7 @@ TARGETS: dict[str, tuple[list[str], list[str]]] = {
     "chain": (["kvcanary_cupy/backends/numpy_chain.py", "kvcanary_cupy/backends/numpy_paged.py",
                "kvcanary_cupy/backends/numpy_backend.py"],
               ["tests/test_chain_edge_cases.py", "tests/test_verify_write_refusals.py", "tests/test_oracle_vectors.py",
-               "tests/test_write_seed_aliasing_cases.py", "tests/test_hashing.py",
+               "tests/test_write_reference_cases.py", "tests/test_hashing.py",
                "tests/test_reference_vs_oracle.py::test_write_and_verify_match_oracle",
                "tests/test_reference_vs_oracle.py::test_write_and_verify_flag_hostile_values_like_the_oracle",
                "tests/test_hardening.py::test_two_threads_verifying_on_one_context_lose_no_ring_row"]),

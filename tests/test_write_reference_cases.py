@@ -1,6 +1,7 @@
-"""The NumPy write when a request seeds from a slot written in the same launch, on hand-picked cases the
-random aliasing test reaches rarely, against the scalar oracle (``tests/oracle.py``): requests run in batch
-order, so a seed written by an earlier request is read as that request left it."""
+"""The NumPy write on hand-picked cases the random tests reach rarely, against the scalar oracle
+(``tests/oracle.py``) in "flag" mode: a request seeding from a slot written in the same launch (requests run
+in batch order, so the seed is read as the earlier request left it), and hostile write plans (offsets that run
+backwards, token ranges outside ``input_ids``, seeds and slots outside the buffer)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,17 @@ CASES = {
     "seed-is-slot-zero-written-by-an-earlier-request": ([0, 1, 2], [-1, 0], [11, 12], [0, 1], [0, 4]),
     # Request 0 seeds from slot 5 and then writes slot 5 itself: the seed is the slot as it was before.
     "a-request-seeds-from-a-slot-it-writes-itself": ([0, 2], [5], [11, 12], [46, 47], [5, 6]),
+    # Request 1's offsets run backwards: it and every later request (request 2, valid on its own) are skipped.
+    "offsets-running-backwards-skip-the-rest": ([0, 2, 1, 3], [-1, -1, -1], [11, 12, 13], [0, 1, 2], [1, 2, 3]),
+    # An empty request is never range-checked, wherever its offsets point.
+    "an-empty-request-with-negative-offsets": ([-4, -4], [-1], [11, 12], [0, 1], [1, 2]),
+    # Request 1's range [2, 5) leaves the 3 tokens: skipped and flagged; request 0 is written.
+    "a-token-range-beyond-input-ids": ([0, 2, 5], [-1, -1], [11, 12, 13], [0, 1, 2], [1, 2, 3]),
+    "a-token-range-starting-below-zero": ([-1, 2, 3], [-1, -1], [11, 12, 13], [0, 1, 2], [1, 2, 3]),
+    # A seed outside the buffer: the request is written as a chain head, flagged.
+    "a-seed-outside-the-buffer": ([0, 2], [99], [11, 12], [0, 1], [1, 2]),
+    # Slot 16 (== num_slots) is outside: that entry is skipped and flagged, the others are written.
+    "a-slot-at-the-buffer-end": ([0, 3], [-1], [11, 12, 13], [0, 1, 2], [1, 16, 2]),
 }
 
 
@@ -52,6 +64,18 @@ def test_the_numpy_write_matches_the_oracle(name):
     np.testing.assert_array_equal(ctx.canary_buf, state.to_canary_array())
     assert int(ctx.violation_write_index[0]) == state.write_index
     np.testing.assert_array_equal(ctx.violation_ring, state.to_ring_array())
+    assert int(ctx.status[0]) == state.status == STATUS[name]
+
+
+S = kc.CanaryStatus
+# The status bits worked out by hand for each case.
+STATUS = {"seed-is-the-largest-slot-an-earlier-request-writes": 0, "seed-is-slot-zero-written-by-an-earlier-request": 0,
+          "a-request-seeds-from-a-slot-it-writes-itself": 0,
+          "offsets-running-backwards-skip-the-rest": int(S.WRITE_OFFSETS_OUT_OF_ORDER),
+          "an-empty-request-with-negative-offsets": 0,
+          "a-token-range-beyond-input-ids": int(S.TOKEN_RANGE_OUT_OF_BOUNDS),
+          "a-token-range-starting-below-zero": int(S.TOKEN_RANGE_OUT_OF_BOUNDS),
+          "a-seed-outside-the-buffer": int(S.SLOT_OUT_OF_RANGE), "a-slot-at-the-buffer-end": int(S.SLOT_OUT_OF_RANGE)}
 
 
 def test_a_seed_written_earlier_in_the_launch_continues_that_write():
