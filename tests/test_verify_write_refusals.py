@@ -69,3 +69,38 @@ def test_verify_of_in_range_slots_leaves_the_status_word_alone():
                                    check_verify_expected_token=False)
     assert int(ctx.status[0]) == 1 << 20 and rows(ctx) == []
     assert np.array_equal(fields(ctx)[1:3, :2], [[5, 0], [6, 1]])
+
+
+def refuse_write(offsets, seeds, locs, tokens=3) -> str:
+    ctx = written_chain()
+    before = state(ctx)
+    wp = kc.WritePlan.from_tensors(write_offsets=np.asarray(offsets, np.int64),
+                                   write_seed_slot_indices=np.asarray(seeds, np.int64),
+                                   write_num_valid_reqs=np.array([len(seeds)], np.int32))
+    with pytest.raises(kc.CanaryArgumentError) as info:
+        kc.launch_canary_write_kernel(context=ctx, plan=wp, input_ids=np.arange(10, 10 + tokens, dtype=np.int64),
+                                      positions=np.arange(tokens, dtype=np.int64),
+                                      out_cache_loc=np.asarray(locs, np.int64), enable_write_input_assert=False)
+    assert state(ctx) == before, "a refused write changed the context"
+    return str(info.value)
+
+
+def test_write_refuses_offsets_running_backwards_and_names_the_first_pair():
+    message = refuse_write([0, 2, 1, 3], [-1, -1, -1], [3, 4, 5])
+    assert message == ("kv-canary: plan.write_offsets[1:3]=(2, 1) runs backwards (the offsets must not decrease: "
+                       "later token ranges could overlap earlier ones)")
+
+
+def test_write_refuses_a_token_range_outside_input_ids_before_backwards_offsets():
+    message = refuse_write([0, 2, 5, 4], [-1, -1, -1], [3, 4, 5])
+    assert message == "kv-canary: plan.write_offsets[1:3]=(2, 5) leaves the 3 tokens of input_ids"
+
+
+def test_write_refuses_a_seed_outside_the_buffer_and_names_its_request():
+    message = refuse_write([0, 1, 3], [-1, 64], [3, 4, 5])
+    assert message == "kv-canary: plan.write_seed_slot_indices[1]=64 is outside canary_buf's 64 slots"
+
+
+def test_write_refuses_a_slot_outside_the_buffer_and_names_its_token():
+    message = refuse_write([0, 3], [-1], [3, 64, 5])
+    assert message == "kv-canary: out_cache_loc[1]=64 is outside canary_buf's 64 slots"
