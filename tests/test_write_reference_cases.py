@@ -42,6 +42,8 @@ CASES = {
     "a-seed-outside-the-buffer": ([0, 2], [99], [11, 12], [0, 1], [1, 2]),
     # Slot 16 (== num_slots) is outside: that entry is skipped and flagged, the others are written.
     "a-slot-at-the-buffer-end": ([0, 3], [-1], [11, 12, 13], [0, 1, 2], [1, 16, 2]),
+    # All three at once: a slot outside in request 0, a range outside in request 1, backwards offsets after.
+    "every-write-status-bit-at-once": ([0, 2, 5, 4], [-1, -1, -1], [11, 12, 13], [0, 1, 2], [1, 16, 3]),
 }
 
 
@@ -75,7 +77,9 @@ STATUS = {"seed-is-the-largest-slot-an-earlier-request-writes": 0, "seed-is-slot
           "an-empty-request-with-negative-offsets": 0,
           "a-token-range-beyond-input-ids": int(S.TOKEN_RANGE_OUT_OF_BOUNDS),
           "a-token-range-starting-below-zero": int(S.TOKEN_RANGE_OUT_OF_BOUNDS),
-          "a-seed-outside-the-buffer": int(S.SLOT_OUT_OF_RANGE), "a-slot-at-the-buffer-end": int(S.SLOT_OUT_OF_RANGE)}
+          "a-seed-outside-the-buffer": int(S.SLOT_OUT_OF_RANGE), "a-slot-at-the-buffer-end": int(S.SLOT_OUT_OF_RANGE),
+          "every-write-status-bit-at-once": int(S.SLOT_OUT_OF_RANGE | S.TOKEN_RANGE_OUT_OF_BOUNDS
+                                                | S.WRITE_OFFSETS_OUT_OF_ORDER)}
 
 
 def test_a_seed_written_earlier_in_the_launch_continues_that_write():
