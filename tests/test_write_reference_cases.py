@@ -42,6 +42,11 @@ CASES = {
     "a-seed-outside-the-buffer": ([0, 2], [99], [11, 12], [0, 1], [1, 2]),
     # Slot 16 (== num_slots) is outside: that entry is skipped and flagged, the others are written.
     "a-slot-at-the-buffer-end": ([0, 3], [-1], [11, 12, 13], [0, 1, 2], [1, 16, 2]),
+    # A seed at slot 0 (not written in the launch): position 41 follows slot 0's stored position 40.
+    "seed-is-slot-zero": ([0, 1], [0], [11], [41], [3]),
+    # One request writes slots 1..10 twenty times each: every slot keeps its last write.
+    "slots-written-many-times-keep-the-last-write": ([0, 200], [-1], list(range(1, 201)), list(range(200)),
+                                                     [1 + k % 10 for k in range(200)]),
     # All three at once: a slot outside in request 0, a range outside in request 1, backwards offsets after.
     "every-write-status-bit-at-once": ([0, 2, 5, 4], [-1, -1, -1], [11, 12, 13], [0, 1, 2], [1, 16, 3]),
 }
@@ -78,6 +83,7 @@ STATUS = {"seed-is-the-largest-slot-an-earlier-request-writes": 0, "seed-is-slot
           "a-token-range-beyond-input-ids": int(S.TOKEN_RANGE_OUT_OF_BOUNDS),
           "a-token-range-starting-below-zero": int(S.TOKEN_RANGE_OUT_OF_BOUNDS),
           "a-seed-outside-the-buffer": int(S.SLOT_OUT_OF_RANGE), "a-slot-at-the-buffer-end": int(S.SLOT_OUT_OF_RANGE),
+          "seed-is-slot-zero": 0, "slots-written-many-times-keep-the-last-write": 0,
           "every-write-status-bit-at-once": int(S.SLOT_OUT_OF_RANGE | S.TOKEN_RANGE_OUT_OF_BOUNDS
                                                 | S.WRITE_OFFSETS_OUT_OF_ORDER)}
 
