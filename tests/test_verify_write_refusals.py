@@ -49,6 +49,11 @@ def test_verify_names_a_predecessor_outside_the_buffer_by_its_plan_index_after_p
     assert message == "kv-canary: plan.verify_prev_slot_indices[2]=64 is outside canary_buf's 64 slots"
 
 
+def test_verify_names_a_predecessor_outside_the_buffer_without_padding():
+    message = refuse_verify(written_chain(), [1, 2], [0, 1], [-1, 64])
+    assert message == "kv-canary: plan.verify_prev_slot_indices[1]=64 is outside canary_buf's 64 slots"
+
+
 def test_verify_flags_an_outside_slot_and_still_checks_the_others():
     ctx = written_chain()
     runs, slots_run = int(ctx.kernel_run_counter[0]), int(ctx.slot_run_counter[0])

@@ -42,8 +42,11 @@ CASES = {
     "a-seed-outside-the-buffer": ([0, 2], [99], [11, 12], [0, 1], [1, 2]),
     # Slot 16 (== num_slots) is outside: that entry is skipped and flagged, the others are written.
     "a-slot-at-the-buffer-end": ([0, 3], [-1], [11, 12, 13], [0, 1, 2], [1, 16, 2]),
-    # A seed at slot 0 (not written in the launch): position 41 follows slot 0's stored position 40.
-    "seed-is-slot-zero": ([0, 1], [0], [11], [41], [3]),
+    # A seed at slot 0 (not written in the launch): position 45 does not follow slot 0's stored position 40.
+    "seed-is-slot-zero": ([0, 1], [0], [11], [45], [3]),
+    # Request 1 seeds from slot 6, which request 0 writes before slot 9; request 1's own slot 3 sorts first.
+    "seed-slot-followed-by-a-larger-slot-of-the-same-writer": ([0, 2, 3], [-1, 6], [11, 12, 13], [0, 1, 1],
+                                                               [6, 9, 3]),
     # One request writes slots 1..10 twenty times each: every slot keeps its last write.
     "slots-written-many-times-keep-the-last-write": ([0, 200], [-1], list(range(1, 201)), list(range(200)),
                                                      [1 + k % 10 for k in range(200)]),
@@ -83,7 +86,8 @@ STATUS = {"seed-is-the-largest-slot-an-earlier-request-writes": 0, "seed-is-slot
           "a-token-range-beyond-input-ids": int(S.TOKEN_RANGE_OUT_OF_BOUNDS),
           "a-token-range-starting-below-zero": int(S.TOKEN_RANGE_OUT_OF_BOUNDS),
           "a-seed-outside-the-buffer": int(S.SLOT_OUT_OF_RANGE), "a-slot-at-the-buffer-end": int(S.SLOT_OUT_OF_RANGE),
-          "seed-is-slot-zero": 0, "slots-written-many-times-keep-the-last-write": 0,
+          "seed-is-slot-zero": 0, "seed-slot-followed-by-a-larger-slot-of-the-same-writer": 0,
+          "slots-written-many-times-keep-the-last-write": 0,
           "every-write-status-bit-at-once": int(S.SLOT_OUT_OF_RANGE | S.TOKEN_RANGE_OUT_OF_BOUNDS
                                                 | S.WRITE_OFFSETS_OUT_OF_ORDER)}
 
