@@ -124,3 +124,20 @@ def test_a_page_list_without_req_pool_indices_reads_pool_row_zero_for_batch_row_
     assert int(vp.status[0]) == 0
     assert vp.verify_slot_indices[:3].tolist() == [8, 9, 10]
     assert vp.verify_expected_tokens[:3].tolist() == [50, 51, 52]
+
+
+def test_pool_row_zero_of_a_page_list_is_read_on_the_masked_path_too():
+    # Batch row 1 reads position 3 of 3-wide pool rows (flagged, bit 8), which sends the batch through the
+    # per-entry path; batch row 0 still reads pool row 0. Pages 2 and 3 of 4 slots: slots 8.. and 12..
+    layout = kc.PageList(np.array([0, 1, 2], np.int32), np.array([2, 3], np.int32), 4)
+    vp, wp = kc.VerifyPlan.allocate(verify_capacity=8), kc.WritePlan.allocate(write_req_capacity=2)
+    kc.launch_canary_plan_kernels(
+        verify_plan_out=vp, write_plan_out=wp, prefix_lens=np.array([3, 4], np.int64),
+        extend_seq_lens=np.array([1, 1], np.int64), layout=layout, swa_window_size=0,
+        full_to_swa_index_mapping=None, verify_capacity=8,
+        req_to_verify_expected_tokens=np.array([[50, 51, 52], [60, 61, 62]], np.int32),
+        req_to_verify_expected_tokens_valid_lens=np.array([3, 4], np.int64), kv_token_id_vs_position_offset=0,
+        on_invalid="flag")
+    assert int(vp.status[0]) == 8
+    assert vp.verify_slot_indices[:7].tolist() == [8, 9, 10, 12, 13, 14, 0]
+    assert vp.verify_expected_tokens[:7].tolist() == [50, 51, 52, 60, 61, 62, -1]
