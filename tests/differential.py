@@ -6,6 +6,7 @@ Outputs start from a sentinel fill, so "left untouched" is part of what two back
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,14 @@ from kvcanary_cupy.verify import prepare_verify_launch
 from kvcanary_cupy.write import prepare_write_launch
 
 SENTINEL = 0x5A5A5A5A
+
+# Fewer random examples where a run repeats the suite many times (``make mutate`` sets 0.1).
+SCALE = float(os.environ.get("KVCANARY_DIFFERENTIAL_SCALE", "1"))
+
+
+def examples(n: int) -> int:
+    """``n`` random examples, scaled by ``KVCANARY_DIFFERENTIAL_SCALE`` (at least 5)."""
+    return max(5, int(n * SCALE))
 
 
 @contextlib.contextmanager

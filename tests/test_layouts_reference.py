@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 import strategies
-from differential import plan_matches_oracle, run_plan
+from differential import examples, plan_matches_oracle, run_plan
 from hypothesis import given, settings
 from layout_oracle import layout_plan_oracle
 from layout_strategies import layout_cases
@@ -34,7 +34,7 @@ def _same_plan(got: dict[str, np.ndarray], want: dict[str, np.ndarray], bs: int)
         np.testing.assert_array_equal(g, w, err_msg=name)
 
 
-@settings(max_examples=800)
+@settings(max_examples=examples(800))
 @given(layout_cases())
 def test_paged_plan_matches_oracle_on_valid_batches(case):
     expect = layout_plan_oracle(**case.oracle_kwargs())
@@ -44,7 +44,7 @@ def test_paged_plan_matches_oracle_on_valid_batches(case):
     plan_matches_oracle(run_plan("numpy", case), expect, case)
 
 
-@settings(max_examples=800)
+@settings(max_examples=examples(800))
 @given(layout_cases(hostile=True))
 def test_paged_plan_flags_hostile_values_like_the_oracle_and_raises_otherwise(case):
     expect = layout_plan_oracle(**case.oracle_kwargs())
@@ -60,7 +60,7 @@ def test_paged_plan_flags_hostile_values_like_the_oracle_and_raises_otherwise(ca
         kc.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, **case.kwargs)
 
 
-@settings(max_examples=400)
+@settings(max_examples=examples(400))
 @given(layout_cases())
 def test_paged_batch_gives_the_plan_of_the_token_table_it_describes(case):
     token = strategies.PlanCase(kwargs=case.token_kwargs, write_req_capacity=case.write_req_capacity)

@@ -10,13 +10,13 @@ import numpy as np
 import oracle
 import pytest
 import strategies
-from differential import chain_matches_oracle, plan_matches_oracle, run_chain, run_plan, run_scatter
+from differential import chain_matches_oracle, examples, plan_matches_oracle, run_chain, run_plan, run_scatter
 from hypothesis import given, settings
 
 import kvcanary_cupy as kc
 
 
-@settings(max_examples=400)
+@settings(max_examples=examples(400))
 @given(strategies.plan_cases(max_bs=16))
 def test_plan_matches_oracle_on_valid_batches(case):
     expect = oracle.plan_oracle(**case.oracle_kwargs())
@@ -27,7 +27,7 @@ def test_plan_matches_oracle_on_valid_batches(case):
     plan_matches_oracle(run_plan("numpy", case), expect, case)
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(strategies.plan_cases(max_bs=12, hostile=True))
 def test_plan_flags_hostile_values_like_the_oracle_and_raises_otherwise(case):
     expect = oracle.plan_oracle(**case.oracle_kwargs())
@@ -44,25 +44,25 @@ def test_plan_flags_hostile_values_like_the_oracle_and_raises_otherwise(case):
         kc.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, **case.kwargs)
 
 
-@settings(max_examples=30)
+@settings(max_examples=examples(30))
 @given(strategies.plan_cases(allow_large_bs=True))
 def test_plan_matches_oracle_on_large_batches(case):
     plan_matches_oracle(run_plan("numpy", case), oracle.plan_oracle(**case.oracle_kwargs()), case)
 
 
-@settings(max_examples=400)
+@settings(max_examples=examples(400))
 @given(strategies.chain_cases())
 def test_write_and_verify_match_oracle(case):
     chain_matches_oracle(case, *run_chain("numpy", case))
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(strategies.chain_cases(hostile=True))
 def test_write_and_verify_flag_hostile_values_like_the_oracle(case):
     chain_matches_oracle(case, *run_chain("numpy", case))
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(strategies.scatter_cases(hostile=True))
 def test_scatter_matches_oracle(case):
     pool, status = run_scatter("numpy", case)
@@ -72,7 +72,7 @@ def test_scatter_matches_oracle(case):
     assert status == expected_status
 
 
-@settings(max_examples=100)
+@settings(max_examples=examples(100))
 @given(strategies.scatter_cases(hostile=True))
 def test_scatter_raise_mode_refuses_hostile_segments_and_writes_nothing(case):
     expected_status = oracle.scatter_oracle(**case.oracle_kwargs(case.pool_out.copy()))

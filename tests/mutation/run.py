@@ -31,11 +31,20 @@ TARGETS: dict[str, tuple[list[str], list[str]]] = {
                  ["tests/test_transfer.py", "tests/test_transfer_edges.py"]),
     "runtime": (["kvcanary_cupy/runtime/runtime.py"],
                 ["tests/test_runtime.py", "tests/test_runtime_chunks_and_order.py"]),
-    "plan": (["kvcanary_cupy/backends/numpy_plan.py"],
-             ["tests/test_plan_edge_cases.py", "tests/test_oracle_vectors.py"]),
+    "plan": (["kvcanary_cupy/backends/numpy_plan.py", "kvcanary_cupy/backends/numpy_plan_entries.py"],
+             ["tests/test_plan_edge_cases.py", "tests/test_plan_validation.py",
+              "tests/test_plan_device_value_messages.py", "tests/test_plan_reference_corner_cases.py",
+              "tests/test_layouts_reference.py",
+              "tests/test_reference_vs_oracle.py::test_plan_matches_oracle_on_valid_batches",
+              "tests/test_reference_vs_oracle.py::test_plan_flags_hostile_values_like_the_oracle_and_raises_otherwise",
+              "tests/test_reference_vs_oracle.py::test_plan_matches_oracle_on_large_batches"]),
     "chain": (["kvcanary_cupy/backends/numpy_chain.py", "kvcanary_cupy/backends/numpy_paged.py",
                "kvcanary_cupy/backends/numpy_backend.py"],
-              ["tests/test_chain_edge_cases.py", "tests/test_oracle_vectors.py", "tests/test_hashing.py"]),
+              ["tests/test_chain_edge_cases.py", "tests/test_verify_write_refusals.py", "tests/test_oracle_vectors.py",
+               "tests/test_write_reference_cases.py", "tests/test_hashing.py",
+               "tests/test_reference_vs_oracle.py::test_write_and_verify_match_oracle",
+               "tests/test_reference_vs_oracle.py::test_write_and_verify_flag_hostile_values_like_the_oracle",
+               "tests/test_hardening.py::test_two_threads_verifying_on_one_context_lose_no_ring_row"]),
     "validate": (["kvcanary_cupy/_validate.py"],
                  ["tests/test_plan_validation.py", "tests/test_context_validation.py",
                   "tests/test_layout_validation.py"]),
@@ -74,7 +83,9 @@ def run_python_target(name: str, max_children: int, mutants: list[str]) -> tuple
                 f"pytest_add_cli_args_test_selection = {_toml_list(tests)}\n"
                 "use_git_change_detection = false\n")
     mutmut = [sys.executable, "-c", "import sys; from mutmut.__main__ import cli; sys.exit(cli())"]
-    env = dict(os.environ, KVCANARY_CACHE_DIR=str(SCRATCH / "cache"), HYPOTHESIS_PROFILE="ci")
+    # The differential tests' random examples cut to a tenth: each survivor reruns them.
+    env = dict(os.environ, KVCANARY_CACHE_DIR=str(SCRATCH / "cache"), HYPOTHESIS_PROFILE="ci",
+               KVCANARY_DIFFERENTIAL_SCALE="0.1")
     with open(work / "mutmut.log", "w") as log:  # its progress spinner, kept out of the summary
         rc = subprocess.run([*mutmut, "run", "--max-children", str(max_children), *mutants], cwd=work, env=env,
                             stdout=log, stderr=subprocess.STDOUT).returncode
