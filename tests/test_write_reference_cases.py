@@ -107,3 +107,35 @@ def test_a_seed_written_earlier_in_the_launch_continues_that_write():
     assert oracle.to_u64(int(f[6, 2])) == h5
     assert oracle.to_u64(int(f[3, 2])) == oracle.mix3(h5, 12, 1)  # slot 6 (token 12, position 1) before it
     assert int(ctx.violation_write_index[0]) == 0  # position 2 follows slot 6's position 1: no violation
+
+
+def test_input_assert_and_chain_position_rows_interleave_in_entry_order():
+    """One request of 5 tokens seeded from slot 2 (position 42), with the input assert on: entry 0 has a wrong
+    token (an input-assert row), entries 1 and 3 break the position chain (chain-position rows), entry 4 has both
+    (its input-assert row before its chain row). The ring holds the rows in that entry order, as the oracle
+    emits them; a row order sorted by kind instead of by entry would put both input rows first."""
+    ids = np.array([11, 12, 13, 14, 15], np.int64)
+    positions = np.array([43, 50, 51, 60, 70], np.int64)
+    expected_ids = np.array([99, 12, 13, 14, 98], np.int64)
+    expected_pos = positions.copy()
+    locs = np.array([5, 6, 7, 8, 9], np.int64)
+    offsets, seeds = np.array([0, 5], np.int64), np.array([2], np.int64)
+    canary = _canary()
+    ctx = context(num_slots=NUM_SLOTS, ring_capacity=64, enable_chain_position_assert=True)
+    ctx.canary_buf[...] = canary
+    wp = kc.WritePlan.from_tensors(write_offsets=offsets.copy(), write_seed_slot_indices=seeds.copy(),
+                                   write_num_valid_reqs=np.array([1], np.int32))
+    kc.launch_canary_write_kernel(context=ctx, plan=wp, input_ids=ids, positions=positions, out_cache_loc=locs,
+                                  enable_write_input_assert=True, expected_input_tokens=expected_ids,
+                                  expected_input_positions=expected_pos, on_invalid="flag")
+    state = oracle.CanaryState.from_arrays(canary, np.zeros((64, 8), np.int64))
+    oracle.write_oracle(state, kernel_kind=int(kc.CanaryLaunchTag.HEAD_K_FULL), write_offsets=offsets,
+                        write_seed_slot_indices=seeds, write_num_valid_reqs=1, input_ids=ids, positions=positions,
+                        out_cache_loc=locs, enable_write_input_assert=True, expected_input_tokens=expected_ids,
+                        expected_input_positions=expected_pos, sources=[], mode=0, enable_chain_position_assert=1)
+    token_row, chain_row = int(kc.FailReason.WRITE_TOKEN_MISMATCH), int(kc.FailReason.WRITE_POSITION_MISMATCH)
+    rows = ctx.violation_ring[: int(ctx.violation_write_index[0])]
+    # (slot, reasons) worked out by hand: entry 0 input, entry 1 chain, entry 3 chain, entry 4 input then chain
+    assert [(int(r[1]), int(r[7])) for r in rows] == [(5, token_row), (6, chain_row), (8, chain_row),
+                                                      (9, token_row), (9, chain_row)]
+    np.testing.assert_array_equal(ctx.violation_ring, state.to_ring_array())
