@@ -550,6 +550,38 @@ def test_two_threads_verifying_on_one_context_lose_no_ring_row():
     assert sorted(landed[:, 1].tolist()) == sorted(list(range(1, 41)) * total)
 
 
+def test_contexts_sharing_only_their_ring_are_serialised_on_its_write_index():
+    """Two contexts that share only their violation ring and its write index (own counters, own status), each
+    verified by two threads: the lock on the write index alone serialises them, so no row is lost. GIL switches
+    are made very frequent to open the race a missing lock would leave."""
+    base = context(num_slots=64, ring_capacity=8192)
+    other = dataclasses.replace(base, **{name: np.zeros_like(getattr(base, name))
+                                         for name in ("slot_run_counter", "kernel_run_counter", "status")})
+    vp = verify_plan(list(range(1, 21)), [7] * 20, [0] * 20)  # every entry fails its position check
+    launches, per_context = 60, 2
+    barrier = threading.Barrier(2 * per_context)
+
+    def run(ctx):
+        barrier.wait()
+        for _ in range(launches):
+            kc.launch_canary_verify_kernel(context=ctx, plan=vp, check_verify_expected_token=False)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        workers = [threading.Thread(target=run, args=(ctx,)) for ctx in (base, other) * per_context]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        sys.setswitchinterval(interval)
+    total = 2 * per_context * launches
+    assert int(base.violation_write_index[0]) == total * 20
+    assert sorted(base.violation_ring[: total * 20, 1].tolist()) == sorted(list(range(1, 21)) * total)
+    assert int(base.kernel_run_counter[0]) == int(other.kernel_run_counter[0]) == per_context * launches
+
+
 # ---- the memory-safety part again, under AddressSanitizer + UBSan --------------------------------------------
 
 def test_hardening_cases_under_address_sanitizer_have_zero_reports():
