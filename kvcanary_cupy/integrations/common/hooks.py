@@ -4,6 +4,7 @@ manager that finishes and removes it)."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any, TypeVar
 
 from ..._errors import fail
@@ -11,7 +12,7 @@ from ..._errors import fail
 _Self = TypeVar("_Self", bound="InstanceOverrides")
 
 
-class InstanceOverrides:
+class InstanceOverrides(ABC):
     """Attributes set on engine instances (never on their classes), so that deleting them restores the class's
     own methods; refuses to stack on an attribute something else already overrides on the instance."""
 
@@ -34,11 +35,13 @@ class InstanceOverrides:
         self._wrapped.clear()
         self.installed = False
 
+    @abstractmethod
     def finish(self) -> Any:
-        raise NotImplementedError
+        """Read what the last step appended (each engine's canary knows how)."""
 
+    @abstractmethod
     def remove(self) -> None:
-        raise NotImplementedError
+        """Take the canary out again: the engine's own methods back."""
 
     def __enter__(self: _Self) -> _Self:
         return self
