@@ -521,23 +521,32 @@ class CanaryRuntime:
         buffers = self._canary_buffers(self._groups_of(model))
         out = {(state.name, b): np.empty((n, CANARY_FIELDS_PER_SLOT), np.int64)
                for state, bufs in buffers for b in range(len(bufs))}
-        space, cap = self.space, self.capacities.max_tokens
+        space = self.space
         with self._timed("offload"), space.scope():
-            for start in range(0, n, cap):
-                m = min(cap, n - start)
-                host = self._copy_host["src"]
-                host[:m] = slot_arr[start : start + m]
-                space.upload(self._copy_in["src"].view[:m], host[:m])
-                for state, bufs in buffers:
-                    src = self._group_slots(state, "src", m)
-                    status = self.scalars.owner(f"{state.name}.status")
-                    for b, buf in enumerate(bufs):
-                        records = self._copy_records.owner[:m]
-                        offload_canary_records(canary_buf=buf, slots=src, records_out=records, status=status,
-                                               backend=self.config.backend, on_invalid="flag")
-                        space.to_host_async(self._copy_records.view[:m], out[(state.name, b)][start : start + m])
-                        space.synchronize()  # the staging buffer is reused by the next buffer
+            for start, m, state, b, buf, src, status in self._staged_buffers(slot_arr, "src", buffers):
+                offload_canary_records(canary_buf=buf, slots=src, records_out=self._copy_records.owner[:m],
+                                       status=status, backend=self.config.backend, on_invalid="flag")
+                space.to_host_async(self._copy_records.view[:m], out[(state.name, b)][start : start + m])
+                space.synchronize()  # the staging buffer is reused by the next buffer
         return OffloadedRecords(model, n, out)
+
+    def _staged_buffers(self, slot_arr: np.ndarray, role: str, buffers: list[tuple[GroupState, list[Any]]]
+                        ) -> Iterator[tuple[int, int, GroupState, int, Any, Any, Any]]:
+        """``slot_arr`` staged on the device in chunks of at most ``max_tokens`` slots (``role``: the "src" or
+        "dst" staging buffer), then, per chunk, every canary buffer of ``buffers`` with that chunk's slots in the
+        group's slot space: ``(start, length, group, buffer index, buffer, slots, group status)``."""
+        space, cap = self.space, self.capacities.max_tokens
+        n = int(slot_arr.shape[0])
+        for start in range(0, n, cap):
+            m = min(cap, n - start)
+            host = self._copy_host[role]
+            host[:m] = slot_arr[start : start + m]
+            space.upload(self._copy_in[role].view[:m], host[:m])
+            for state, bufs in buffers:
+                group_slots = self._group_slots(state, role, m)
+                status = self.scalars.owner(f"{state.name}.status")
+                for b, buf in enumerate(bufs):
+                    yield start, m, state, b, buf, group_slots, status
 
     def restore(self, records: OffloadedRecords, slots: Any, positions: Any, prev_slots: Any) -> int:
         """The engine loaded pages back from a lower tier into ``slots``: put their canary records there and
@@ -572,21 +581,13 @@ class CanaryRuntime:
         for key, arr in records.records.items():
             if arr.shape != (n, CANARY_FIELDS_PER_SLOT) or arr.dtype != np.int64:
                 fail(f"records of {key} must be int64 [{n}, {CANARY_FIELDS_PER_SLOT}], got {arr.dtype} {arr.shape}")
-        space, cap = self.space, self.capacities.max_tokens
+        space = self.space
         with self._timed("restore"), space.scope():
-            for start in range(0, n, cap):
-                m = min(cap, n - start)
-                host = self._copy_host["dst"]
-                host[:m] = slot_arr[start : start + m]
-                space.upload(self._copy_in["dst"].view[:m], host[:m])
-                for state, bufs in buffers:
-                    dst = self._group_slots(state, "dst", m)
-                    status = self.scalars.owner(f"{state.name}.status")
-                    for b, buf in enumerate(bufs):
-                        space.upload(self._copy_records.view[:m], records.records[(state.name, b)][start : start + m])
-                        restore_canary_records(records=self._copy_records.owner[:m], slots=dst, canary_buf=buf,
-                                               status=status, backend=self.config.backend, on_invalid="flag")
-                        space.synchronize()  # the staging buffer is reused by the next buffer
+            for start, m, state, b, buf, dst, status in self._staged_buffers(slot_arr, "dst", buffers):
+                space.upload(self._copy_records.view[:m], records.records[(state.name, b)][start : start + m])
+                restore_canary_records(records=self._copy_records.owner[:m], slots=dst, canary_buf=buf,
+                                       status=status, backend=self.config.backend, on_invalid="flag")
+                space.synchronize()  # the staging buffer is reused by the next buffer
         groups = self._groups_of(records.model)
         with self._timed("restore"):
             self._verify_entries(groups, slot_arr, pos_arr, prev_arr, phase="restore")
