@@ -1,11 +1,16 @@
 """The host backend on a pool of OS threads: the same launches with 1 and with 2 OS threads.
 
-Two groups, each on the same inputs in the same process: a 32,768-entry verify (32 requests × 1,024 cached
-tokens, an expected-token pool) and a 32-request × 1,024-token write. Rows: the host backend's launch
-(``backend.verify`` / ``backend.write`` on an already validated launch, so the figure is the kernels', not the
-validation's) with ``threads=1`` (the baseline) and ``threads=2``, and, where the process may use more than 2
-cores, with all of them. ``speedup_vs_baseline`` of the 2-thread row is the figure docs/host-threads.md
-quotes (target: >= 1.7x on a quiet 2-core machine).
+Four groups, each on the same inputs in the same process: a 32,768-entry verify (32 requests × 1,024 cached
+tokens, an expected-token pool) and a 32-request × 1,024-token write, each called two ways:
+
+* ``bound``: the launch as the engine runtime runs it every step (``backend.prepare``: kernel arguments
+  built and packed once, at bind time), so the figure is the kernels' and the pool's alone;
+* ``call``: ``backend.verify`` / ``backend.write`` on an already validated launch, which also builds the
+  kernel arguments in Python at every call (work that stays on the calling thread).
+
+Rows: ``threads=1`` (the baseline) and ``threads=2``, and, where the process may use more than 2 cores,
+all of them. ``speedup_vs_baseline`` of the 2-thread rows is the figure docs/host-threads.md quotes
+(target: >= 1.7x on a quiet 2-core machine).
 
 Rows run one after another, so a change in the machine's load between them lands in the ratio. Each
 multi-thread row therefore also records ``alternating_speedup``: the median over 31 pairs of back-to-back
@@ -104,27 +109,33 @@ def _write_outputs(backend: Any) -> list[np.ndarray]:
     return [ctx.canary_buf.copy(), ctx.violation_ring.copy(), ctx.violation_write_index.copy(), ctx.status.copy()]
 
 
+def _calls(backends: Mapping[int, Any], step: str, launch: Any, path: str) -> dict[int, Callable[[], Any]]:
+    if path == "bound":
+        return {n: b.prepare(step, launch) for n, b in backends.items()}
+    return {n: (lambda b=b: getattr(b, step)(launch)) for n, b in backends.items()}
+
+
+@pytest.mark.parametrize("path", ["bound", "call"])
 @pytest.mark.parametrize("threads", THREAD_COUNTS)
-def test_verify_host_threads(measure, threads):
+def test_verify_host_threads(measure, threads, path):
     backends = _backends()
     want = _verify_outputs(backends[1])
     assert int(want[1][0]) == 0, "the verify workload must be clean"
     for got, expected in zip(_verify_outputs(backends[threads]), want, strict=True):
         np.testing.assert_array_equal(got, expected)
     launch = prepare_verify_launch(**verify_setup(VERIFY).launch_kwargs(VERIFY))
-    calls = {n: (lambda b=b: b.verify(launch)) for n, b in backends.items()}
-    _rows(measure, f"host threads · verify · {VERIFY.describe()}", VERIFY.verify_entries, "cpu.threads.verify",
-          calls, threads)
+    _rows(measure, f"host threads · {path} verify · {VERIFY.describe()}", VERIFY.verify_entries,
+          f"cpu.threads.{path}.verify", _calls(backends, "verify", launch, path), threads)
 
 
+@pytest.mark.parametrize("path", ["bound", "call"])
 @pytest.mark.parametrize("threads", THREAD_COUNTS)
-def test_write_host_threads(measure, threads):
+def test_write_host_threads(measure, threads, path):
     backends = _backends()
     want = _write_outputs(backends[1])
     for got, expected in zip(_write_outputs(backends[threads]), want, strict=True):
         np.testing.assert_array_equal(got, expected)
     setup = write_setup(WRITE)
     launch = prepare_write_launch(**setup.launch_kwargs(), expected_input_tokens=None, expected_input_positions=None)
-    calls = {n: (lambda b=b: b.write(launch)) for n, b in backends.items()}
-    _rows(measure, f"host threads · write · {WRITE.describe('write')}", WRITE.write_tokens, "cpu.threads.write",
-          calls, threads)
+    _rows(measure, f"host threads · {path} write · {WRITE.describe('write')}", WRITE.write_tokens,
+          f"cpu.threads.{path}.write", _calls(backends, "write", launch, path), threads)

@@ -910,15 +910,67 @@ def test_failure_reports_the_lowest_failing_block_and_the_next_launch_works(toy,
     assert (out == 1).all()
 
 
-def test_one_block_launch_stays_on_the_calling_thread(host_cache_dir):
-    mod = HostModule(TOY_SOURCE.read_text(), options=("-DKVC_FRESH_POOL=1",), name="toy_fresh_pool")
-    out = np.zeros(64, np.int32)
-    mod.get_function("maybe_trap")(1, 64, (out, np.int32(-1), np.int32(-1)), threads=4)
-    assert mod.runtime_stats()["workers"] == 0
-    mod.get_function("maybe_trap")(2, 32, (out, np.int32(-1), np.int32(-1)), threads=4)
-    assert mod.runtime_stats()["workers"] == 1  # never more workers than blocks beyond the caller's
-    mod.get_function("maybe_trap")(8, 8, (out, np.int32(-1), np.int32(-1)), threads=4)
-    assert mod.runtime_stats()["workers"] == 3
+POOL_CHILD = r"""
+import sys
+import threading
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from test_host_runtime import TOY_SOURCE, _wait_for_block_one
+from kvcanary_cupy.hostcuda import HostModule
+
+first = HostModule(TOY_SOURCE.read_text(), name="toy_pool_first")
+second = HostModule(TOY_SOURCE.read_text(), options=("-DKVC_SECOND_MODULE=1",), name="toy_pool_second")
+out = np.zeros(64, np.int32)
+no_trap = (out, np.int32(-1), np.int32(-1))
+
+def workers():
+    return first.runtime_stats()["workers"], second.runtime_stats()["workers"]
+
+first.get_function("maybe_trap")(1, 64, no_trap, threads=4)
+print("one-block", *workers())
+first.get_function("maybe_trap")(2, 32, no_trap, threads=4)
+print("two-blocks", *workers())
+second.get_function("maybe_trap")(8, 8, no_trap, threads=4)
+print("eight-blocks", *workers())
+print("meet", *_wait_for_block_one(first, 2), *_wait_for_block_one(second, 2))
+print("worker-blocks", first.runtime_stats()["worker_blocks"] > 0, second.runtime_stats()["worker_blocks"] > 0)
+
+# Two Python threads launching on the two modules at once: one has the pool, the other runs alone.
+data = np.random.default_rng(7).integers(-10**12, 10**12, 4 * 24 * 128, dtype=np.int64)
+want = np.cumsum(data.reshape(24, -1), axis=1).ravel()
+wrong = []
+
+def scans(module):
+    for _ in range(30):
+        got = np.zeros_like(data)
+        grand = np.zeros(1, np.uint64)
+        module.get_function("segmented_scan4")(24, 128, (data, got, grand), threads=2)
+        if not np.array_equal(got, want):
+            wrong.append(module.name)
+
+runners = [threading.Thread(target=scans, args=(m,)) for m in (first, second)]
+for t in runners:
+    t.start()
+for t in runners:
+    t.join()
+print("concurrent", len(wrong), *workers())
+"""
+
+
+def test_every_module_shares_one_pool_and_small_launches_stay_on_the_caller(host_cache_dir):
+    # A child process: the pool is the process's, and this one has already started workers.
+    env = dict(os.environ, KVCANARY_CACHE_DIR=str(host_cache_dir))
+    proc = subprocess.run([sys.executable, "-c", POOL_CHILD, str(Path(__file__).resolve().parent)],
+                          capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "one-block 0 0",  # a one-block launch wakes no worker
+        "two-blocks 1 1",  # never more workers than blocks beyond the caller's; both modules see the same pool
+        "eight-blocks 3 3",  # the second module's launch grows the same pool to threads - 1
+        "meet 1 2 1 2",  # block 1 runs while block 0 waits for it, in either module
+        "worker-blocks True True",
+        "concurrent 0 3 3",  # launches from two Python threads at once: right results, no new workers
+    ]
 
 
 def test_thread_count_comes_from_launch_module_setting_env_then_affinity(monkeypatch, host_cache_dir):

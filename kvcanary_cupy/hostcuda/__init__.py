@@ -74,7 +74,8 @@ __all__ = [
 SHARED_MEMORY_POISON_WORD = 0x7FF5A5A5
 
 _HERE = Path(__file__).resolve().parent
-_RUNTIME_FILES = ("kvc_host_cuda.h", "kvc_host_register.h", "kvc_host_runtime.cpp")
+_RUNTIME_FILES = ("kvc_host_cuda.h", "kvc_host_register.h", "kvc_host_pool.h", "kvc_host_runtime.cpp")
+_POOL_FILES = ("kvc_host_pool.h", "kvc_host_pool.cpp")
 _CACHE_FORMAT = "kvc-hostcuda-2"
 
 # -fno-strict-aliasing: CUDA kernels routinely reinterpret buffers (a uint4 load from long long storage);
@@ -496,6 +497,43 @@ def _runtime_object(cxx: str, version: str, flags: tuple[str, ...], sources: dic
     return target
 
 
+_pools: dict[str, tuple[ctypes.CDLL, int]] = {}
+
+
+def _pool_library(cxx: str, version: str, flags: tuple[str, ...]) -> Path:
+    """The shared worker pool (kvc_host_pool.cpp) for modules built with ``flags``: built once per flavour
+    into the module cache."""
+    sources = {name: (_HERE / name).read_text(encoding="utf-8") for name in _POOL_FILES}
+    key = _digest(_CACHE_FORMAT, "pool", version, *flags, *(f"{k}\n{v}" for k, v in sorted(sources.items())))
+    target = host_module_dir() / f"kvc-host-pool-{key[:32]}.so"
+    if not target.exists():
+
+        def build(tmp: Path) -> Path:
+            out = tmp / "pool.so"
+            _run_compiler([cxx, *flags, "-shared", "-Wl,-z,defs", f"-I{_HERE}", str(_HERE / "kvc_host_pool.cpp"),
+                           "-o", str(out), "-lpthread"], "compiling the host worker pool")
+            return out
+
+        _build_atomically(target, build)
+    touch(target)
+    return target
+
+
+def _pool_table(path: Path) -> int:
+    """Loads the pool library at ``path`` once per process; the address of its function table."""
+    with _build_lock:
+        loaded = _pools.get(str(path))
+        if loaded is None:
+            try:
+                lib = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_LOCAL)
+            except OSError as exc:
+                raise HostBuildError(f"cannot load the host worker pool {path}: {exc}") from exc
+            lib.kvc_host_pool_api_get.restype = ctypes.c_void_p
+            lib.kvc_host_pool_api_get.argtypes = []
+            loaded = _pools[str(path)] = (lib, lib.kvc_host_pool_api_get())
+        return loaded[1]
+
+
 def _check_options(options: Sequence[str]) -> list[str]:
     kept = []
     for opt in options:
@@ -590,6 +628,7 @@ class HostModule:
         target = host_module_dir() / f"{stem}-{key[:32]}{flavour}.so"
         self.library_path = target
         self.from_cache = target.exists()
+        pool = _pool_library(cxx, version, flags)
         if self.from_cache:
             touch(target)
             log.debug("host module %r: cached build %s", name, target)
@@ -631,7 +670,7 @@ class HostModule:
 
             _build_atomically(target, build)
             log.info("compiled host module %r in %.2f s: %s", name, time.perf_counter() - started, target)
-            prune(target.parent, keep=(target, runtime))
+            prune(target.parent, keep=(target, runtime, pool))
 
         if self.sanitizer == "address" and not _sanitizer_runtime_loaded("address"):
             raise HostBuildError(
@@ -646,6 +685,8 @@ class HostModule:
                 "(kvcanary_cupy.hostcuda.sanitizer_preload('thread') gives the path)"
             )
         self._lib = _load_library(target)
+        if self._lib.kvc_host_abi_attach_pool(_pool_table(pool)) != 0:
+            raise HostBuildError(f"host module {name!r}: its runtime does not match the worker pool's interface")
         count = self._lib.kvc_host_abi_kernel_count()
         self.kernel_names = tuple(self._lib.kvc_host_abi_kernel_name(i).decode() for i in range(count))
         self._kernels: dict[str, HostKernel] = {}
@@ -701,6 +742,8 @@ def _load_library(path: Path) -> ctypes.CDLL:
                 ctypes.c_char_p,
                 ctypes.c_ulonglong,
             ]
+            lib.kvc_host_abi_attach_pool.restype = ctypes.c_int
+            lib.kvc_host_abi_attach_pool.argtypes = [ctypes.c_void_p]
             lib.kvc_host_abi_stats.restype = None
             lib.kvc_host_abi_stats.argtypes = [ctypes.POINTER(ctypes.c_ulonglong)]
             _loaded[str(path)] = lib

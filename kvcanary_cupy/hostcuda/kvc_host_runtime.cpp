@@ -1,12 +1,14 @@
 // Host runtime for CUDA kernels compiled with g++: fibers, barriers, warp exchange, launcher, C ABI.
 //
-// Model. The blocks of a grid run on a pool of OS threads (the calling thread plus up to threads - 1 pool
-// workers); each OS thread takes the next block index from a shared counter and runs that block to its end.
-// A launch of a single block, or with threads = 1, runs on the calling thread alone. Everything a block
-// needs (the fiber scheduler, fiber stacks, the register block behind threadIdx, __shared__ variables and
-// dynamic shared memory) is per OS thread, so workers never share scheduler state; blocks talk only through
-// global memory and the kernels' atomics, which are real __atomic operations. Launches stay serialised
-// against each other (one launch mutex per module). The threads of a block are cooperative fibers that run until they block: a fiber keeps the CPU until it waits at a barrier, a warp
+// Model. The blocks of a grid run on OS threads: the calling thread plus up to threads - 1 workers of the
+// process's shared pool (kvc_host_pool.cpp); each OS thread takes the next block index from a shared counter
+// and runs that block to its end. A launch of a single block, or with threads = 1, runs on the calling
+// thread alone. Everything a block needs (the fiber scheduler, fiber stacks, the register block behind
+// threadIdx, __shared__ variables and dynamic shared memory) is per OS thread and per module, so workers
+// never share scheduler state; blocks talk only through global memory and the kernels' atomics, which are
+// real __atomic operations. Launches of one module are serialised (one launch mutex per module), and one
+// launch at a time has the pool's workers. The threads of a block are cooperative fibers that run until
+// they block: a fiber keeps the CPU until it waits at a barrier, a warp
 // operation or exits, then hands over directly to the next runnable fiber (the scheduler context only sees
 // the end of a block, an abort or a deadlock). A fiber becomes runnable again only when the barrier it waits
 // on completes: its wait condition is stored in its record and the completing fiber queues exactly the
@@ -38,6 +40,7 @@
 // failure of the lowest failing block, exactly the one a single thread would have stopped at.
 #define KVC_HOST_RUNTIME_BUILD 1
 #include "kvc_host_cuda.h"
+#include "kvc_host_pool.h"
 
 #include <pthread.h>
 #include <signal.h>
@@ -917,83 +920,21 @@ void run_blocks(Launch* l) {
 
 // ---- the worker pool ----------------------------------------------------------------------------------------
 //
-// Workers sleep on a condition variable. A launch publishes itself with a new epoch and wakes as many workers
-// as it wants helpers; a worker joins only while the launch is open, so the caller, once out of blocks, closes
-// it and waits just for the workers that joined (a worker the OS has not scheduled yet finds it closed and
-// goes back to sleep, instead of holding the launch up).
+// The workers live in the shared pool library (kvc_host_pool.cpp), one pool for every module of a build
+// flavour; the loader hands its function table to each module (kvc_host_abi_attach_pool). Without one,
+// every launch runs on its calling thread.
 
-struct Pool {
-    pthread_mutex_t mutex;
-    pthread_cond_t wake;
-    pthread_cond_t done;
-    unsigned nworkers;
-    unsigned long long epoch;
-    Launch* launch;    // null while no launch is open
-    unsigned helpers;  // workers the open launch wants
-    unsigned joined;   // workers that joined the open launch so far
-    unsigned running;  // workers still running blocks of it
-};
+const kvc_host_pool_api* g_pool_api;
 
-Pool g_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, nullptr, 0, 0, 0};
-
-void* worker_main(void*) {
-    pthread_mutex_lock(&g_pool.mutex);
-    // Epochs start at 1: a worker created for the launch that is already open joins it.
-    unsigned long long seen = 0;
-    for (;;) {
-        while (g_pool.launch == nullptr || g_pool.epoch == seen || g_pool.joined >= g_pool.helpers) {
-            pthread_cond_wait(&g_pool.wake, &g_pool.mutex);
-        }
-        seen = g_pool.epoch;
-        Launch* l = g_pool.launch;
-        ++g_pool.joined;
-        ++g_pool.running;
-        pthread_mutex_unlock(&g_pool.mutex);
-        // A worker that cannot get memory simply does not help; the others (the caller at least) run the blocks.
-        if (ensure_state() && ensure_stacks(l->nthreads)) {
-            g->pool_worker = true;
-            run_blocks(l);
-        }
-        pthread_mutex_lock(&g_pool.mutex);
-        if (--g_pool.running == 0) pthread_cond_signal(&g_pool.done);
+// What a pool worker runs for a launch of this module: its blocks, with this module's state on its thread.
+void pool_job(void* context) {
+    Launch* l = static_cast<Launch*>(context);
+    // A worker that cannot get memory simply does not help; the others (the caller at least) run the blocks.
+    if (ensure_state() && ensure_stacks(l->nthreads)) {
+        g->pool_worker = true;
+        run_blocks(l);
     }
-    return nullptr;
 }
-
-// Grows the pool to `want` workers (best effort); called with the launch mutex held.
-void grow_pool(unsigned want) {
-    if (g_pool.nworkers >= want) return;
-    // Workers never take signals: Python handles them on its main thread.
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    while (g_pool.nworkers < want) {
-        pthread_t t;
-        if (pthread_create(&t, &attr, worker_main, nullptr) != 0) break;
-        pthread_mutex_lock(&g_pool.mutex);
-        ++g_pool.nworkers;
-        pthread_mutex_unlock(&g_pool.mutex);
-    }
-    pthread_attr_destroy(&attr);
-    pthread_sigmask(SIG_SETMASK, &old, nullptr);
-}
-
-// The child of a fork has none of the parent's workers (and maybe a lock held by one of them).
-void pool_after_fork() {
-    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
-    pthread_cond_t fresh_cond = PTHREAD_COND_INITIALIZER;
-    g_pool.mutex = fresh;
-    g_pool.wake = fresh_cond;
-    g_pool.done = fresh_cond;
-    g_pool.nworkers = 0;
-    g_pool.launch = nullptr;
-    g_pool.helpers = g_pool.joined = g_pool.running = 0;
-}
-
-__attribute__((constructor)) void register_fork_handler() { pthread_atfork(nullptr, nullptr, pool_after_fork); }
 
 int launch_locked(int index, const unsigned* grid, const unsigned* block, unsigned long long shmem, void** args,
                   int threads, char* err, size_t errlen) {
@@ -1045,21 +986,7 @@ int launch_locked(int index, const unsigned* grid, const unsigned* block, unsign
     if (want > kMaxWorkers - 1) want = kMaxWorkers - 1;
     if (want > l.nblocks - 1) want = l.nblocks - 1;
     unsigned helpers = static_cast<unsigned>(want);
-    if (helpers != 0) {
-        grow_pool(helpers);
-        pthread_mutex_lock(&g_pool.mutex);
-        if (helpers > g_pool.nworkers) helpers = g_pool.nworkers;
-        g_pool.launch = &l;
-        g_pool.helpers = helpers;
-        g_pool.joined = 0;
-        ++g_pool.epoch;
-        if (helpers == g_pool.nworkers) {
-            pthread_cond_broadcast(&g_pool.wake);
-        } else {
-            for (unsigned i = 0; i < helpers; ++i) pthread_cond_signal(&g_pool.wake);
-        }
-        pthread_mutex_unlock(&g_pool.mutex);
-    }
+    if (helpers != 0) helpers = g_pool_api != nullptr ? g_pool_api->open(pool_job, &l, helpers) : 0;
     if (!ensure_stacks(l.nthreads)) {
         // Only this thread's stacks are missing; helpers map their own. Stop handing out blocks.
         __atomic_store_n(&l.stop_at, 0ull, __ATOMIC_RELAXED);
@@ -1070,12 +997,7 @@ int launch_locked(int index, const unsigned* grid, const unsigned* block, unsign
     } else {
         run_blocks(&l);
     }
-    if (helpers != 0) {
-        pthread_mutex_lock(&g_pool.mutex);
-        g_pool.launch = nullptr;  // closed: late workers no longer join
-        while (g_pool.running != 0) pthread_cond_wait(&g_pool.done, &g_pool.mutex);
-        pthread_mutex_unlock(&g_pool.mutex);
-    }
+    if (helpers != 0) g_pool_api->close();
     pthread_mutex_destroy(&l.error_mutex);
     if (l.error_block != ~0ull) {
         snprintf(err, errlen, "%s", l.error);
@@ -1272,6 +1194,15 @@ KVC_HOST_EXPORT int kvc_host_abi_launch(int index, const unsigned int* grid, con
     return rc;
 }
 
+// Gives this module the shared worker pool (kvc_host_pool.cpp); 0, or 1 when the table's version differs.
+KVC_HOST_EXPORT int kvc_host_abi_attach_pool(const kvc_host_pool_api* api) {
+    if (api == nullptr || api->version != KVC_HOST_POOL_API_VERSION) return 1;
+    pthread_mutex_lock(&g_launch_mutex);
+    g_pool_api = api;
+    pthread_mutex_unlock(&g_launch_mutex);
+    return 0;
+}
+
 // Counters for tests and measurements, summed over every OS thread that ran blocks: switches, fiber starts,
 // blocks, launches, stacks mapped, pool workers started, blocks run by pool workers.
 KVC_HOST_EXPORT void kvc_host_abi_stats(unsigned long long* out) {
@@ -1291,8 +1222,6 @@ KVC_HOST_EXPORT void kvc_host_abi_stats(unsigned long long* out) {
     }
     out[3] = g_launches;
     pthread_mutex_unlock(&g_states_mutex);
-    pthread_mutex_lock(&g_pool.mutex);
-    out[5] = g_pool.nworkers;
-    pthread_mutex_unlock(&g_pool.mutex);
+    out[5] = g_pool_api != nullptr ? g_pool_api->workers() : 0;
     pthread_mutex_unlock(&g_launch_mutex);
 }
