@@ -172,6 +172,32 @@ KVC_DEVICE u64 real_kv_fold_source(const RealKvSource& src, i64 slot, i64 length
   return acc;
 }
 
+// Asks for the cache lines that plan entry `index` (if below `active`) will read: its canary record, its
+// predecessor's and the first line of the slot's row in every real-KV source. On the host backend one OS
+// thread runs a block's entries one after another and live KV is far larger than the caches (and its rows
+// sit on distinct pages), so each of those reads misses and stalls the thread; asking kPrefetchStrides of a
+// thread's own entries ahead overlaps the misses. On a GPU other warps hide the latency: nothing there.
+enum { kPrefetchStrides = 4 };
+KVC_DEVICE void prefetch_entry(const i64* canary, i64 stride_words, i64 num_slots, const RealKvSources& sources,
+                               const i64* slots, const i64* prev_slots, i64 index, i64 active) {
+#ifndef __CUDA_ARCH__
+  if (index >= active) return;
+  const i64 slot = slots[index];
+  if (slot <= 0 || slot >= num_slots) return;
+  __builtin_prefetch(canary + slot * stride_words);
+  const i64 prev = prev_slots[index];
+  if (prev > 0 && prev < num_slots) __builtin_prefetch(canary + prev * stride_words);
+  if (sources.mode == kHashNone) return;
+  for (int k = 0; k < kMaxRealKvSources && k < sources.count; ++k) {
+    const RealKvSource& src = sources.src[k];
+    __builtin_prefetch(src.base + (slot / src.page_size) * src.page_stride + (slot % src.page_size) * src.token_stride);
+  }
+#else
+  (void)canary, (void)stride_words, (void)num_slots, (void)sources, (void)slots, (void)prev_slots, (void)index,
+      (void)active;
+#endif
+}
+
 // Fingerprint of the real KV bytes of `slot` (SPEC §2.3): per source, fold the slot's logical bytes as
 // little-endian u64 words through splitmix64, then fold the source hashes in order. The host checked that
 // every source covers all canary slots with every byte inside its tensor, and picked each access kind.

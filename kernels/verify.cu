@@ -30,7 +30,13 @@ extern "C" __global__ void kvc_verify(
   const kvc::RealKvSources sources = KVC_REAL_KV_SOURCES;
   int bits_seen = 0;
   const i64 stride = (i64)gridDim.x * blockDim.x;
-  for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < active; k += stride) {
+  const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  for (int ahead = 0; ahead < kvc::kPrefetchStrides; ++ahead) {
+    kvc::prefetch_entry(canary, stride_words, num_slots, sources, slots, prev_slots, first + ahead * stride, active);
+  }
+  for (i64 k = first; k < active; k += stride) {
+    kvc::prefetch_entry(canary, stride_words, num_slots, sources, slots, prev_slots, k + kvc::kPrefetchStrides * stride,
+                        active);
     const i64 slot = slots[k];
     if (slot == 0) continue;
     if (slot < 0 || slot >= num_slots) {

@@ -22,7 +22,7 @@ from .kernel_backend import KernelBackend, LaunchShape, kernel_source, kernels_d
 HOST_MIN_WORK_PER_BLOCK = 1024
 HOST_BLOCKS_PER_THREAD = 4
 HOST_SHAPE = LaunchShape(
-    plan_offsets_block=256,
+    plan_offsets_block=32,
     plan_entries_grid=2,
     plan_entries_block=64,
     verify_grid=2,

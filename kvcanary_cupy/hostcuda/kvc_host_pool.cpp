@@ -17,7 +17,7 @@
 // kvc_host_pool_close and waits just for the workers that joined (a worker the OS has not scheduled yet
 // finds it closed, instead of holding the launch up).
 //
-// Waiting is a short spin, then a sleep. A worker that has just seen a job watches the epoch for kSpinNanos
+// Waiting is a short spin, then a sleep. A worker that has just seen a job watches the epoch for g_spin_nanos
 // before it sleeps on the condition variable, and the caller watches the count of running workers as long
 // before it sleeps: the canary's launches come in bursts (the plan, write and verify of one step), and
 // waking a sleeping thread (a futex wake; on a VM an interrupt to an idle virtual CPU) takes tens of
@@ -28,12 +28,25 @@
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdlib.h>
 #include <time.h>
 
 namespace {
 
-constexpr long long kSpinNanos = 200000;
+constexpr long long kDefaultSpinNanos = 200000;
 constexpr unsigned kMaxWorkers = 255;
+
+// How long a waiting thread polls before it sleeps: KVCANARY_HOST_SPIN_US (0 to 1000000 microseconds), read
+// when the library loads (before any worker exists); anything else gives the default.
+long long g_spin_nanos = kDefaultSpinNanos;
+
+void read_spin_setting() {
+    const char* raw = getenv("KVCANARY_HOST_SPIN_US");
+    if (raw == nullptr) return;
+    char* end = nullptr;
+    const long long us = strtoll(raw, &end, 10);
+    if (end != raw && *end == '\0' && us >= 0 && us <= 1000000) g_spin_nanos = us * 1000;
+}
 
 long long monotonic_nanos() {
     timespec ts;
@@ -47,9 +60,9 @@ inline void cpu_relax() {
 #endif
 }
 
-// Polls `word` until it differs from `value` (want_change) or equals it (!want_change), or kSpinNanos pass.
+// Polls `word` until it differs from `value` (want_change) or equals it (!want_change), or g_spin_nanos pass.
 void spin_on(const unsigned long long* word, unsigned long long value, bool want_change) {
-    const long long until = monotonic_nanos() + kSpinNanos;
+    const long long until = monotonic_nanos() + g_spin_nanos;
     for (unsigned i = 1; (__atomic_load_n(word, __ATOMIC_ACQUIRE) != value) != want_change; ++i) {
         cpu_relax();
         if ((i & 63) == 0) {
@@ -151,7 +164,10 @@ void pool_after_fork() {
     g_pool.running = 0;
 }
 
-__attribute__((constructor)) void register_fork_handler() { pthread_atfork(nullptr, nullptr, pool_after_fork); }
+__attribute__((constructor)) void initialise_pool() {
+    read_spin_setting();
+    pthread_atfork(nullptr, nullptr, pool_after_fork);
+}
 
 unsigned pool_open(kvc_host_pool_job job, void* context, unsigned helpers) {
     if (helpers == 0 || job == nullptr) return 0;
