@@ -101,7 +101,8 @@ def test_a_new_host_build_prunes_the_cache_to_its_cap(tmp_path, monkeypatch):
 
 def _env_vars_read_by_the_package() -> set[str]:
     names: set[str] = set()
-    for path in (ROOT / "kvcanary_cupy").rglob("*.py"):
+    package = ROOT / "kvcanary_cupy"
+    for path in [*package.rglob("*.py"), *package.rglob("*.cpp"), *package.rglob("*.h")]:
         text = path.read_text()
         names |= set(re.findall(r"""(?:environ\.get|getenv|environ\[|setenv)\(?\s*["']([A-Z][A-Z0-9_]+)["']""", text))
         names |= set(re.findall(r"""^_[A-Z_]*ENV\s*=\s*["']([A-Z][A-Z0-9_]+)["']""", text, re.M))
@@ -110,7 +111,7 @@ def _env_vars_read_by_the_package() -> set[str]:
 
 def test_the_backends_page_lists_every_environment_variable_the_package_reads():
     found = _env_vars_read_by_the_package()
-    assert {"KVCANARY_CACHE_DIR", "XDG_CACHE_HOME", "KVCANARY_HOST_SANITIZE", "CXX"} <= found, found
+    assert {"KVCANARY_CACHE_DIR", "XDG_CACHE_HOME", "KVCANARY_HOST_SANITIZE", "CXX", "KVCANARY_HOST_SPIN_US"} <= found, found
     readme = (ROOT / "docs" / "backends.md").read_text()
     table = readme[readme.index("| variable |"):]
     table = table.split("\n\n")[0]
