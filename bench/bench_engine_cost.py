@@ -3,16 +3,24 @@ cost per step grows with context length and batch size next to the engine's own 
 
 1. **End-to-end share** (``share``): the bench workload of ``bench_transformers.py`` (58.5M-parameter Llama,
    8 x 256-token prompts + 64 new tokens, PARTIAL real-KV hashing of every layer's K and V) run in alternating
-   rounds without and with the canary (at least 5 each; a round = one ``generate_batch`` without, then one
-   with). The share of a round is ``with / without - 1``; the figure is the median over rounds with the
-   spread (min..max) next to it. Alternating cancels most of the drift of a shared machine: both halves of
-   a round see the same load. The canary's own phase timers give a second, less noisy figure.
+   rounds without and with the canary (at least 5 each; a round = one ``generate_batch`` without and one
+   with, the canary's run second in even rounds and first in odd ones). The share of a round is
+   ``with / without - 1``; the figure is the median over rounds with the spread (min..max) next to it.
+   Alternating cancels most of the drift of a shared machine: both halves of a round see the same load.
+   The canary's own phase timers give a second, less noisy figure.
 2. **Scaling** (``scaling``): one decode step of the canary runtime alone (prepare, pre_forward, post_forward,
    finish_step) for B requests of L tokens each, on the transformers bench geometry (8 layers in two runtime
    groups of 4, K and V, PARTIAL hashing), next to the medium model's own decode step at the same B and L
    (one ``forward`` of B new tokens over a ``DynamicCache`` of L random tokens per layer). Each real-KV row is
    64 bytes here (one cache line: the PARTIAL hash reads the first 16 bytes of a row, as it does from the
    model's 2 KiB rows), which keeps a 32k-token context inside the machine's memory.
+
+3. **Long context** (``long_context``): a real ``generate_batch`` of one request with a 32,768-token prompt
+   and 32 new tokens, on the small test geometry (hidden 64, 2 layers: the medium model's prefill of 32k
+   tokens alone takes minutes on 2 cores) with its position table stretched to the context, run without the
+   canary, with the full verify and with the bounded verify (``max_verify_entries_per_step=4096``), the
+   three in rotating order for ``--long-rounds`` rounds; per configuration the median share against the
+   run without the canary of the same round, its spread, and the canary's timers.
 
 ``python bench/bench_engine_cost.py [--share-rounds N] [--out bench/engine_cost.json] [--plot PATH]`` prints
 both tables and writes the JSON and the plot; under pytest (``--benchmark-disable``) each part runs once at a
@@ -47,7 +55,7 @@ LAYERS, LAYERS_PER_GROUP, ROW_BYTES = 8, 4, 64
 
 def share_rounds(model: Any, spec: dict[str, Any], backend: str, rounds: int, *,
                  max_verify_entries: int = 0) -> dict[str, Any]:
-    """Alternate ``rounds`` pairs of ``generate_batch`` (without, then with the canary on ``backend``)."""
+    """``rounds`` pairs of ``generate_batch`` without and with the canary on ``backend`` (ABBA order)."""
     from bench_transformers import run_once
 
     from kvcanary_cupy.integrations.transformers import CanaryOptions
@@ -57,9 +65,15 @@ def share_rounds(model: Any, spec: dict[str, Any], backend: str, rounds: int, *,
     run_once(model, spec, None)  # warm-up: kernels compiled, caches warm
     run_once(model, spec, backend, options=options)
     ratios, without, with_, timers = [], [], [], []
-    for _ in range(rounds):
-        base = run_once(model, spec, None)["wall_s"]
-        r = run_once(model, spec, backend, options=options)
+    for i in range(rounds):
+        # Every other round runs the canary first, so a trend in the machine's speed (or a cost of running
+        # second) cancels between rounds instead of landing in every ratio.
+        if i % 2 == 0:
+            base = run_once(model, spec, None)["wall_s"]
+            r = run_once(model, spec, backend, options=options)
+        else:
+            r = run_once(model, spec, backend, options=options)
+            base = run_once(model, spec, None)["wall_s"]
         without.append(base)
         with_.append(r["wall_s"])
         ratios.append(r["wall_s"] / base - 1.0)
@@ -68,6 +82,49 @@ def share_rounds(model: Any, spec: dict[str, Any], backend: str, rounds: int, *,
             "share_median": statistics.median(ratios), "share_min": min(ratios), "share_max": max(ratios),
             "timer_share_median": statistics.median(timers), "without_s": without, "with_s": with_,
             "load_1min": os.getloadavg()[0]}
+
+
+# ---- 3. a real long context ----------------------------------------------------------------------------
+
+LONG_CONTEXT, LONG_NEW = 32768, 32
+
+
+def long_context_rounds(backend: str, rounds: int, *, context: int = LONG_CONTEXT, new: int = LONG_NEW,
+                        bounded: int = 4096) -> dict[str, Any]:
+    """``rounds`` rounds of (no canary, full verify, bounded verify) ``generate_batch`` runs of one request with
+    a ``context``-token prompt, the three in rotating order; shares against the same round's run without."""
+    import torch
+    from bench_transformers import run_once
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcanary_cupy.integrations.transformers import CanaryOptions
+    from kvcanary_cupy.integrations.transformers.workloads import MODEL_SIZES
+
+    torch.manual_seed(0)
+    dims = {**MODEL_SIZES["small"], "max_position_embeddings": context + new + 64}
+    model = LlamaForCausalLM(LlamaConfig(**dims)).eval()
+    spec = dict(size="small", requests=1, prompt=context, new=new,
+                cb=dict(page_size=64, num_blocks=(context + new) // 64 + 4, max_batch_tokens=2048))
+    configs: dict[str, Any] = {
+        "none": None,
+        "full": CanaryOptions(backend=backend, real_kv_hash="partial", with_v=True),
+        "bounded": CanaryOptions(backend=backend, real_kv_hash="partial", with_v=True,
+                                 max_verify_entries_per_step=bounded)}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
+    order = list(configs)
+    for i in range(rounds):
+        for name in order[i % 3:] + order[: i % 3]:
+            opts = configs[name]
+            runs[name].append(run_once(model, spec, None if opts is None else backend, options=opts))
+    out: dict[str, Any] = {"backend": backend, "context": context, "new_tokens": new, "rounds": rounds,
+                           "bounded_n": bounded, "without_s": [r["wall_s"] for r in runs["none"]]}
+    for name in ("full", "bounded"):
+        shares = [r["wall_s"] / base["wall_s"] - 1.0 for r, base in zip(runs[name], runs["none"], strict=True)]
+        out[name] = {"share_median": statistics.median(shares), "share_min": min(shares), "share_max": max(shares),
+                     "timer_share_median": statistics.median(r["canary_s"] / r["wall_s"] for r in runs[name]),
+                     "verify_s_median": statistics.median(r.get("verify_s", 0.0) for r in runs[name]),
+                     "with_s": [r["wall_s"] for r in runs[name]]}
+    return out
 
 
 # ---- 2. scaling ----------------------------------------------------------------------------------------
@@ -252,6 +309,16 @@ def test_bounded_canary_decode_step_runs_clean(benchmark: Any, backend: str) -> 
     assert verified and all(0 < n <= 16 * 3 for n in verified)  # at most the window per step
 
 
+@pytest.mark.skipif(HOST_REASON is not None, reason=f"host backend: {HOST_REASON}")
+def test_long_context_rounds_run_clean(benchmark: Any) -> None:
+    pytest.importorskip("transformers")
+    if not benchmark.disabled:
+        pytest.skip("the 32k-token rounds run from main() (minutes); under pytest only a small context")
+    res = long_context_rounds("host", 1, context=256, new=4, bounded=64)
+    assert res["rounds"] == 1 and len(res["without_s"]) == 1
+    assert res["full"]["timer_share_median"] > 0 and res["bounded"]["timer_share_median"] > 0
+
+
 def main() -> None:
     import torch
     from bench_transformers import FULL
@@ -263,6 +330,7 @@ def main() -> None:
     parser.add_argument("--skip-share", action="store_true")
     parser.add_argument("--share-backends", nargs="+", default=CPU_BACKENDS, choices=CPU_BACKENDS)
     parser.add_argument("--skip-scaling", action="store_true")
+    parser.add_argument("--long-rounds", type=int, default=3, help="rounds of the 32k-token run (0: skip it)")
     parser.add_argument("--out", default=str(BENCH_DIR / "engine_cost.json"))
     parser.add_argument("--plot", default=str(BENCH_DIR / "engine_cost.png"))
     parser.add_argument("--torch-threads", type=int, default=2, help="torch threads of the end-to-end share")
@@ -284,6 +352,13 @@ def main() -> None:
                   f"{100 * res['share_max']:.1f} %), canary timers {100 * res['timer_share_median']:.1f} %; "
                   f"without {statistics.median(res['without_s']):.2f} s, load {res['load_1min']:.1f}", flush=True)
     out["torch_threads"] = args.torch_threads
+    if args.long_rounds:
+        out["long_context"] = [long_context_rounds(b, args.long_rounds) for b in args.share_backends]
+        for r in out["long_context"]:
+            print(f"long context {r['backend']} ({r['context']} tokens): " + "; ".join(
+                f"{name} median {100 * r[name]['share_median']:.1f} % (rounds {100 * r[name]['share_min']:.1f} .. "
+                f"{100 * r[name]['share_max']:.1f} %), timers {100 * r[name]['timer_share_median']:.1f} %"
+                for name in ("full", "bounded")) + f"; without {statistics.median(r['without_s']):.2f} s", flush=True)
     if not args.skip_scaling:
         torch.set_num_threads(args.scaling_torch_threads)
         out["scaling_torch_threads"] = args.scaling_torch_threads
@@ -307,6 +382,16 @@ def markdown(out: dict[str, Any]) -> str:
             lines.append(f"| {r['backend']} | {r['rounds']} | {100 * r['share_median']:.1f} % | "
                          f"{100 * r['share_min']:.1f} .. {100 * r['share_max']:.1f} % | "
                          f"{100 * r['timer_share_median']:.1f} % | {statistics.median(r['without_s']):.1f} s |")
+        lines.append("")
+    if out.get("long_context"):
+        lines += ["| backend | context | rounds | run without | full verify: share (spread), timers | "
+                  "bounded verify: share (spread), timers |", "|---|--:|--:|--:|--:|--:|"]
+        for r in out["long_context"]:
+            cells = [f"{100 * r[n]['share_median']:.1f} % ({100 * r[n]['share_min']:.1f} .. "
+                     f"{100 * r[n]['share_max']:.1f} %), {100 * r[n]['timer_share_median']:.1f} %"
+                     for n in ("full", "bounded")]
+            lines.append(f"| {r['backend']} | {r['context']:,} + {r['new_tokens']} | {r['rounds']} | "
+                         f"{statistics.median(r['without_s']):.1f} s | {cells[0]} | {cells[1]} |")
         lines.append("")
     if out.get("scaling"):
         head = "| B × L | engine step |" + "".join(f" {b} full | {b} bounded |" for b in CPU_BACKENDS)

@@ -65,6 +65,12 @@ KVC_DEVICE void store_record(i64* dst, const i64* src) {
   for (int f = 0; f < kCanaryFieldsPerSlot; ++f) dst[f] = src != nullptr ? src[f] : 0;
 }
 
+// Whether two canary records (the 4 fields of a slot) hold the same words.
+KVC_DEVICE bool same_record(const i64* a, const i64* b) {
+  return a[kFieldToken] == b[kFieldToken] && a[kFieldPosition] == b[kFieldPosition] &&
+         a[kFieldPrevHash] == b[kFieldPrevHash] && a[kFieldRealKvHash] == b[kFieldRealKvHash];
+}
+
 // One chain step: (prev_hash, token, position) of a slot -> the prev_hash its successor stores.
 KVC_DEVICE u64 mix3(u64 a, u64 b, u64 c) { return splitmix64(splitmix64(splitmix64(a) ^ b) ^ c); }
 

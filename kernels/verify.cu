@@ -6,6 +6,11 @@
 //             with the plan's expected token and position, the predecessor's recomputed chain hash (prev 0
 //             or a prev outside the buffer: unreachable, no chain check; negative: anchor) and the live
 //             real-KV bytes. Any mismatch appends one row to the ring.
+//             `twin` (may be null; only without real-KV hashing): a canary buffer of the same shape that an
+//             earlier verify of this plan checked (HEAD K's, for HEAD V). An entry whose record and
+//             predecessor record (when 0 < prev < num_slots) hold the same words in both buffers got its
+//             verdict, and its row if any, from that launch: it is skipped, so the chain and token checks of
+//             the two run once. Any other entry is checked in full.
 //             Counters: kernel_run_counter += 1 always; slot_run_counter += active unless enable == 0.
 #include "canary_common.cuh"
 
@@ -16,7 +21,7 @@ extern "C" __global__ void kvc_verify(
     const int* __restrict__ num_valid, const int* __restrict__ enable, long long capacity, int check_token,
     long long kernel_kind, long long* __restrict__ ring, long long ring_capacity, int* __restrict__ write_index,
     long long* __restrict__ slot_counter, long long* __restrict__ kernel_counter, int* __restrict__ status,
-    KVC_REAL_KV_PARAMS) {
+    const long long* __restrict__ twin, KVC_REAL_KV_PARAMS) {
   using kvc::i64;
   using kvc::u64;
   const bool first_thread = blockIdx.x == 0 && threadIdx.x == 0;
@@ -43,14 +48,18 @@ extern "C" __global__ void kvc_verify(
       bits_seen |= kvc::kSlotOutOfRange;
       continue;
     }
+    const i64 prev = prev_slots[k];
     const i64* fields = canary + slot * stride_words;
+    if (twin != nullptr && prev < num_slots && kvc::same_record(fields, twin + slot * stride_words) &&
+        (prev <= 0 || kvc::same_record(canary + prev * stride_words, twin + prev * stride_words))) {
+      continue;  // the twin's verify gave this entry the verdict it would get here
+    }
     const i64 stored_token = fields[kvc::kFieldToken];
     const i64 stored_position = fields[kvc::kFieldPosition];
     const i64 stored_chain = fields[kvc::kFieldPrevHash];
     const i64 stored_real_kv = fields[kvc::kFieldRealKvHash];
     const i64 expected_token = check_token ? expected_tokens[k] : -1;
 
-    const i64 prev = prev_slots[k];
     bool reachable = prev != 0;
     if (prev >= num_slots) {
       bits_seen |= kvc::kSlotOutOfRange;

@@ -189,12 +189,14 @@ def bind_verify(
     context: VerifyOrWriteContext,
     plan: VerifyPlan,
     check_verify_expected_token: bool,
+    twin_canary_buf: Any = None,
     backend: str = "auto",
     on_invalid: str | None = None,
 ) -> BoundLaunch:
     """Bind :func:`~kvcanary_cupy.launch_canary_verify_kernel` (same arguments)."""
     return _bind("verify", {"context": context, "plan": plan}, lambda: prepare_verify_launch(
         context=context, plan=plan, check_verify_expected_token=check_verify_expected_token,
+        twin_canary_buf=twin_canary_buf,
     ), backend, on_invalid)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import fail
-from ._validate import array_arg, bool_arg, same_device
+from ._validate import array_arg, bool_arg, data_pointer, same_device
 from .backends import resolve_backend
 from .context import ContextArrays, VerifyOrWriteContext, check_context_memory, prepare_context
 from .dlpack import Device, device_scope, stream_scope
@@ -32,6 +32,7 @@ class VerifyLaunch:
     enable: Any
     check_verify_expected_token: bool
     device: Device
+    twin: Any = None  # int64 view of twin_canary_buf, or None
 
     @property
     def capacity(self) -> int:
@@ -39,8 +40,19 @@ class VerifyLaunch:
 
 
 def prepare_verify_launch(*, context: VerifyOrWriteContext, plan: VerifyPlan,
-                          check_verify_expected_token: bool) -> VerifyLaunch:
+                          check_verify_expected_token: bool, twin_canary_buf: Any = None) -> VerifyLaunch:
     ctx = prepare_context(context, need_chain_flag=False)
+    twin = None
+    if twin_canary_buf is not None:
+        twin = array_arg(twin_canary_buf, "twin_canary_buf", dtype=np.uint8, ndim=2,
+                         shape=tuple(int(d) for d in ctx.canary_bytes.shape))
+        if data_pointer(twin) % 8:
+            fail("twin_canary_buf must start at an 8-byte aligned address (its fields are read as int64)")
+        if data_pointer(twin) == data_pointer(ctx.canary_bytes):
+            fail("twin_canary_buf must be another buffer than context.canary_buf")
+        if ctx.mode != 0:
+            fail("twin_canary_buf needs context.real_kv_hash_mode NONE: with real-KV hashing an entry's verdict "
+                 "also depends on the context's own KV sources")
     if not isinstance(plan, VerifyPlan):
         fail(f"plan must be a VerifyPlan, got {type(plan).__name__}")
     check = bool_arg(check_verify_expected_token, "check_verify_expected_token")
@@ -56,11 +68,13 @@ def prepare_verify_launch(*, context: VerifyOrWriteContext, plan: VerifyPlan,
         ("plan.verify_slot_indices", slots), ("plan.verify_expected_tokens", tokens if check else None),
         ("plan.verify_expected_positions", positions), ("plan.verify_prev_slot_indices", prevs),
         ("plan.verify_num_valid", num_valid), ("plan.enable", enable),
+        ("twin_canary_buf", None if twin is None else twin.view(np.int64)),
     ]
     device = same_device([("context.canary_buf", ctx.canary_bytes), *plan_arrays,
                           ("plan.verify_expected_tokens", tokens)])
     check_context_memory(ctx, writes_canary=False, inputs=plan_arrays)
-    return VerifyLaunch(ctx, slots, tokens, positions, prevs, num_valid, enable, check, device)
+    return VerifyLaunch(ctx, slots, tokens, positions, prevs, num_valid, enable, check, device,
+                        None if twin is None else twin.view(np.int64))
 
 
 def launch_canary_verify_kernel(
@@ -68,13 +82,20 @@ def launch_canary_verify_kernel(
     context: VerifyOrWriteContext,
     plan: VerifyPlan,
     check_verify_expected_token: bool,
+    twin_canary_buf: Any = None,
     backend: str = "auto",
     on_invalid: str | None = None,
 ) -> None:
-    """Verify the first ``plan.verify_num_valid`` entries of ``plan`` against ``context`` (SPEC §5)."""
+    """Verify the first ``plan.verify_num_valid`` entries of ``plan`` against ``context`` (SPEC §5).
+
+    ``twin_canary_buf``: a canary buffer of the same shape that a verify of this same plan has just checked
+    (the runtime passes HEAD K's for HEAD V), only without real-KV hashing. An entry whose record and
+    predecessor record hold the same words there got its verdict, and its row if any, from that launch and is
+    skipped; any other entry is checked in full (docs/contract.md, "Twin buffers")."""
     with stream_scope(context, plan):
         launch = prepare_verify_launch(context=context, plan=plan,
-                                       check_verify_expected_token=check_verify_expected_token)
+                                       check_verify_expected_token=check_verify_expected_token,
+                                       twin_canary_buf=twin_canary_buf)
         impl = resolve_backend(backend, launch.device, on_invalid)
         with device_scope(launch.device):
             impl.verify(launch)

@@ -66,7 +66,7 @@ class ProtocolOracle:
                              req_pool_indices=batch["history_req_pool_indices"], pool_out=self.pool)
 
     def _verify(self, g: OracleGroup, state: o.CanaryState, role: str, kv: str, step: int, entries: list[Any],
-                check: bool, sources: list[Any], mode: int) -> None:
+                check: bool, sources: list[Any], mode: int, twin: o.CanaryState | None = None) -> None:
         before = len(state.rows)
         n = len(entries)
         o.verify_oracle(
@@ -75,7 +75,7 @@ class ProtocolOracle:
             verify_expected_positions=[e[2] for e in entries] or [0],
             verify_prev_slot_indices=[e[3] for e in entries] or [0], verify_num_valid=n,
             enable=1 if g.plan is None or role == "SWEEP" else g.plan.enable, check_verify_expected_token=check,
-            sources=sources, mode=mode)
+            sources=sources, mode=mode, twin=twin)
         self._collect(g, state, step, before)
 
     def _write(self, g: OracleGroup, state: o.CanaryState, role: str, kv: str, step: int, sources: list[Any],
@@ -103,8 +103,11 @@ class ProtocolOracle:
                 req_to_verify_expected_tokens=self.pool if self.check_tokens else None,
                 req_to_verify_expected_tokens_valid_lens=b.get("valid_lens") if self.check_tokens else None,
                 kv_token_id_vs_position_offset=g.offset, write_req_capacity=len(b["req_pool_indices"]))
+            for kv in g.kvs:  # HEAD V's twin is HEAD K's buffer; both verifies run before the writes
+                twin = g.head["K"] if kv == "V" else None
+                self._verify(g, g.head[kv], "HEAD", kv, step, g.plan.entries or [], self.check_tokens, [], o.MODE_NONE,
+                             twin=twin)
             for kv in g.kvs:
-                self._verify(g, g.head[kv], "HEAD", kv, step, g.plan.entries or [], self.check_tokens, [], o.MODE_NONE)
                 self._write(g, g.head[kv], "HEAD", kv, step, [], o.MODE_NONE)
 
     def post_forward(self, step: int, model: str = "target", out_cache_loc: Any = None) -> None:

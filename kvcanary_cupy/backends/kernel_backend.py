@@ -242,7 +242,7 @@ class KernelBackend:
              launch.expected_positions, launch.prev_slots, launch.num_valid, launch.enable,
              _I64(launch.capacity), _I32(launch.check_verify_expected_token), _I64(ctx.kernel_kind), ctx.ring,
              _I64(ctx.ring.shape[0]), ctx.write_index, ctx.slot_run_counter, ctx.kernel_run_counter, ctx.status,
-             *_real_kv_args(ctx)),
+             launch.twin, *_real_kv_args(ctx)),
             **threads,
         )
 

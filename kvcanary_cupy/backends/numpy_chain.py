@@ -100,6 +100,12 @@ def verify_reference(launch: Any, on_invalid: str) -> None:
         if idx is not None:
             expected_token = expected_token[idx]
         bits[(expected_token != -1) & (stored_token != expected_token)] |= int(FailReason.VERIFY_TOKEN_MISMATCH)
+    if launch.twin is not None:  # entries whose words match the twin's got their verdict there
+        twin = launch.twin
+        same = (fields[s, :4] == twin[s, :4]).all(axis=1) & ~prev_outside
+        linked = same & (prevs > 0)
+        same[linked] = (fields[prevs[linked], :4] == twin[prevs[linked], :4]).all(axis=1)
+        bits[same] = 0
     bad = np.flatnonzero(bits)
     if launch.check_verify_expected_token:
         bad_expected_token = expected_token[bad]

@@ -3,7 +3,8 @@ canary buffers per K/V, the group's violation ring, its plans, and every launch 
 
 Endpoints: HEAD (HEAD buffer, no real-KV sources), TAIL and SWEEP (TAIL buffer, real-KV sources), per K and,
 when the group has V sources, per V. HEAD and TAIL verify and write with the group's forward plan; SWEEP
-verifies the sweep plan. Each verify and each write has its own run counters.
+verifies the sweep plan. Each verify and each write has its own run counters. HEAD V's verify has HEAD K's
+buffer as its twin (kernels/verify.cu): the records both hold are checked once.
 """
 
 from __future__ import annotations
@@ -216,8 +217,11 @@ def bind_group(state: GroupState, stage: StagedBatch, *, layout: tuple[str, Any]
                                     backend=backend, on_invalid="flag")
             continue
         plan = state.window_plan if state.window_plan is not None else state.verify_plan
+        # HEAD V holds the same records as HEAD K (no real-KV fingerprints): where the words are the same, HEAD
+        # K's verify, which runs just before, gave the verdict, so HEAD V checks only the records that differ.
+        twin = state.endpoints["HEAD"][0].verify_ctx.canary_buf if ep.role == "HEAD" and ep.kv == "V" else None
         ep.verify = bind_verify(context=ep.verify_ctx, plan=plan, check_verify_expected_token=check_tokens,
-                                backend=backend, on_invalid="flag")
+                                twin_canary_buf=twin, backend=backend, on_invalid="flag")
         assert ep.write_ctx is not None
         ep.write = bind_write(
             context=ep.write_ctx, plan=state.write_plan, input_ids=stage.owner("input_ids"),

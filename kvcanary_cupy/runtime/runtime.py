@@ -4,7 +4,8 @@ capacities, then driven by four calls per step (SPEC §7.2).
 1. :meth:`CanaryRuntime.prepare` — before the forward, outside any graph: check the batch against the
    capacities, copy it into the runtime's fixed-size buffers, gather SWA slots through their LUTs, scatter the
    token histories into the expected-token pool.
-2. :meth:`CanaryRuntime.pre_forward` — may be captured: per group plan, HEAD verify, HEAD write.
+2. :meth:`CanaryRuntime.pre_forward` — may be captured: per group plan, HEAD verify (K, then V with HEAD K's
+   buffer as its twin), HEAD write.
 3. :meth:`CanaryRuntime.post_forward` — may be captured: per group TAIL verify (real KV re-hashed), TAIL write.
 4. :meth:`CanaryRuntime.finish_step` — once per step, outside any graph: consume the previous step's snapshot
    of the device words (one step late: an event recorded then, never a wait on the current step), read and
@@ -438,7 +439,18 @@ class CanaryRuntime:
                         launch.check()
 
     def _run_endpoints(self, state: GroupState, role: str, model: str) -> None:
-        for ep in state.endpoints[role]:
+        endpoints = state.endpoints[role]
+        if role == "HEAD":
+            # Both HEAD verifies before either HEAD write: HEAD V's verify compares its records with HEAD K's
+            # as HEAD K's verify saw them (docs/contract.md, "Twin buffers").
+            for ep in endpoints:
+                assert ep.verify is not None
+                self._launch(ep.verify, "verify", model, state, ep)
+            for ep in endpoints:
+                assert ep.write is not None
+                self._launch(ep.write, "write", model, state, ep)
+            return
+        for ep in endpoints:
             assert ep.verify is not None and ep.write is not None
             self._launch(ep.verify, "verify", model, state, ep)
             self._launch(ep.write, "write", model, state, ep)

@@ -10,6 +10,7 @@ violation explaining a fault kind is read, the launch that produced it is saved 
   ``enable_write_input_assert``, ``enable_chain_position_assert``), ring capacity and, for HEAD/TAIL launches,
   the plan scalars (SWA window, token offset, capacities);
 * ``canary_buf`` — the canary buffer *before* the launch; ``source_<i>`` — the real-KV bytes of each source;
+  ``twin_canary_buf`` — for a HEAD V verify, HEAD K's buffer, its twin (docs/contract.md, "Twin buffers");
 * verify: ``plan_slots``, ``plan_expected_tokens``, ``plan_expected_positions``, ``plan_prev_slots``,
   ``plan_num_valid``, ``plan_enable``; write: ``write_offsets``, ``write_seeds``, ``write_num_valid_reqs``,
   ``input_ids``, ``positions``, ``out_cache_loc``, ``expected_input_tokens``, ``expected_input_positions``;
@@ -157,6 +158,8 @@ class LaunchRecorder:
             "plan_prev_slots": _h(plan.verify_prev_slot_indices), "plan_num_valid": _h(plan.verify_num_valid),
             "plan_enable": _h(plan.enable),
         })
+        if ep.role == "HEAD" and ep.kv == "V":  # HEAD K's buffer is its twin (runtime/groups.py)
+            arrays["twin_canary_buf"] = _h(group.endpoints["HEAD"][0].verify_ctx.canary_buf)
         meta.update(op="verify", role=ep.role, check_verify_expected_token=bool(check))
         self._add(step, group, ep, arrays, meta)
 
@@ -316,6 +319,10 @@ def _check_case(path: Path, meta: dict[str, Any], arrays: dict[str, np.ndarray])
     if canary.shape[0] < 1 or canary.shape[1] < CANARY_SLOT_BYTES or canary.shape[1] % 8:
         raise bad("entry 'canary_buf'", f"must be [slots >= 1, stride >= {CANARY_SLOT_BYTES}, a multiple of 8], "
                   f"got {canary.shape}")
+    if "twin_canary_buf" in arrays:
+        twin = array("twin_canary_buf", np.uint8, 2)
+        if twin.shape != canary.shape:
+            raise bad("entry 'twin_canary_buf'", f"must have canary_buf's shape {canary.shape}, got {twin.shape}")
     for i, source in enumerate(sources):
         if not isinstance(source, dict):
             raise bad(f"meta.sources[{i}]", f"must be an object, got {source!r}")
@@ -457,8 +464,10 @@ def replay_case(case: ReplayCase, backend: str = "host") -> ReplayOutcome:
                           verify_prev_slot_indices=a["plan_prev_slots"].copy(),
                           verify_num_valid=a["plan_num_valid"].copy(), enable=a["plan_enable"].copy(),
                           status=np.zeros(1, np.int32))
+        twin = a.get("twin_canary_buf")
         launch_canary_verify_kernel(context=ctx, plan=plan,
                                     check_verify_expected_token=bool(m["check_verify_expected_token"]),
+                                    twin_canary_buf=None if twin is None else _aligned(twin),
                                     backend=backend, on_invalid="flag" if backend == "numpy" else None)
     else:
         write_plan = WritePlan.from_tensors(write_offsets=a["write_offsets"].copy(),
