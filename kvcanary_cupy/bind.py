@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +85,11 @@ class BoundLaunch:
         """Run the bound launch once on the buffers' current contents. No conversion, no validation beyond
         the storage check of bound torch tensors (a pointer and size comparison each)."""
         self.check()
+        self.run_checked()
+
+    def run_checked(self) -> None:
+        """Run the bound launch without its storage check: for a caller that ran :meth:`check` (or
+        :func:`check_launches`) just before, with nothing in between that could move a tensor."""
         if self.device.kind == "cpu":
             if self.runner is not None:
                 self.runner()
@@ -115,6 +120,21 @@ class BoundLaunch:
         stream = "torch current stream" if self.follows_torch_stream else "CuPy current stream"
         where = "inline" if self.device.kind == "cpu" else stream
         return f"BoundLaunch({self.step}, backend={self.backend_name}, device={self.device}, {where})"
+
+
+def check_launches(launches: Iterable[BoundLaunch | None]) -> None:
+    """The storage checks of several bound launches before any of them runs, each distinct check once: the
+    launches of one runtime phase share most of their tensors (ring, counters, plans), and a check is a
+    pointer and size comparison that costs microseconds per tensor on every step."""
+    seen: set[tuple[int, int, int]] = set()
+    for launch in launches:
+        if launch is None:
+            continue
+        for guard in launch.guards:
+            key = (id(guard.tensor), guard.pointer, guard.needed_bytes)
+            if key not in seen:
+                seen.add(key)
+                guard.check()
 
 
 def _named_leaves(name: str, value: Any) -> Iterator[tuple[str, Any]]:

@@ -243,6 +243,7 @@ def test_status_bits_are_reported_like_violations(mode, caplog):
 def test_off_mode_allocates_and_launches_nothing(monkeypatch):
     calls = []
     monkeypatch.setattr(bind_module.BoundLaunch, "__call__", lambda self: calls.append(self.step))
+    monkeypatch.setattr(bind_module.BoundLaunch, "run_checked", lambda self: calls.append(self.step))
     engine = sc.ToyEngine(swa=True)
     rt = make(engine, mode="off", sweep_interval=1)
     reports = drive(engine, rt)

@@ -944,9 +944,10 @@ class HostKernel:
         packed.grid[0], packed.grid[1], packed.grid[2] = _dims(grid, "grid")
         packed.block[0], packed.block[1], packed.block[2] = _dims(block, "block")
         launch, index, held = self.module._lib.kvc_host_abi_launch, self._index, tuple(args)
+        fixed = None if threads is None else _threads_value(threads, "threads")  # checked once, not per call
 
         def run() -> None:
-            nthreads = self._thread_count(threads)
+            nthreads = fixed if fixed is not None else self._thread_count(None)
             if launch(index, packed.grid, packed.block, 0, packed.argv, nthreads, packed.error, _ERROR_BUFFER) != 0:
                 raise HostLaunchError(packed.error.value.decode(errors="replace"))
 

@@ -33,7 +33,7 @@ import numpy as np
 from .._errors import fail
 from .._limits import check_allocation
 from .._validate import array_arg, host_int_vector
-from ..bind import BoundLaunch, bind_scatter
+from ..bind import BoundLaunch, bind_scatter, check_launches
 from ..constants import CANARY_FIELDS_PER_SLOT, CanaryStatus
 from ..dlpack import device_of, first_torch_cuda_tensor
 from ..tiers import offload_canary_records, restore_canary_records
@@ -290,12 +290,16 @@ class CanaryRuntime:
         return self._timer(phase) if self._timer is not None else contextlib.nullcontext()
 
     def _launch(self, launch: BoundLaunch, kind: str, model: str, group: GroupState | None = None,
-                endpoint: Endpoint | None = None, timer_phase: str | None = None) -> None:
+                endpoint: Endpoint | None = None, timer_phase: str | None = None, *, checked: bool = False) -> None:
+        """Run one bound launch; ``checked``: its storage checks ran just before (:meth:`_check_launches`)."""
         observer = self._observer
         if observer is not None:
             observer(LaunchEvent("before", kind, model, group, endpoint, self.stages.get(model)))
         with self._timed(timer_phase or kind):
-            launch()
+            if checked:
+                launch.run_checked()
+            else:
+                launch()
         if observer is not None:
             observer(LaunchEvent("after", kind, model, group, endpoint, self.stages.get(model)))
 
@@ -380,7 +384,7 @@ class CanaryRuntime:
         self._check_launches(groups, "HEAD", with_plan=True)
         for state in groups:
             assert state.plan is not None
-            self._launch(state.plan, "plan", model, state)
+            self._launch(state.plan, "plan", model, state, checked=True)
             if state.window_plan is not None:
                 with self._timed("window"), self.space.scope():
                     select_window(state, self.space.xp)
@@ -429,14 +433,11 @@ class CanaryRuntime:
     @staticmethod
     def _check_launches(groups: list[GroupState], role: str, *, with_plan: bool = False) -> None:
         """Every host-side check of the launches a phase is about to run, for every group, before the first
-        of them runs: a group whose engine tensor moved refuses the phase with nothing launched for any group."""
-        for state in groups:
-            if with_plan and state.plan is not None:
-                state.plan.check()
-            for ep in state.endpoints[role]:
-                for launch in (ep.verify, ep.write):
-                    if launch is not None:
-                        launch.check()
+        of them runs: a group whose engine tensor moved refuses the phase with nothing launched for any group.
+        The phase then runs them with ``checked=True`` (each storage check once per phase, not per launch)."""
+        check_launches(
+            [state.plan for state in groups if with_plan]
+            + [launch for state in groups for ep in state.endpoints[role] for launch in (ep.verify, ep.write)])
 
     def _run_endpoints(self, state: GroupState, role: str, model: str) -> None:
         endpoints = state.endpoints[role]
@@ -445,15 +446,15 @@ class CanaryRuntime:
             # as HEAD K's verify saw them (docs/contract.md, "Twin buffers").
             for ep in endpoints:
                 assert ep.verify is not None
-                self._launch(ep.verify, "verify", model, state, ep)
+                self._launch(ep.verify, "verify", model, state, ep, checked=True)
             for ep in endpoints:
                 assert ep.write is not None
-                self._launch(ep.write, "write", model, state, ep)
+                self._launch(ep.write, "write", model, state, ep, checked=True)
             return
         for ep in endpoints:
             assert ep.verify is not None and ep.write is not None
-            self._launch(ep.verify, "verify", model, state, ep)
-            self._launch(ep.write, "write", model, state, ep)
+            self._launch(ep.verify, "verify", model, state, ep, checked=True)
+            self._launch(ep.write, "write", model, state, ep, checked=True)
 
     # -- between steps -------------------------------------------------------------------------------------
 
@@ -585,6 +586,7 @@ class CanaryRuntime:
         if not self.enabled:
             return 0
         self._outside_capture("restore")
+        self._check_launches(self._groups_of(records.model), "SWEEP")  # its verify runs them after the scatter
         buffers = self._canary_buffers(self._groups_of(records.model))
         missing = [(state.name, b) for state, bufs in buffers for b in range(len(bufs))
                    if (state.name, b) not in records.records]
@@ -857,7 +859,8 @@ class CanaryRuntime:
     def _verify_entries(self, groups: list[GroupState], slots: np.ndarray, positions: np.ndarray,
                         prevs: np.ndarray, *, phase: str) -> None:
         """Verify ``(slot, position, prev slot)`` entries (full pool's slot space) on the SWEEP endpoints of
-        ``groups``, in chunks of the sweep capacity (the sweep, and the verify of restored slots)."""
+        ``groups``, in chunks of the sweep capacity (the sweep, and the verify of restored slots). The caller
+        ran ``_check_launches(groups, "SWEEP")`` first."""
         n = int(slots.shape[0])
         space, xp, cap = self.space, self.space.xp, self._sweep_capacity
         with space.scope():
@@ -881,7 +884,7 @@ class CanaryRuntime:
                     views["enable"].fill(1)
                     for ep in state.endpoints["SWEEP"]:
                         assert ep.verify is not None
-                        self._launch(ep.verify, "verify", state.model, state, ep, timer_phase=phase)
+                        self._launch(ep.verify, "verify", state.model, state, ep, timer_phase=phase, checked=True)
                     self._sweep_launches[state.name] += 1
 
     def run_counters(self) -> dict[tuple[str, str, str], tuple[int, int]]:
