@@ -135,7 +135,10 @@ class TransformersCanary(InstanceOverrides):
                 if processor is not None and processor.cache is cache:
                     cfg = getattr(manager, "continuous_batching_config", None)
                     max_requests = getattr(cfg, "max_requests_per_batch", None) or None
+            start = time.perf_counter()
             st = TransformersCanaryState(cache, self.options, max_requests)
+            # once per cache (the runtime, its buffers and bound launches): counted, under its own name
+            st.seconds["setup"] += time.perf_counter() - start
             self.states[id(cache)] = st
             for allocator in cache.cache_allocators.values():
                 self._set(allocator, "update", self._wrap_update(allocator, allocator.update, st))

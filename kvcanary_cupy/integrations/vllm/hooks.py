@@ -134,7 +134,10 @@ class VllmCanary(InstanceOverrides):
             if not isinstance(metadata, dict) or not metadata or kwargs.get("input_ids") is None:
                 return original(*args, **kwargs)
             if self.state is None:
+                start = time.perf_counter()
                 self.state = VllmCanaryState(self.runner, self.options)
+                # once per install (the runtime, its buffers and bound launches): counted, under its own name
+                self.state.seconds["setup"] += time.perf_counter() - start
             st = self.state
             for obs in self.observers:
                 obs.before_forward(self, st.steps, kwargs, metadata)
