@@ -519,15 +519,19 @@ def _pool_library(cxx: str, version: str, flags: tuple[str, ...]) -> Path:
     return target
 
 
+def _open_library(path: Path, what: str) -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_LOCAL)
+    except OSError as exc:
+        raise HostBuildError(f"cannot load {what} {path}: {exc}") from exc
+
+
 def _pool_table(path: Path) -> int:
     """Loads the pool library at ``path`` once per process; the address of its function table."""
     with _build_lock:
         loaded = _pools.get(str(path))
         if loaded is None:
-            try:
-                lib = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_LOCAL)
-            except OSError as exc:
-                raise HostBuildError(f"cannot load the host worker pool {path}: {exc}") from exc
+            lib = _open_library(path, "the host worker pool")
             lib.kvc_host_pool_api_get.restype = ctypes.c_void_p
             lib.kvc_host_pool_api_get.argtypes = []
             loaded = _pools[str(path)] = (lib, lib.kvc_host_pool_api_get())
@@ -717,10 +721,7 @@ def _load_library(path: Path) -> ctypes.CDLL:
     with _build_lock:
         lib = _loaded.get(str(path))
         if lib is None:
-            try:
-                lib = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_LOCAL)
-            except OSError as exc:
-                raise HostBuildError(f"cannot load host module {path}: {exc}") from exc
+            lib = _open_library(path, "host module")
             lib.kvc_host_abi_kernel_count.restype = ctypes.c_int
             lib.kvc_host_abi_kernel_name.restype = ctypes.c_char_p
             lib.kvc_host_abi_kernel_name.argtypes = [ctypes.c_int]
