@@ -222,6 +222,14 @@ def _verify_call() -> dict[str, Any]:
     return {"context": _context(), "plan": vp, "check_verify_expected_token": True}
 
 
+def _verify_twin_call() -> dict[str, Any]:
+    """A verify with a twin buffer (HEAD V after HEAD K): a second buffer of the context's shape."""
+    call = _verify_call()  # a twin needs a context without real-KV hashing (HEAD's)
+    call["context"] = call["context"].for_endpoint(real_kv_hash_mode=kc.RealKvHashMode.NONE, real_kv_sources=())
+    call["twin_canary_buf"] = np.zeros_like(call["context"].canary_buf)
+    return call
+
+
 def _write_call() -> dict[str, Any]:
     wp = kc.WritePlan.allocate(write_req_capacity=2)
     wp.write_offsets[:] = [0, 2, 3]
@@ -302,6 +310,7 @@ LAUNCHERS = {
     "plan-blocks": (_plan_blocks_call, kc.launch_canary_plan_kernels, bind_plan),
     "plan-pages": (_plan_pages_call, kc.launch_canary_plan_kernels, bind_plan),
     "verify": (_verify_call, kc.launch_canary_verify_kernel, bind_verify),
+    "verify-twin": (_verify_twin_call, kc.launch_canary_verify_kernel, bind_verify),
     "write": (_write_call, kc.launch_canary_write_kernel, bind_write),
     "scatter": (_scatter_call, kc.launch_scatter_req_token_ids, bind_scatter),
     # the record transfer and the received-prefix verify have no bind_* (each call converts its arguments)
@@ -312,15 +321,17 @@ LAUNCHERS = {
     "received-pages": (_received_pages_call, _received_verify, None),
 }
 # Cases per launcher: the layouts and the transfer add about as many as one core launcher.
-CASES = {"plan": 1500, "verify": 1500, "write": 1500, "scatter": 1500, "plan-blocks": 700, "plan-pages": 700,
-         "gather-records": 500, "scatter-records": 500, "received": 500, "received-blocks": 400,
+CASES = {"plan": 1500, "verify": 1500, "verify-twin": 500, "write": 1500, "scatter": 1500, "plan-blocks": 700,
+         "plan-pages": 700, "gather-records": 500, "scatter-records": 500, "received": 500, "received-blocks": 400,
          "received-pages": 400}
 # Fields a launch neither reads nor writes (SPEC §0.7: only what is read is checked).
 NOT_READ = {"verify": (("context", "enable_chain_position_assert"), ("plan", "status")),
+            "verify-twin": (("context", "enable_chain_position_assert"), ("plan", "status")),
             "write": (("plan", "verify_offsets"),),
             **{step: (("context", "enable_chain_position_assert"),)
                for step in ("received", "received-blocks", "received-pages")}}
-OPTIONAL_ARRAYS = {"plan": ("req_to_verify_expected_tokens",), "plan-blocks": ("req_to_verify_expected_tokens",),
+OPTIONAL_ARRAYS = {"verify-twin": ("twin_canary_buf",),
+                   "plan": ("req_to_verify_expected_tokens",), "plan-blocks": ("req_to_verify_expected_tokens",),
                    "plan-pages": ("req_to_verify_expected_tokens", "req_pool_indices"), "scatter": ("status",),
                    "gather-records": ("status",), "scatter-records": ("status",),
                    "received": ("req_to_verify_expected_tokens",),

@@ -3,6 +3,11 @@ are skipped (the twin's verify gave them their verdict), every other entry is ch
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import oracle
 import pytest
@@ -103,6 +108,50 @@ def test_random_twins_give_the_oracle_rows_on_every_backend():
             assert got[backend] == want, backend
 
 
+def test_hostile_slots_with_a_twin_read_nothing_out_of_bounds_and_match_the_reference():
+    """Slots and predecessors outside the buffers (negative, num_slots, huge): the host kernel and the NumPy
+    reference (flag mode) skip and flag the same entries, with the twin, and agree on every row and status."""
+    if "host" not in BACKENDS:
+        pytest.skip("host backend unavailable")
+    rng = np.random.default_rng(5)
+    for _ in range(30):
+        k, v = _stamped_pair()
+        fields(v)[int(rng.choice(SLOTS)), int(rng.integers(0, 4))] += 1
+        slots = rng.choice([0, -1, 16, 2**40, *SLOTS], 8).astype(np.int64)
+        prevs = rng.choice([0, -1, 16, 2**40, *SLOTS], 8).astype(np.int64)
+        got = {}
+        for backend in ("numpy", "host"):
+            v.violation_write_index[0] = 0
+            v.status[0] = 0
+            kc.launch_canary_verify_kernel(context=v, plan=verify_plan(slots, POSITIONS, prevs, TOKENS),
+                                           check_verify_expected_token=True, twin_canary_buf=k.canary_buf,
+                                           backend=backend, on_invalid="flag" if backend == "numpy" else None)
+            got[backend] = (sorted(_rows(v, 0)), int(v.status[0]))
+        assert got["numpy"] == got["host"]
+
+
+def test_the_twin_verify_under_address_sanitizer_has_zero_reports():
+    """This file's host runs again in a child under ASan + UBSan (each report a hard error)."""
+    from kvcanary_cupy.hostcuda import sanitizer_preload
+
+    if "host" not in BACKENDS:
+        pytest.skip("host backend unavailable")
+    preload = sanitizer_preload()
+    if not Path(preload).is_file():
+        pytest.skip(f"g++ has no AddressSanitizer runtime ({preload})")
+    env = {**os.environ, "LD_PRELOAD": preload, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1",
+           "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1", "KVCANARY_HOST_SANITIZE": "1"}
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:benchmark", __file__,
+         "-k", "(host or random) and not sanitizer", "--rootdir", str(root)],
+        env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert "AddressSanitizer" not in output and "runtime error" not in output, output[-6000:]
+    assert " passed" in output, output[-2000:]
+
+
 @pytest.mark.parametrize("twin, message", [
     (lambda k, v: np.zeros((15, 32), np.uint8), "twin_canary_buf must have shape"),
     (lambda k, v: np.zeros((16, 32), np.int64), "twin_canary_buf must have dtype uint8"),
@@ -123,8 +172,12 @@ def test_a_twin_is_refused_with_real_kv_hashing():
     kv = np.zeros((16, 16), np.uint8)
     source = kc.RealKvSource(kv, page_size=1, num_bytes_per_token=16, read_bytes=16)
     v = context(num_slots=16, real_kv_sources=(source,), real_kv_hash_mode=kc.RealKvHashMode.PARTIAL)
+    fields(v)[4, 0] = 9
+    before = [a.copy() for a in (v.canary_buf, v.violation_ring, v.violation_write_index, v.slot_run_counter)]
     with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: twin_canary_buf needs context\.real_kv_hash_mode"):
         _verify(v, k.canary_buf, "numpy")
+    after = [v.canary_buf, v.violation_ring, v.violation_write_index, v.slot_run_counter]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
 
 
 # ---- in the runtime: HEAD V has HEAD K's buffer as its twin --------------------------------------------------

@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "SHARED_MEMORY_POISON_WORD",
+    "SPIN_ENV",
     "THREADS_ENV",
     "HostBuildError",
     "HostKernel",
@@ -148,6 +149,22 @@ def default_host_threads() -> int:
         return max(1, min(len(os.sched_getaffinity(0)), 256))
     except AttributeError:  # no sched_getaffinity on this platform
         return max(1, min(os.cpu_count() or 1, 256))
+
+
+#: Environment variable: how long an idle pool worker polls before it sleeps (read when the pool loads).
+SPIN_ENV = "KVCANARY_HOST_SPIN_US"
+
+
+def _check_spin_setting() -> None:
+    """Refuse a ``$KVCANARY_HOST_SPIN_US`` the pool library would not take (it reads the variable itself, once,
+    when it loads, and would fall back to its default): an integer from 0 to 1,000,000 microseconds."""
+    raw = os.environ.get(SPIN_ENV)
+    if raw is None:
+        return
+    if not (raw.isascii() and raw.isdigit() and int(raw) <= 1_000_000):
+        from .._errors import fail
+
+        fail(f"{SPIN_ENV} must be an integer from 0 to 1000000 (microseconds), got {raw!r}")
 
 
 def set_host_threads(threads: int | None) -> None:
@@ -632,6 +649,7 @@ class HostModule:
         target = host_module_dir() / f"{stem}-{key[:32]}{flavour}.so"
         self.library_path = target
         self.from_cache = target.exists()
+        _check_spin_setting()
         pool = _pool_library(cxx, version, flags)
         if self.from_cache:
             touch(target)

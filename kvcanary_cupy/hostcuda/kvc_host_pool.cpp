@@ -37,7 +37,8 @@ constexpr long long kDefaultSpinNanos = 200000;
 constexpr unsigned kMaxWorkers = 255;
 
 // How long a waiting thread polls before it sleeps: KVCANARY_HOST_SPIN_US (0 to 1000000 microseconds), read
-// when the library loads (before any worker exists); anything else gives the default.
+// when the library loads (before any worker exists). The Python loader refuses any other value before it
+// loads a module; here anything else keeps the default.
 long long g_spin_nanos = kDefaultSpinNanos;
 
 void read_spin_setting() {
