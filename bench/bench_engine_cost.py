@@ -78,8 +78,10 @@ def share_rounds(model: Any, spec: dict[str, Any], backend: str, rounds: int, *,
         with_.append(r["wall_s"])
         ratios.append(r["wall_s"] / base - 1.0)
         timers.append(r["canary_s"] / r["wall_s"])
+    quartiles = statistics.quantiles(ratios, n=4) if rounds > 1 else [ratios[0]] * 3
     return {"backend": backend, "rounds": rounds, "max_verify_entries": max_verify_entries,
             "share_median": statistics.median(ratios), "share_min": min(ratios), "share_max": max(ratios),
+            "share_q1": quartiles[0], "share_q3": quartiles[2],
             "timer_share_median": statistics.median(timers), "without_s": without, "with_s": with_,
             "load_1min": os.getloadavg()[0]}
 
@@ -348,8 +350,10 @@ def main() -> None:
             res = share_rounds(model, FULL, backend, args.share_rounds)
             out["share"].append(res)
             out["share_load_after"] = os.getloadavg()[0]
-            print(f"share {backend}: median {100 * res['share_median']:.1f} % (rounds {100 * res['share_min']:.1f} .. "
-                  f"{100 * res['share_max']:.1f} %), canary timers {100 * res['timer_share_median']:.1f} %; "
+            print(f"share {backend}: median {100 * res['share_median']:.1f} % (middle half "
+                  f"{100 * res['share_q1']:.1f} .. {100 * res['share_q3']:.1f} %, rounds "
+                  f"{100 * res['share_min']:.1f} .. {100 * res['share_max']:.1f} %), canary timers "
+                  f"{100 * res['timer_share_median']:.1f} %; "
                   f"without {statistics.median(res['without_s']):.2f} s, load {res['load_1min']:.1f}", flush=True)
     out["torch_threads"] = args.torch_threads
     if args.long_rounds:
@@ -376,10 +380,11 @@ def markdown(out: dict[str, Any]) -> str:
     """The share and scaling tables of a JSON written by :func:`main`, as Markdown (for docs/engine-cost.md)."""
     lines = []
     if out.get("share"):
-        lines += ["| backend | rounds | share, median of rounds | spread (min..max) | canary timers, median | "
-                  "run without the canary (median) |", "|---|--:|--:|--:|--:|--:|"]
+        lines += ["| backend | rounds | share, median of rounds | middle half of the rounds | spread (min..max) | "
+                  "canary timers, median | run without the canary (median) |", "|---|--:|--:|--:|--:|--:|--:|"]
         for r in out["share"]:
-            lines.append(f"| {r['backend']} | {r['rounds']} | {100 * r['share_median']:.1f} % | "
+            middle = (f"{100 * r['share_q1']:.1f} .. {100 * r['share_q3']:.1f} %" if "share_q1" in r else "n/a")
+            lines.append(f"| {r['backend']} | {r['rounds']} | {100 * r['share_median']:.1f} % | {middle} | "
                          f"{100 * r['share_min']:.1f} .. {100 * r['share_max']:.1f} % | "
                          f"{100 * r['timer_share_median']:.1f} % | {statistics.median(r['without_s']):.1f} s |")
         lines.append("")

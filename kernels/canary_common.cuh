@@ -178,12 +178,29 @@ KVC_DEVICE u64 real_kv_fold_source(const RealKvSource& src, i64 slot, i64 length
   return acc;
 }
 
+// The entries [lo, hi) of a block as one of its threads walks them: `begin`, `begin + step`, ... below `end`.
+// On a GPU consecutive threads take consecutive entries, so a warp's loads of the plan arrays coalesce. On
+// the host a block's threads run one after another on one core: each takes a contiguous run instead, so the
+// core walks the slots (and the KV rows and pages behind them) in order rather than jumping a block's width.
+struct EntryWalk {
+  i64 begin, end, step;
+};
+KVC_DEVICE EntryWalk thread_entries(i64 lo, i64 hi) {
+#ifdef __CUDA_ARCH__
+  return EntryWalk{lo + (i64)threadIdx.x, hi, (i64)blockDim.x};
+#else
+  const i64 per_thread = (hi - lo + blockDim.x - 1) / blockDim.x;
+  const i64 begin = lo + (i64)threadIdx.x * per_thread;
+  return EntryWalk{begin, hi - begin < per_thread ? hi : begin + per_thread, 1};
+#endif
+}
+
 // Asks for the cache lines that plan entry `index` (if below `active`) will read: its canary record, its
 // predecessor's and the first line of the slot's row in every real-KV source. On the host backend one OS
 // thread runs a block's entries one after another and live KV is far larger than the caches (and its rows
 // sit on distinct pages), so each of those reads misses and stalls the thread; asking kPrefetchStrides of a
 // thread's own entries ahead overlaps the misses. On a GPU other warps hide the latency: nothing there.
-enum { kPrefetchStrides = 4 };
+enum { kPrefetchStrides = 8 };
 KVC_DEVICE void prefetch_entry(const i64* canary, i64 stride_words, i64 num_slots, const RealKvSources& sources,
                                const i64* slots, const i64* prev_slots, i64 index, i64 active) {
 #ifndef __CUDA_ARCH__

@@ -1,11 +1,13 @@
 // kv-canary verify step (SPEC §5): check the first verify_num_valid entries of a plan against the canary.
 //
 // kvc_verify  persistent grid, any shape (the GPU backend uses 64 x 512). Read-only on the canary buffer.
-//             Each thread grid-strides over entries: slot 0 is skipped, a slot outside the buffer is skipped
-//             and reported in `status`; the stored token / position / prev_hash / real_kv_hash are compared
-//             with the plan's expected token and position, the predecessor's recomputed chain hash (prev 0
-//             or a prev outside the buffer: unreachable, no chain check; negative: anchor) and the live
-//             real-KV bytes. Any mismatch appends one row to the ring.
+//             Block b takes the b-th of gridDim.x equal contiguous shares of the entries (on the host one OS
+//             thread runs a block: it streams through its own part of the plan arrays, not every other run of
+//             them), its threads walk the share as kvc::thread_entries lays out. Slot 0 is skipped, a slot
+//             outside the buffer is skipped and reported in `status`; the stored token / position /
+//             prev_hash / real_kv_hash are compared with the plan's expected token and position, the
+//             predecessor's recomputed chain hash (prev 0 or a prev outside the buffer: unreachable, no chain
+//             check; negative: anchor) and the live real-KV bytes. Any mismatch appends one row to the ring.
 //             `twin` (may be null; only without real-KV hashing): a canary buffer of the same shape that an
 //             earlier verify of this plan checked (HEAD K's, for HEAD V). An entry whose record and
 //             predecessor record (when 0 < prev < num_slots) hold the same words in both buffers got its
@@ -34,14 +36,17 @@ extern "C" __global__ void kvc_verify(
 
   const kvc::RealKvSources sources = KVC_REAL_KV_SOURCES;
   int bits_seen = 0;
-  const i64 stride = (i64)gridDim.x * blockDim.x;
-  const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  const i64 per_block = (active + gridDim.x - 1) / gridDim.x;
+  const i64 lo = (i64)blockIdx.x * per_block;
+  const i64 hi = active - lo < per_block ? active : lo + per_block;
+  const kvc::EntryWalk walk = kvc::thread_entries(lo, hi);
   for (int ahead = 0; ahead < kvc::kPrefetchStrides; ++ahead) {
-    kvc::prefetch_entry(canary, stride_words, num_slots, sources, slots, prev_slots, first + ahead * stride, active);
+    kvc::prefetch_entry(canary, stride_words, num_slots, sources, slots, prev_slots, walk.begin + ahead * walk.step,
+                        walk.end);
   }
-  for (i64 k = first; k < active; k += stride) {
-    kvc::prefetch_entry(canary, stride_words, num_slots, sources, slots, prev_slots, k + kvc::kPrefetchStrides * stride,
-                        active);
+  for (i64 k = walk.begin; k < walk.end; k += walk.step) {
+    kvc::prefetch_entry(canary, stride_words, num_slots, sources, slots, prev_slots,
+                        k + kvc::kPrefetchStrides * walk.step, walk.end);
     const i64 slot = slots[k];
     if (slot == 0) continue;
     if (slot < 0 || slot >= num_slots) {

@@ -63,6 +63,9 @@ class LaunchShape:
     write_block: int  # multiple of 32
     scatter_grid_max: int  # requests per launch along x (grid-strided beyond)
     scatter_block: int
+    # Column tiles along y (grid-strided beyond). The GPU wants many; a host block is a loop over fibers, so
+    # tiles past the row's tokens cost a block each for nothing (the pool's columns are the longest context).
+    scatter_column_tiles_max: int = 65535
     transfer_grid_max: int = 64  # record gather/scatter: min(n, grid_max * block) threads, grid-strided
     transfer_block: int = 256
     # Host backend on a pool of OS threads (0: off; see KernelBackend.pool_grid): plan entries, verify, write
@@ -267,7 +270,7 @@ class KernelBackend:
         total = int(launch.flat_in.shape[0])
         rows, width = launch.pool_out.shape
         block = self.shape.scatter_block
-        column_tiles = max(1, min(-(-min(width, total) // block), 65535))
+        column_tiles = max(1, min(-(-min(width, total) // block), self.shape.scatter_column_tiles_max))
         requests, threads = self.pool_grid(self.shape.scatter_grid_max, total, cap=max(1, bs))
         self._kernel("scatter.cu", "kvc_scatter",
             (requests, column_tiles), (block,),

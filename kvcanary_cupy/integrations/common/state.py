@@ -73,7 +73,10 @@ class EngineCanaryState:
             self.seconds[phase] += time.perf_counter() - start
 
     def _dev(self, arr: np.ndarray) -> Any:
-        """A host array as a torch tensor on the cache's device (no copy on a CPU cache)."""
+        """A host array on the cache's device: on a CPU cache the array itself (the runtime takes NumPy arrays
+        as they are, where a torch tensor would cost a DLPack import per array and step), else a torch copy."""
+        if self.device.type == "cpu":
+            return arr
         import torch
 
         return torch.from_numpy(arr).to(self.device)
