@@ -1,6 +1,6 @@
 // kv-canary write step (SPEC §4): stamp the canary of every token written this step.
 //
-// kvc_write  grid (G), block B (multiple of 32). Blocks grid-stride over requests r < clamp(
+// kvc_write  grid (G), block B (any size). Blocks grid-stride over requests r < clamp(
 //            write_num_valid_reqs, 0, W). For a request with entries [offsets[r], offsets[r+1]):
 //            - all threads in parallel store token, position and the real-KV fingerprint of each entry
 //              (the parallel, memory-heavy part);
@@ -13,7 +13,8 @@
 //            request is skipped and kWriteOffsetsOutOfOrder is set, so the ranges written are disjoint, each
 //            token is written at most once and the work stays proportional to the tokens passed. Each block
 //            finds that request once, all its threads scanning the offsets, before its first request.
-//            kernel_run_counter += 1 (block 0); slot_run_counter += written entries (one atomic per block). Preconditions (as in SGLang):
+//            kernel_run_counter += 1 (block 0); slot_run_counter += written entries (one atomic per block).
+//            Preconditions (as in SGLang):
 //            write slots are distinct and no request's seed slot is written by the same launch.
 #include "canary_common.cuh"
 

@@ -182,10 +182,14 @@ class StorageGuard:
     tensor: Any  # held, so the storage object outlives every view of it
     pointer: int
     needed_bytes: int
+    # The storage as wrapped, held: a resize of it (through any handle) shows in its nbytes, and a tensor moved
+    # to other memory shows in its data_ptr, so a step's checks need no new storage handle per tensor.
+    storage: Any = None
 
     def check(self) -> None:
         tensor = self.tensor
-        if tensor.data_ptr() != self.pointer or tensor.untyped_storage().nbytes() < self.needed_bytes:
+        storage = self.storage if self.storage is not None else tensor.untyped_storage()
+        if tensor.data_ptr() != self.pointer or storage.nbytes() < self.needed_bytes:
             fail(f"{self.name}: the torch tensor's storage moved or shrank since it was wrapped (resize_, "
                  f"set_ or a storage resize); wrap or bind it again")
 
@@ -201,7 +205,7 @@ def storage_guards(named: Iterable[tuple[str, Any]]) -> tuple[StorageGuard, ...]
         if isinstance(obj, torch.Tensor):
             storage = obj.untyped_storage()
             needed = obj.data_ptr() - storage.data_ptr() + _tensor_extent_bytes(obj)
-            guards.append(StorageGuard(name, obj, obj.data_ptr(), needed))
+            guards.append(StorageGuard(name, obj, obj.data_ptr(), needed, storage))
     return tuple(guards)
 
 

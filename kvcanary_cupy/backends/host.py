@@ -14,7 +14,9 @@ from typing import Any
 
 from .kernel_backend import KernelBackend, LaunchShape, kernel_source, kernels_dir, source_hash
 
-# Few threads per block: each host thread is a fiber, and the kernels are correct for any grid. On a pool of
+# Few threads per block: each host thread is a fiber that runs its share of a block's work after the one
+# before it, so more of them only add fiber starts and switches (8 where a kernel has no warp operation,
+# 32 for the plan's warp scans), and the kernels are correct for any grid and block. On a pool of
 # OS threads (docs/host-threads.md) a launch with at least 2 x HOST_MIN_WORK_PER_BLOCK entries, tokens or
 # records gets one block per HOST_MIN_WORK_PER_BLOCK of them, at most HOST_BLOCKS_PER_THREAD per OS thread (a
 # few, so that a thread the OS delays holds up only a small share of the launch); a smaller launch keeps
@@ -24,13 +26,13 @@ HOST_BLOCKS_PER_THREAD = 4
 HOST_SHAPE = LaunchShape(
     plan_offsets_block=32,
     plan_entries_grid=2,
-    plan_entries_block=64,
+    plan_entries_block=8,
     verify_grid=2,
     verify_block=8,
     write_grid_max=8,
-    write_block=32,
+    write_block=8,
     scatter_grid_max=8,
-    scatter_block=64,
+    scatter_block=8,
     scatter_column_tiles_max=1,
     transfer_grid_max=4,
     transfer_block=64,

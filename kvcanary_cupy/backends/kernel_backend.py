@@ -60,7 +60,7 @@ class LaunchShape:
     verify_grid: int
     verify_block: int
     write_grid_max: int  # the write grid is min(W, write_grid_max) blocks
-    write_block: int  # multiple of 32
+    write_block: int
     scatter_grid_max: int  # requests per launch along x (grid-strided beyond)
     scatter_block: int
     # Column tiles along y (grid-strided beyond). The GPU wants many; a host block is a loop over fibers, so

@@ -4,8 +4,8 @@
 the violations read so far with the engine step whose launch appended them (:class:`StepViolation`), the health
 problems, status bits and ring drops, the wall time per canary phase, the HEAD/TAIL endpoint counters, the runtime
 ``StepBatch`` of every group built from one engine step, and the slots of cached blocks the sweep verifies. Reading
-a step uses :func:`host_array` and :func:`expected_pool`. How an engine's cache maps onto runtime groups and how its
-step is read stay in the engine's package.
+a step uses :func:`host_array` (:class:`HostViews` for the tensors read every step) and :func:`expected_pool`. How
+an engine's cache maps onto runtime groups and how its step is read stay in the engine's package.
 """
 
 from __future__ import annotations
@@ -138,6 +138,36 @@ class EngineCanaryState:
 def host_array(tensor: Any) -> np.ndarray:
     """A torch tensor of the engine as a host NumPy array (a copy only when it lives on a device)."""
     return tensor.detach().to("cpu").numpy()
+
+
+class HostViews:
+    """:func:`host_array` for the engine tensors read every step, with the NumPy view of a CPU tensor kept.
+
+    Engines hand their forward the same static buffers step after step (input ids, positions, write indices),
+    and importing one into NumPy takes several torch calls, tens of microseconds each on a busy engine thread,
+    several times per layer and step. A kept view is reused only for the very tensor object it was taken from
+    while that tensor still starts at the same address with the same shape; anything else (a new tensor, a
+    storage that moved, a device tensor, which is copied every time) goes through :func:`host_array`. The views
+    are read, never written, and hold their tensors (at most ``limit``; the oldest half goes when full)."""
+
+    def __init__(self, limit: int = 64) -> None:
+        self.limit = limit
+        self._kept: dict[int, tuple[Any, int, Any, np.ndarray]] = {}
+
+    def __call__(self, tensor: Any) -> np.ndarray:
+        kept = self._kept.get(id(tensor))
+        if kept is not None and kept[0] is tensor and kept[1] == tensor.data_ptr() and kept[2] == tensor.shape:
+            return kept[3]
+        arr = host_array(tensor)
+        if tensor.is_cpu:
+            if len(self._kept) >= self.limit:
+                for key in list(self._kept)[: self.limit // 2]:
+                    del self._kept[key]
+            self._kept[id(tensor)] = (tensor, tensor.data_ptr(), tensor.shape, arr)
+        return arr
+
+    def clear(self) -> None:
+        self._kept.clear()
 
 
 def expected_pool(histories: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -11,6 +11,7 @@ sliding-window groups a per-position ring table (their slot depends on ``positio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,15 +52,15 @@ class StepBatch:
 
 
 def build_step_batch(step: int, kwargs: dict[str, Any], requests: list[Any], geos: list[Any],
-                     tables: dict[int, np.ndarray]) -> StepBatch:
+                     tables: dict[int, np.ndarray], host: Callable[[Any], np.ndarray] = host_array) -> StepBatch:
     """Read one step from the forward's keyword arguments and the engine's ``requests_in_batch``; fill rows
     ``1..B`` of each group's layout buffer in ``tables`` (block ids for full attention, ring slots per position
-    for sliding windows) in place."""
+    for sliding windows) in place. ``host``: how an engine tensor becomes a NumPy array (a ``HostViews``)."""
     b = len(requests)
-    cu = host_array(kwargs["cu_seq_lens_q"])[: b + 1].astype(np.int64)
+    cu = host(kwargs["cu_seq_lens_q"])[: b + 1].astype(np.int64)
     t = int(cu[b])
-    input_ids = host_array(kwargs["input_ids"]).reshape(-1)[:t].astype(np.int64)
-    positions = host_array(kwargs["position_ids"]).reshape(-1)[:t].astype(np.int64)
+    input_ids = host(kwargs["input_ids"]).reshape(-1)[:t].astype(np.int64)
+    positions = host(kwargs["position_ids"]).reshape(-1)[:t].astype(np.int64)
     ids, prefix, extend, histories = [], np.zeros(b, np.int64), np.zeros(b, np.int64), []
     want_ids = np.empty(t, np.int64)
     want_pos = np.empty(t, np.int64)
@@ -94,7 +95,7 @@ def build_step_batch(step: int, kwargs: dict[str, Any], requests: list[Any], geo
             else:
                 table[i + 1, : len(blocks)] = blocks
         block_tables[geo.index] = snapshot
-        loc = host_array(write_index[geo.index]).reshape(-1)[:t].astype(np.int64)
+        loc = host(write_index[geo.index]).reshape(-1)[:t].astype(np.int64)
         loc[loc == geo.write_trash_index] = -1
         head_locs[geo.index] = loc
     return StepBatch(step=step, request_ids=ids, rows=np.arange(1, b + 1, dtype=np.int64), prefix_lens=prefix,

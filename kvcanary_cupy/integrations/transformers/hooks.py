@@ -29,6 +29,7 @@ import numpy as np
 
 from ..._errors import fail
 from ..common.hooks import InstanceOverrides
+from ..common.state import HostViews
 from ._version import check_version
 from .batch import StepBatch, build_step_batch
 from .canary import CanaryOptions, StepViolation, TransformersCanaryState
@@ -79,6 +80,7 @@ class TransformersCanary(InstanceOverrides):
         self.observers: list[StepObserver] = []
         self._current: tuple[TransformersCanaryState, StepBatch] | None = None
         self._layer_writes: dict[tuple[int, int], np.ndarray] = {}
+        self._host = HostViews()  # the engine's per-step tensors as NumPy (kept views of its static buffers)
         self._handles = [
             self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             self.model.register_forward_hook(self._after_forward, with_kwargs=True),
@@ -106,6 +108,7 @@ class TransformersCanary(InstanceOverrides):
         for handle in self._handles:
             handle.remove()
         self._unset_all()
+        self._host.clear()
 
     # -- results ---------------------------------------------------------------------------------------------
 
@@ -162,8 +165,7 @@ class TransformersCanary(InstanceOverrides):
             for obs in self.observers:
                 write_index = obs.on_layer_write(self, st.steps, allocator, layer_idx, write_index)
             start = time.perf_counter()
-            self._layer_writes[(int(allocator.index), int(layer_idx))] = \
-                write_index.detach().to("cpu").numpy().astype(np.int64)
+            self._layer_writes[(int(allocator.index), int(layer_idx))] = self._host(write_index).astype(np.int64)
             st.seconds["batch"] += time.perf_counter() - start
             return original(key_states, value_states, layer_idx, read_index, write_index)
 
@@ -189,7 +191,7 @@ class TransformersCanary(InstanceOverrides):
         for obs in self.observers:
             obs.before_batch(self, st.steps, kwargs, requests, cache)
         start = time.perf_counter()
-        batch = build_step_batch(st.steps, kwargs, requests, st.geos, st.tables)
+        batch = build_step_batch(st.steps, kwargs, requests, st.geos, st.tables, self._host)
         st.seconds["batch"] += time.perf_counter() - start
         self._layer_writes.clear()
         st.before_forward(batch)
