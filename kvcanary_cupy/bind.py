@@ -88,8 +88,9 @@ class BoundLaunch:
         self.run_checked()
 
     def run_checked(self) -> None:
-        """Run the bound launch without its storage check: for a caller that ran :meth:`check` (or
-        :func:`check_launches`) just before, with nothing in between that could move a tensor."""
+        """Run the bound launch without its storage check: for a caller that ran :meth:`check` (or the
+        :func:`distinct_guards` of several launches) just before, with nothing in between that could move a
+        tensor."""
         if self.device.kind == "cpu":
             if self.runner is not None:
                 self.runner()
@@ -122,11 +123,11 @@ class BoundLaunch:
         return f"BoundLaunch({self.step}, backend={self.backend_name}, device={self.device}, {where})"
 
 
-def check_launches(launches: Iterable[BoundLaunch | None]) -> None:
-    """The storage checks of several bound launches before any of them runs, each distinct check once: the
-    launches of one runtime phase share most of their tensors (ring, counters, plans), and a check is a
-    pointer and size comparison that costs microseconds per tensor on every step."""
+def distinct_guards(launches: Iterable[BoundLaunch | None]) -> tuple[StorageGuard, ...]:
+    """The storage checks of several bound launches, each distinct check once: the launches of one runtime
+    phase share most of their tensors (ring, counters, plans)."""
     seen: set[tuple[int, int, int]] = set()
+    guards = []
     for launch in launches:
         if launch is None:
             continue
@@ -134,7 +135,9 @@ def check_launches(launches: Iterable[BoundLaunch | None]) -> None:
             key = (id(guard.tensor), guard.pointer, guard.needed_bytes)
             if key not in seen:
                 seen.add(key)
-                guard.check()
+                guards.append(guard)
+    return tuple(guards)
+
 
 
 def _named_leaves(name: str, value: Any) -> Iterator[tuple[str, Any]]:

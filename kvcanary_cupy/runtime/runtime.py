@@ -32,8 +32,8 @@ import numpy as np
 
 from .._errors import fail
 from .._limits import check_allocation
-from .._validate import array_arg, host_int_vector
-from ..bind import BoundLaunch, bind_scatter, check_launches
+from .._validate import StorageGuard, array_arg, host_int_vector
+from ..bind import BoundLaunch, bind_scatter, distinct_guards
 from ..constants import CANARY_FIELDS_PER_SLOT, CanaryStatus
 from ..dlpack import device_of, first_torch_cuda_tensor
 from ..tiers import offload_canary_records, restore_canary_records
@@ -177,6 +177,8 @@ class CanaryRuntime:
         self._by_model: dict[str, list[GroupState]] = {m: [] for m in self.models}
         self._sweep_launches = {g.name: 0 for g in pools.groups}
         self._totals = _Totals()
+        # A phase's launches (held, so their ids stay theirs) and their distinct storage checks, by launch ids.
+        self._phase_guards: dict[tuple[int, ...], tuple[tuple[Any, ...], tuple[StorageGuard, ...]]] = {}
         self._pending: _Snapshot | None = None
         self._health_offsets: dict[str, int] = {}
         self._init_finished = False
@@ -430,14 +432,22 @@ class CanaryRuntime:
                 if state.swa_out_cache_loc is not None:
                     gather_lut(state, self.space.xp, stage.view("out_cache_loc"), state.swa_out_cache_loc.view)
 
-    @staticmethod
-    def _check_launches(groups: list[GroupState], role: str, *, with_plan: bool = False) -> None:
+    def _check_launches(self, groups: list[GroupState], role: str, *, with_plan: bool = False) -> None:
         """Every host-side check of the launches a phase is about to run, for every group, before the first
         of them runs: a group whose engine tensor moved refuses the phase with nothing launched for any group.
-        The phase then runs them with ``checked=True`` (each storage check once per phase, not per launch)."""
-        check_launches(
-            [state.plan for state in groups if with_plan]
-            + [launch for state in groups for ep in state.endpoints[role] for launch in (ep.verify, ep.write)])
+        The phase then runs them with ``checked=True`` (each storage check once per phase, not per launch).
+        Which checks are distinct is worked out once per set of launches, not every step."""
+        launches = tuple([state.plan for state in groups if with_plan]
+                         + [launch for state in groups for ep in state.endpoints[role]
+                            for launch in (ep.verify, ep.write)])
+        key = tuple(map(id, launches))
+        known = self._phase_guards.get(key)
+        if known is None:
+            if len(self._phase_guards) >= 64:
+                self._phase_guards.clear()
+            known = self._phase_guards[key] = (launches, distinct_guards(launches))
+        for guard in known[1]:
+            guard.check()
 
     def _run_endpoints(self, state: GroupState, role: str, model: str) -> None:
         endpoints = state.endpoints[role]
