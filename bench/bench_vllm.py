@@ -2,10 +2,12 @@
 
 The measured run: one ``LLM.generate`` of 8 requests x 256-token prompts + 64 new tokens (greedy, ``ignore_eos``)
 on a ~57M-parameter Llama (hidden 768, 8 layers, 4 KV heads of 64, vocab 4096; fp32, block size 32, 128 KV blocks,
-vLLM's default chunked prefill), real-KV hashing PARTIAL over every layer's K and V. Rounds alternate without and
-with the canary (the prefix cache reset before each, so every round computes everything), at least 5 of each per
-backend (NumPy, host); the figure is the median of the per-pair ratios with/without, with its spread (min, max),
-next to the canary's own phase timers (what dominates).
+vLLM's default chunked prefill), real-KV hashing PARTIAL over every layer's K and V. Per backend (NumPy, host) one
+run with the canary first loads its kernels (its setup time is reported apart, ``first_run_setup_s``); then rounds
+of one run without and one with the canary (the prefix cache reset before each, so every round computes
+everything; the canary's run second in even rounds and first in odd ones), at least 5; the figure is the median of
+the per-round ratios with/without, with its spread (min, max), next to the canary's own phase timers (what
+dominates).
 
 vLLM keeps process-wide state (one engine per process), so the measurement runs in a subprocess of its own:
 ``python bench/bench_vllm.py [--tiny] [--rounds N]`` prints one JSON object. Under ``--benchmark-disable``
@@ -67,11 +69,19 @@ def measure(spec: dict[str, Any], backends: list[str]) -> dict[str, Any]:
         if reason is not None:
             result["backends"][backend] = {"skipped": reason}
             continue
+        # The first run with the canary in a process loads (or compiles) its kernels: a one-time cost, reported
+        # on its own, outside the rounds.
+        _, first_phases, _ = run(backend)
         ratios, offs, ons, shares = [], [], [], []
         phase_sum: dict[str, float] = {}
-        for _ in range(spec["rounds"]):
-            off, _, want = run(None)
-            on, phases, got = run(backend)
+        for i in range(spec["rounds"]):
+            # Every other round runs the canary first, so a drift of the machine's speed cancels between rounds.
+            if i % 2 == 0:
+                off, _, want = run(None)
+                on, phases, got = run(backend)
+            else:
+                on, phases, got = run(backend)
+                off, _, want = run(None)
             assert got == want, "the canary changed a token"
             offs.append(off)
             ons.append(on)
@@ -84,6 +94,7 @@ def measure(spec: dict[str, Any], backends: list[str]) -> dict[str, Any]:
             "median_off_s": statistics.median(offs), "median_on_s": statistics.median(ons),
             "median_timer_share": statistics.median(shares),
             "phases_s": dict(sorted(phase_sum.items(), key=lambda kv: -kv[1])),
+            "first_run_setup_s": first_phases.get("setup", 0.0),
         }
     return result
 
