@@ -103,8 +103,9 @@ class GroupGeometry:
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
-    def slots_of(self, blocks: list[int] | np.ndarray, length: int) -> np.ndarray:
-        pos = np.arange(length, dtype=np.int64)
+    def slots_of(self, blocks: list[int] | np.ndarray, length: int, start: int = 0) -> np.ndarray:
+        """The slots of positions ``start .. length - 1`` of a sequence whose block table row is ``blocks``."""
+        pos = np.arange(start, length, dtype=np.int64)
         return np.asarray(blocks, np.int64)[pos // self.block_size] * self.block_size + pos % self.block_size
 
 
@@ -336,10 +337,13 @@ def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[st
     parts_ids: list[np.ndarray] = []
     parts_pos: list[np.ndarray] = []
     budget = max_tokens - t  # re-stamped tokens the runtime's capacity still takes this step
+    written_set = set(written_now.tolist())
     for i in range(b):
         past = int(prefix[i])
         start = past
-        if past and written_now.size:
+        # Only a row whose last prefix slot is written in this very step can have such a tail (most steps: none,
+        # so one slot is looked up instead of the whole prefix).
+        if past and int(geo0.slots_of(tables[geo0.index][i], past, past - 1)[0]) in written_set:
             # only the tail of the prefix that is written in this very step (a block table pointing elsewhere
             # is a fault the verify must see, not a dependency to re-stamp)
             now = np.isin(geo0.slots_of(tables[geo0.index][i], past), written_now)
@@ -353,7 +357,7 @@ def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[st
         parts_ids += [np.asarray(histories[i][start:past], np.int64), want_ids[lo:hi]]
         parts_pos += [np.arange(start, past, dtype=np.int64), want_pos[lo:hi]]
         for geo in geos:
-            slots = geo.slots_of(tables[geo.index][i], past)[start:]
+            slots = geo.slots_of(tables[geo.index][i], past, start)
             parts_slots[geo.index] += [slots, forward_slots[geo.index][lo:hi]]
     source = np.concatenate(parts_src) if parts_src else np.zeros(0, np.int64)
     restamp_ids = np.concatenate(parts_ids) if parts_ids else np.zeros(0, np.int64)
