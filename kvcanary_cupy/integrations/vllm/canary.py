@@ -206,10 +206,16 @@ class VllmCanaryState(EngineCanaryState):
 
     def _fill_table(self, geo: GroupGeometry, batch: VllmStep) -> None:
         """Rows ``1..B`` of the group's per-position slot table from this step's block table."""
-        table = self.tables[geo.index]
-        for i in range(batch.size):
-            total = int(batch.prefix_lens[i] + batch.extend_lens[i])
-            table[i + 1, :total] = geo.slots_of(batch.block_tables[geo.index][i], total)
+        b = batch.size
+        if b == 0:
+            return
+        totals = np.asarray(batch.prefix_lens[:b] + batch.extend_lens[:b], np.int64)
+        positions = np.arange(int(totals.max()), dtype=np.int64)
+        blocks = np.asarray(batch.block_tables[geo.index][:b], np.int64)
+        # every row at once: a row's positions past its own length keep what the table held
+        slots = blocks[:, positions // geo.block_size] * geo.block_size + positions % geo.block_size
+        np.copyto(self.tables[geo.index][1 : b + 1, : positions.size], slots,
+                  where=positions[None, :] < totals[:, None], casting="unsafe")
 
     def after_forward(self, batch: VllmStep, written: dict[int, np.ndarray]) -> None:
         """Phases 3 and 4: TAIL verify and TAIL write (stamped where attention really wrote: the slot mapping as
