@@ -13,7 +13,7 @@ import runtime_scenario as sc
 from runtime_oracle import OracleGroup, ProtocolOracle
 
 import kvcanary_cupy.bind as bind_module
-from kvcanary_cupy import CanaryArgumentError, CanaryLaunchTag, CanaryStatus, FailReason
+from kvcanary_cupy import CanaryArgumentError, CanaryLaunchTag, CanaryStatus, FailReason, RealKvSource
 from kvcanary_cupy.backends import unavailable_reason
 from kvcanary_cupy.layouts import BlockTable
 from kvcanary_cupy.runtime import (
@@ -682,3 +682,34 @@ def test_the_chain_position_assert_can_be_switched_on_per_group():
         with pytest.raises(CanaryArgumentError, match=re.escape(message)):
             rt.mark_init_finished(groups=bad)
     assert int(rt.scalars.view("SWA.chain_assert")[0]) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_kv_tensor_moved_after_some_steps_refuses_the_tail_phase_with_nothing_written(backend):
+    """The storage checks of a phase are worked out once per set of launches; a torch KV tensor that moves
+    after the runtime has run steps with it must still stop the next TAIL phase (the one that reads the KV)
+    before any of its launches."""
+    torch = pytest.importorskip("torch")
+    engine = sc.ToyEngine()
+    tensors = {(g, kv): torch.from_numpy(engine.kv[g][kv]) for g in engine.kv for kv in ("K", "V")}
+
+    def torch_sources(group: str, kv: str) -> tuple[RealKvSource, ...]:
+        return (RealKvSource(tensors[(group, kv)], page_size=sc.PAGE, num_bytes_per_token=sc.TOKEN_BYTES,
+                             read_bytes=sc.TOKEN_BYTES),)
+
+    engine.sources = torch_sources
+    rt = make(engine, backend, real_kv_hash_mode="all")
+    drive(engine, rt, steps=3)  # every phase has run, and run clean, on the tensors as bound
+    assert not rt.flush().new_violations
+    batch = engine.schedule(3)
+    rt.prepare(engine.step_batch(batch, oracle=False, tokens=False))
+    rt.pre_forward()
+    engine.forward(batch, "FULL")
+    moved = tensors[("FULL", "K")]
+    moved.set_(torch.zeros_like(moved))  # the engine re-allocated its K cache
+    before = runtime_arrays(rt)
+    with pytest.raises(CanaryArgumentError, match="storage moved or shrank") as info:
+        rt.post_forward()
+    assert str(info.value).startswith("kv-canary: ") and "sources[0]" in str(info.value)
+    after = runtime_arrays(rt)
+    assert [k for k in before if not np.array_equal(before[k], after[k])] == []
