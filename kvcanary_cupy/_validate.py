@@ -184,12 +184,11 @@ class StorageGuard:
     needed_bytes: int
     # The storage as wrapped, held: a resize of it (through any handle) shows in its nbytes, and a tensor moved
     # to other memory shows in its data_ptr, so a step's checks need no new storage handle per tensor.
-    storage: Any = None
+    storage: Any
 
     def check(self) -> None:
         tensor = self.tensor
-        storage = self.storage if self.storage is not None else tensor.untyped_storage()
-        if tensor.data_ptr() != self.pointer or storage.nbytes() < self.needed_bytes:
+        if tensor.data_ptr() != self.pointer or self.storage.nbytes() < self.needed_bytes:
             fail(f"{self.name}: the torch tensor's storage moved or shrank since it was wrapped (resize_, "
                  f"set_ or a storage resize); wrap or bind it again")
 
