@@ -139,7 +139,6 @@ def distinct_guards(launches: Iterable[BoundLaunch | None]) -> tuple[StorageGuar
     return tuple(guards)
 
 
-
 def _named_leaves(name: str, value: Any) -> Iterator[tuple[str, Any]]:
     """``(dotted name, leaf)`` of an argument: dataclass fields (plans, contexts, sources) and sequences opened."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

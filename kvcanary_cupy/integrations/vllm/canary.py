@@ -104,9 +104,10 @@ class GroupGeometry:
         return self.num_blocks * self.block_size
 
     def slots_of(self, blocks: list[int] | np.ndarray, length: int, start: int = 0) -> np.ndarray:
-        """The slots of positions ``start .. length - 1`` of a sequence whose block table row is ``blocks``."""
+        """The slots of positions ``start .. length - 1`` of a sequence whose block table row is ``blocks`` (a 2-D
+        ``blocks``: of every row, one row of slots each)."""
         pos = np.arange(start, length, dtype=np.int64)
-        return np.asarray(blocks, np.int64)[pos // self.block_size] * self.block_size + pos % self.block_size
+        return np.asarray(blocks, np.int64)[..., pos // self.block_size] * self.block_size + pos % self.block_size
 
 
 def _layer_sources(geo: GroupGeometry, layer: Any, cache: Any, which: str, read_bytes: int | None,
@@ -210,12 +211,11 @@ class VllmCanaryState(EngineCanaryState):
         if b == 0:
             return
         totals = np.asarray(batch.prefix_lens[:b] + batch.extend_lens[:b], np.int64)
-        positions = np.arange(int(totals.max()), dtype=np.int64)
-        blocks = np.asarray(batch.block_tables[geo.index][:b], np.int64)
+        width = int(totals.max())
         # every row at once: a row's positions past its own length keep what the table held
-        slots = blocks[:, positions // geo.block_size] * geo.block_size + positions % geo.block_size
-        np.copyto(self.tables[geo.index][1 : b + 1, : positions.size], slots,
-                  where=positions[None, :] < totals[:, None], casting="unsafe")
+        slots = geo.slots_of(batch.block_tables[geo.index][:b], width)
+        np.copyto(self.tables[geo.index][1 : b + 1, :width], slots,
+                  where=np.arange(width)[None, :] < totals[:, None], casting="unsafe")
 
     def after_forward(self, batch: VllmStep, written: dict[int, np.ndarray]) -> None:
         """Phases 3 and 4: TAIL verify and TAIL write (stamped where attention really wrote: the slot mapping as
