@@ -46,10 +46,11 @@ def gpu_plans():
 
 
 def misaligned(arr, offset: int = 4):
+    """``arr``'s values in a view ``offset`` bytes past an aligned address. The bytes are copied as uint8: an
+    element-wise copy into the misaligned view would itself fault on the GPU (and poison the context)."""
     raw = cp.zeros(arr.nbytes + 256, cp.uint8)
-    out = raw[offset:offset + arr.nbytes].view(arr.dtype).reshape(arr.shape)
-    out[...] = arr
-    return out
+    raw[offset:offset + arr.nbytes] = cp.ascontiguousarray(arr).view(cp.uint8).ravel()
+    return raw[offset:offset + arr.nbytes].view(arr.dtype).reshape(arr.shape)
 
 
 def test_aliased_plan_outputs_are_refused_and_the_gpu_stays_usable():
