@@ -12,6 +12,7 @@ import pytest
 import strategies
 from differential import SENTINEL, ChainResult, chain_results_equal, run_chain, run_plan
 from engine_scenario import RTT, STEPS, Engine, to_numpy
+from engine_scenario import SENTINEL as SCENARIO_SENTINEL
 from hypothesis import given, settings
 from plan_helpers import linear_rtt
 
@@ -310,8 +311,9 @@ def warm_up(*launches) -> None:
 
 
 def reset_plans(engine: Engine) -> None:
+    """Back to the fill the scenario's engines start from (the reference engine's plans hold it too)."""
     for t in (*vars(engine.vp).values(), *vars(engine.wp).values()):
-        t.fill_(SENTINEL)
+        t.fill_(SCENARIO_SENTINEL)
 
 
 def test_a_bound_plan_launch_captured_in_a_cuda_graph_replays_on_refilled_inputs():
