@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-FULL = dict(size="bench", requests=8, prompt=256, new=64, blocks=128, rounds=5)
-TINY = dict(size="tiny", requests=2, prompt=16, new=4, blocks=24, rounds=1)
+FULL = dict(size="medium", requests=8, prompt=256, new=64, blocks=128, rounds=5)
+TINY = dict(size="small", requests=2, prompt=16, new=4, blocks=24, rounds=1)
 
 
 def measure(spec: dict[str, Any], backends: list[str]) -> dict[str, Any]:

@@ -6,15 +6,20 @@ reports what was caught; ``kvcanary replay`` reruns a launch dumped by ``simulat
 :func:`main` returns the exit status instead of exiting: 0 success, 1 a failed run (a fault kind missed, a false
 positive, a replay that does not reproduce), 2 bad arguments, 3 an internal error, 4 an inconclusive simulation
 (a requested fault kind found no target in the workload, and nothing failed), 130 interrupted.
+Which ``simulate`` option applies to which engine and mode is :mod:`.option_scope`'s table, checked against the
+options typed (not argparse's defaults) before any engine is built or any file written.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
 import sys
+import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TextIO
@@ -95,6 +100,8 @@ def _tiers(text: str) -> tuple[str, ...]:
 
 
 def _simulate_epilog() -> str:
+    from .integrations.transformers.faults import FAULT_KINDS as TRANSFORMERS_KINDS
+    from .integrations.vllm.faults import FAULT_KINDS as VLLM_KINDS
     from .sim.disagg.faults import DEFAULT_TRANSFER_RATE, TRANSFER_KINDS
     from .sim.faults import DEFAULT_RATE, FAULT_KINDS, TIER_FAULT_KINDS
     from .sim.runner import PRESETS
@@ -105,6 +112,10 @@ def _simulate_epilog() -> str:
                            for name, kind in TIER_FAULT_KINDS.items())
     transfer_kinds = "\n".join(f"  {name:<20} {kind.title} ({kind.side} side)" for name, kind in TRANSFER_KINDS.items())
     presets = "\n".join(f"  {p.name:<8} {p.description}" for p in PRESETS.values())
+    engine_kinds = "\n".join(textwrap.wrap(", ".join(TRANSFORMERS_KINDS), 110, initial_indent="  transformers: ",
+                                           subsequent_indent=" " * 16, break_on_hyphens=False)
+                             + textwrap.wrap(", ".join(VLLM_KINDS), 110, initial_indent="  vllm:         ",
+                                             subsequent_indent=" " * 16, break_on_hyphens=False))
     return f"""\
 examples:
   {PROG} simulate --preset mixed --inject all --steps 200 --requests 48 --seed 7
@@ -112,6 +123,7 @@ examples:
   {PROG} simulate --preset swa --inject swa-early-evict:0.1 --inject kv-bitflip
   {PROG} simulate --inject all --seed 7 --json report/run.json --html report/run.html --dump-failures report/dumps
   {PROG} simulate --engine transformers --inject all   (the canary inside transformers' continuous batching)
+  {PROG} simulate --engine vllm --inject all --backend host   (inside vLLM's V1 engine, CPU build)
   {PROG} replay report/dumps/kv-bitflip-seed7-step7-TAIL_K_FULL-verify.npz --backend host --sanitize
   {PROG} simulate --disaggregated --decode-workers 2 --inject all --steps 60 --requests 16
 
@@ -127,6 +139,10 @@ transfer fault kinds, with --disaggregated (RATE = probability per transfer, def
 the run tries each requested kind on the first transfers after the warm-up, and every fault must be caught
 before its request's first decode step):
 {transfer_kinds}
+
+fault kinds of --engine transformers and vllm (--inject KIND, no rate: each requested kind is armed once in
+every workload run; 'all' = every kind of the engine; docs/transformers.md and docs/vllm.md describe them):
+{engine_kinds}
 
 presets:
 {presets}
@@ -154,8 +170,6 @@ exit status: 0 reproduced, 1 not reproduced, 2 bad arguments."""
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .backends import BACKEND_NAMES
-    from .sim.runner import PRESETS
 
     parser = _Parser(prog=PROG, description="KV-cache canary: simulate a serving engine with injected faults,\n"
                      "replay a dumped failing launch on the CPU, or show what this machine offers.",
@@ -164,78 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    sim = sub.add_parser("simulate", help="run the synthetic engine with fault injection and report detections",
-                         description="Drive the canary through a synthetic serving workload, inject KV-cache "
-                         "faults, and report per fault kind what was detected, how fast, the false positives and "
-                         "the canary's cost.", epilog=_simulate_epilog(),
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    sim.add_argument("--engine", choices=["synthetic", "transformers", "vllm"], default="synthetic",
-                     help="synthetic (this project's engine) or transformers (Hugging Face continuous batching with "
-                     "a random-weight model; needs the transformers extra; --preset/--steps/--requests/"
-                     "--warmup/--cooldown/--dump-failures/--layout do not apply)")
-    sim.add_argument("--model-size", choices=["small", "medium"], default="small",
-                     help="--engine transformers: small (hidden 64, 2 layers) or medium (~58M params)")
-    sim.add_argument("--preset", choices=list(PRESETS), default=None,
-                     help="scenario (default: mixed; decode with --disaggregated)")
-    sim.add_argument("--steps", type=_positive, default=200, help="engine steps to run (default: 200)")
-    sim.add_argument("--requests", type=_positive, default=48, help="requests in the workload (default: 48)")
-    sim.add_argument("--seed", type=_seed, default=0, help="seed of the workload and the faults (default: 0)")
-    sim.add_argument("--backend", choices=["auto", *BACKEND_NAMES], default="auto",
-                     help="canary implementation: auto (cuda with a GPU, else numpy), numpy (reference), "
-                     "cuda (CuPy kernels), host (the CUDA kernels compiled for the CPU)")
-    sim.add_argument("--inject", action="append", default=[], metavar="KIND[:RATE]",
-                     help="inject a fault kind (repeatable; 'all' for every kind)")
-    sim.add_argument("--sweep-interval", type=_non_negative, default=8, metavar="N",
-                     help="verify every prefix-cache slot every N steps (0: never; default: 8)")
-    sim.add_argument("--max-verify-entries", type=_non_negative, default=0, metavar="N",
-                     help="bounded verify: at most N prefix entries verified per step and group, round-robin over "
-                          "the live prefixes (0: every prefix slot every step, the default); the report states the "
-                          "detection-latency bound")
-    sim.add_argument("--layout", choices=["token", "block", "csr"], default="token",
-                     help="slot layout the plan reads: token (SGLang's req_to_token; KV allocated per token), "
-                     "block (a batch-row block table, vLLM-style) or csr (page lists, FlashInfer-style); in "
-                     "block and csr the engine allocates KV in blocks of --block-size tokens, keeps each "
-                     "request's block list and shares the prefix cache in whole blocks (default: token)")
-    sim.add_argument("--block-size", type=_positive, default=None, metavar="N",
-                     help="tokens per KV block with --layout block or csr (default: the preset's page size, 16)")
-    sim.add_argument("--block-stride", type=_positive, default=None, metavar="N",
-                     help="slots between consecutive block ids with --layout block, >= the block size "
-                     "(transformers' physical stride; default: the block size)")
-    sim.add_argument("--tiers", type=_tiers, default=(), metavar="host[,disk]",
-                     help="KV hierarchy below the device pool: host (an L2 in host memory) and disk (an L3 of "
-                     "files); evicted prefix-cache paths are written back with their canary records and "
-                     "loaded back asynchronously, restored records verified before a forward reads them; "
-                     "adds the tier-* fault kinds to --inject all")
-    sim.add_argument("--tier-dir", metavar="DIR", default=None,
-                     help="directory of the L3 files with --tiers host,disk (default: a temporary directory); "
-                     "the files are removed at the end")
-    sim.add_argument("--with-v", action="store_true", help="add V endpoints next to K")
-    sim.add_argument("--real-kv-hash", choices=["all", "partial"], default="all",
-                     help="bytes of real KV fingerprinted per slot: all, or the first 16 (default: all)")
-    sim.add_argument("--warmup", type=_non_negative, default=4, metavar="N",
-                     help="steps before the chain-position assert and the faults start (default: 4)")
-    sim.add_argument("--cooldown", type=_non_negative, default=None, metavar="N",
-                     help="last steps without new faults (default: min(16, steps/5))")
-    sim.add_argument("--ring-capacity", type=_positive, default=16384, metavar="ROWS",
-                     help="violation ring rows per canary group (default: 16384)")
-    sim.add_argument("--json", metavar="PATH", help="write the report as JSON (schema: kvcanary_cupy.sim.report); "
-                     "'-' writes it to standard output and the table to standard error")
-    sim.add_argument("--html", metavar="PATH", help="write an HTML report with a plot")
-    sim.add_argument("--dump-failures", metavar="DIR",
-                     help="save the first failing launch of each fault kind as .npz for 'kvcanary replay'")
-    sim.add_argument("--quiet", action="store_true", help="no progress display")
-    dis = sim.add_argument_group("disaggregated serving (prefill and decode in separate processes)")
-    dis.add_argument("--disaggregated", action="store_true",
-                     help="one prefill process + decode workers; transfer faults for --inject")
-    dis.add_argument("--decode-workers", type=_positive, default=2, metavar="N", help="decode processes (default: 2)")
-    dis.add_argument("--transfer-timeout", type=_seconds, default=30.0, metavar="S",
-                     help="seconds any send, receive or rendezvous may take before the run fails (default: 30)")
-    dis.add_argument("--kill-decode-worker", type=_kill_drill, default=None, metavar="W@STEP",
-                     help="fault drill: decode worker W kills itself (SIGKILL) at its step STEP; the run must "
-                     "report it and exit non-zero")
-    sim.add_argument("--plain", action="store_true", help="plain-text table even when rich is installed")
-    sim.set_defaults(func=_cmd_simulate)
-
+    _add_simulate(sub)
     rep = sub.add_parser("replay", help="rerun a dumped launch on the CPU and print its violations",
                          description="Rerun a launch saved by 'simulate --dump-failures' through the exact kernel "
                          "code on the CPU and print the violations.", epilog=REPLAY_EPILOG,
@@ -248,6 +191,122 @@ def build_parser() -> argparse.ArgumentParser:
     rep.set_defaults(func=_cmd_replay)
     _add_machine_commands(sub)
     return parser
+
+
+def _model_sizes() -> str:
+    """The --model-size help: each engine's sizes, from the dicts the engines build their models from."""
+    from .integrations.transformers.workloads import MODEL_SIZES as TRANSFORMERS_SIZES
+    from .integrations.vllm.workloads import MODEL_SIZES as VLLM_SIZES
+
+    def sizes(table: dict[str, dict[str, int]]) -> str:
+        return ", ".join(f"{name} (hidden {d['hidden_size']}, {d['num_hidden_layers']} layers)"
+                         for name, d in table.items())
+
+    return f"transformers: {sizes(TRANSFORMERS_SIZES)}; vllm: {sizes(VLLM_SIZES)}"
+
+
+def _add_simulate(sub: Any) -> None:
+    """``simulate``: its options in groups; the help of each ends with where it applies (:mod:`.option_scope`)."""
+    from .backends import BACKEND_NAMES
+    from .option_scope import SCOPE
+    from .sim.runner import PRESETS
+
+    sim = sub.add_parser("simulate", help="run an engine with fault injection and report detections",
+                         description="Drive the canary through a synthetic serving workload (or a real engine: "
+                         "--engine transformers or vllm),\ninject KV-cache faults, and report per fault kind what "
+                         "was detected, how fast, the false positives\nand the canary's cost. Every option states "
+                         "its default and, where it does not apply everywhere,\nthe engines and modes it applies "
+                         "to; an option given where it does not apply is refused (exit status 2).",
+                         epilog=_simulate_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    engine = sim.add_argument_group("engine")
+    engine.add_argument("--engine", choices=["synthetic", "transformers", "vllm"], default="synthetic",
+                        help="synthetic (this project's engine), transformers (Hugging Face continuous batching "
+                        "with a random-weight model; needs the transformers extra) or vllm (vLLM's V1 engine, CPU "
+                        "build, in-process, random-weight model; needs the vllm extra) (default: %(default)s)")
+    engine.add_argument("--model-size", choices=["small", "medium"], default="small",
+                        help=f"the random-weight model: {_model_sizes()} (default: %(default)s)")
+    engine.add_argument("--backend", choices=["auto", *BACKEND_NAMES], default="auto",
+                        help="canary implementation: auto (cuda with a GPU, else numpy), numpy (reference), "
+                        "cuda (CuPy kernels), host (the CUDA kernels compiled for the CPU); transformers and vllm "
+                        "take auto, numpy or host (default: %(default)s)")
+    work = sim.add_argument_group("workload")
+    work.add_argument("--preset", choices=list(PRESETS), default=None,
+                      help="scenario (default: mixed; decode with --disaggregated)")
+    work.add_argument("--steps", type=_positive, default=200, help="engine steps to run (default: %(default)s)")
+    work.add_argument("--requests", type=_positive, default=48,
+                      help="requests in the workload (default: %(default)s)")
+    work.add_argument("--seed", type=_seed, default=0,
+                      help="seed of the workload, the model and the faults (default: %(default)s)")
+    work.add_argument("--warmup", type=_non_negative, default=4, metavar="N",
+                      help="steps before the chain-position assert and the faults start (default: %(default)s)")
+    work.add_argument("--cooldown", type=_non_negative, default=None, metavar="N",
+                      help="last steps without new faults (default: min(16, steps/5))")
+    work.add_argument("--layout", choices=["token", "block", "csr"], default="token",
+                      help="slot layout the plan reads: token (SGLang's req_to_token; KV allocated per token), "
+                      "block (a batch-row block table, vLLM-style) or csr (page lists, FlashInfer-style); in "
+                      "block and csr the engine allocates KV in blocks of --block-size tokens, keeps each "
+                      "request's block list and shares the prefix cache in whole blocks (default: %(default)s)")
+    work.add_argument("--block-size", type=_positive, default=None, metavar="N",
+                      help="tokens per KV block with --layout block or csr (default: the preset's page size, 16)")
+    work.add_argument("--block-stride", type=_positive, default=None, metavar="N",
+                      help="slots between consecutive block ids with --layout block, >= the block size "
+                      "(transformers' physical stride; default: the block size)")
+    faults = sim.add_argument_group("faults")
+    faults.add_argument("--inject", action="append", default=[], metavar="KIND[:RATE][,...]",
+                        help="inject fault kinds (repeatable, or a comma list; 'all' for every kind the run can "
+                        "host; the kinds and rates are listed below; transformers and vllm take no rate: they "
+                        "arm each kind once per workload run) (default: none, a clean run)")
+    canary = sim.add_argument_group("canary")
+    canary.add_argument("--sweep-interval", type=_non_negative, default=8, metavar="N",
+                        help="verify every prefix-cache slot every N steps (0: never; default: %(default)s)")
+    canary.add_argument("--max-verify-entries", type=_non_negative, default=0, metavar="N",
+                        help="bounded verify: at most N prefix entries verified per step and group, round-robin "
+                        "over the live prefixes (0: every prefix slot every step; default: %(default)s); the "
+                        "synthetic engine's report states the detection-latency bound")
+    canary.add_argument("--with-v", action="store_true",
+                        help="add V endpoints next to K (default: off, K only; always on in transformers and vllm)")
+    canary.add_argument("--real-kv-hash", choices=["all", "partial"], default="all",
+                        help="bytes of real KV fingerprinted per slot: all, or the first 16 (default: %(default)s)")
+    canary.add_argument("--ring-capacity", type=_positive, default=16384, metavar="ROWS",
+                        help="violation ring rows per canary group (default: %(default)s)")
+    tiers = sim.add_argument_group("tiers (a KV hierarchy below the device pool)")
+    tiers.add_argument("--tiers", type=_tiers, default=(), metavar="host[,disk]",
+                       help="host (an L2 in host memory) and disk (an L3 of files); evicted prefix-cache paths are "
+                       "written back with their canary records and loaded back asynchronously, restored records "
+                       "verified before a forward reads them; adds the tier-* fault kinds to --inject all "
+                       "(default: none, the device pool alone)")
+    tiers.add_argument("--tier-dir", metavar="DIR", default=None,
+                       help="directory of the L3 files with --tiers host,disk; the files are removed at the end "
+                       "(default: a temporary directory)")
+    dis = sim.add_argument_group("disaggregated serving (prefill and decode in separate processes)")
+    dis.add_argument("--disaggregated", action="store_true",
+                     help="one prefill process + decode workers; transfer faults for --inject (default: off, one "
+                     "process)")
+    dis.add_argument("--decode-workers", type=_positive, default=2, metavar="N",
+                     help="decode processes (default: %(default)s)")
+    dis.add_argument("--transfer-timeout", type=_seconds, default=30.0, metavar="S",
+                     help="seconds any send, receive or rendezvous may take before the run fails "
+                     "(default: %(default)g)")
+    dis.add_argument("--kill-decode-worker", type=_kill_drill, default=None, metavar="W@STEP",
+                     help="fault drill: decode worker W kills itself (SIGKILL) at its step STEP; the run must "
+                     "report it and exit non-zero (default: none, no drill)")
+    out = sim.add_argument_group("output")
+    out.add_argument("--json", metavar="PATH", default=None,
+                     help="write the report as JSON (schema: kvcanary_cupy.sim.report); '-' writes it to standard "
+                     "output and the table to standard error (default: none, no JSON)")
+    out.add_argument("--html", metavar="PATH", default=None,
+                     help="write an HTML report with a plot (default: none, no HTML)")
+    out.add_argument("--dump-failures", metavar="DIR", default=None,
+                     help="save the first failing launch of each fault kind as .npz for 'kvcanary replay' "
+                     "(default: none, nothing saved)")
+    out.add_argument("--quiet", action="store_true", help="no progress display (default: off, progress shown)")
+    out.add_argument("--plain", action="store_true",
+                     help="plain-text table even when rich is installed (default: off)")
+    for action in sim._actions:
+        scope = SCOPE.get(action.option_strings[-1]) if action.option_strings else None
+        if scope is not None and action.help:
+            action.help += scope.label()
+    sim.set_defaults(func=_cmd_simulate)
 
 
 def _add_machine_commands(sub: Any) -> None:
@@ -278,23 +337,33 @@ def _writable(path: str, option: str) -> None:
         raise BadArguments(f"{option} {path}: not writable")
 
 
-def _check_outputs(args: argparse.Namespace) -> None:
-    for path, option in ((None if args.json == "-" else args.json, "--json"), (args.html, "--html")):
+@dataclass(frozen=True)
+class Output:
+    """Where ``simulate`` sends its report, the same for every engine and mode."""
+
+    json: str | None  # a path, '-' (standard output) or None
+    html: str | None
+    quiet: bool  # no progress display
+    plain: bool  # a plain-text table even with rich
+
+
+def _check_outputs(out: Output) -> None:
+    for path, option in ((None if out.json == "-" else out.json, "--json"), (out.html, "--html")):
         if path:
             _writable(path, option)
 
 
-def _emit(args: argparse.Namespace, report: dict[str, Any], print_report: Any, write_json: Any,
+def _emit(out: Output, report: dict[str, Any], print_report: Any, write_json: Any,
           write_html: Any) -> TextIO:
     """Print the report and write its files; returns the stream meant for people. With --json -, standard
     output carries the JSON alone and everything for people goes to standard error."""
-    json_to_stdout = args.json == "-"
+    json_to_stdout = out.json == "-"
     human = sys.stderr if json_to_stdout else sys.stdout
-    print_report(report, human, plain=args.plain)
+    print_report(report, human, plain=out.plain)
     if json_to_stdout:
         json.dump(report, sys.stdout, indent=2)
         sys.stdout.write("\n")
-    for path, writer in ((None if json_to_stdout else args.json, write_json), (args.html, write_html)):
+    for path, writer in ((None if json_to_stdout else out.json, write_json), (out.html, write_html)):
         if path:
             try:
                 print(f"wrote {writer(report, path)}", file=human)
@@ -303,36 +372,126 @@ def _emit(args: argparse.Namespace, report: dict[str, Any], print_report: Any, w
     return human
 
 
-def _cmd_simulate(args: argparse.Namespace) -> int:
-    from .sim.faults import parse_inject
-    from .sim.report import ProgressDisplay, print_report, write_html, write_json
-    from .sim.runner import SimConfig, Simulation, applicable_kinds
+@dataclass(frozen=True)
+class SimulatePlan:
+    """What ``kvcanary simulate`` runs: the mode (:data:`.option_scope.MODES`) and its validated configuration
+    (a ``SimConfig``, ``DisaggConfig`` or the engine's sim config), and where the report goes."""
 
-    if args.engine == "transformers":
-        return _cmd_simulate_transformers(args)
-    if args.engine == "vllm":
-        return _cmd_simulate_vllm(args)
-    if args.disaggregated:
-        return _cmd_simulate_disaggregated(args)
-    if args.kill_decode_worker is not None:
-        raise BadArguments("--kill-decode-worker needs --disaggregated")
-    args.preset = args.preset or "mixed"
+    mode: str
+    config: Any
+    output: Output
+
+
+def _given_options(argv: list[str]) -> list[str]:
+    """The ``simulate`` options typed in ``argv`` (long names, in the parser's order), as opposed to the ones
+    argparse filled in with their defaults: the same parser with every default suppressed parses ``argv`` again."""
+    parser = build_parser()
+    sim = _subparser(parser, "simulate")
+    for action in sim._actions:
+        action.default = argparse.SUPPRESS
+    typed = vars(parser.parse_args(argv))
+    return [a.option_strings[-1] for a in sim._actions if a.option_strings and a.dest in typed]
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[command]
+    raise KeyError(command)
+
+
+def plan_simulate(args: argparse.Namespace) -> SimulatePlan:
+    """Check every option the user gave against the option table, then build and validate the mode's config;
+    :class:`BadArguments` naming the option for anything that cannot run. Nothing is started or written."""
+    from .option_scope import inject_items, mode_of, refusals
+
+    mode = mode_of(args.engine, args.disaggregated)
+    problems = refusals(mode, args.given_options)
+    if problems:
+        raise BadArguments("; ".join(problems))
     try:
-        inject = parse_inject(args.inject, applicable_kinds(args.preset, args.tiers))
-        cfg = SimConfig(preset=args.preset, steps=args.steps, requests=args.requests, seed=args.seed,
-                        backend=args.backend, inject=inject, sweep_interval=args.sweep_interval,
-                        with_v=args.with_v, real_kv_hash=args.real_kv_hash, warmup_steps=args.warmup,
-                        cooldown_steps=args.cooldown, ring_capacity=args.ring_capacity,
-                        max_verify_entries=args.max_verify_entries,
-                        dump_dir=args.dump_failures, layout=args.layout, block_size=args.block_size,
-                        block_stride=args.block_stride, tiers=args.tiers, tier_dir=args.tier_dir)
+        inject = [item.text for item in inject_items(args.inject, mode)]
+        config = _CONFIG_OF_MODE[mode](args, inject)
+    except ValueError as exc:
+        raise BadArguments(str(exc)) from None
+    return SimulatePlan(mode, config, Output(json=args.json, html=args.html, quiet=args.quiet, plain=args.plain))
+
+
+def _synthetic_config(args: argparse.Namespace, inject: list[str]) -> Any:
+    from .sim.faults import parse_inject
+    from .sim.runner import SimConfig, applicable_kinds
+
+    preset = args.preset or "mixed"
+    cfg = SimConfig(preset=preset, steps=args.steps, requests=args.requests, seed=args.seed, backend=args.backend,
+                    inject=parse_inject(inject, applicable_kinds(preset, args.tiers)),
+                    sweep_interval=args.sweep_interval, with_v=args.with_v, real_kv_hash=args.real_kv_hash,
+                    warmup_steps=args.warmup, cooldown_steps=args.cooldown, ring_capacity=args.ring_capacity,
+                    max_verify_entries=args.max_verify_entries, dump_dir=args.dump_failures, layout=args.layout,
+                    block_size=args.block_size, block_stride=args.block_stride, tiers=args.tiers,
+                    tier_dir=args.tier_dir)
+    cfg.validate()
+    return cfg
+
+
+def _disaggregated_config(args: argparse.Namespace, inject: list[str]) -> Any:
+    from .sim.disagg import DisaggConfig
+    from .sim.disagg.faults import DEFAULT_TRANSFER_RATE, TRANSFER_KINDS
+    from .sim.faults import parse_inject
+
+    cfg = DisaggConfig(
+        preset=args.preset or "decode", steps=args.steps, requests=args.requests, seed=args.seed,
+        backend=args.backend, decode_workers=args.decode_workers,
+        inject=parse_inject(inject, known=TRANSFER_KINDS, default_rate=DEFAULT_TRANSFER_RATE),
+        sweep_interval=args.sweep_interval, with_v=args.with_v, real_kv_hash=args.real_kv_hash,
+        warmup_steps=args.warmup, ring_capacity=args.ring_capacity, transfer_timeout_s=args.transfer_timeout,
+        kill_decode_worker=args.kill_decode_worker)
+    cfg.validate()
+    return cfg
+
+
+def _engine_modules(engine: str) -> tuple[ModuleType, ModuleType]:
+    """The ``report`` and ``simulate`` modules of an engine integration."""
+    try:
+        report = importlib.import_module(f".integrations.{engine}.report", __package__)
+        simulate = importlib.import_module(f".integrations.{engine}.simulate", __package__)
+    except ImportError as exc:
+        extra = "torch and transformers" if engine == "transformers" else "vLLM (pip install 'kvcanary_cupy[vllm]')"
+        raise BadArguments(f"--engine {engine} needs {extra}: {exc}") from None
+    return report, simulate
+
+
+def _engine_config(engine: str) -> Any:
+    def build(args: argparse.Namespace, inject: list[str]) -> Any:
+        return _engine_modules(engine)[1].config_from_args(args)  # validated there; rates were refused above
+
+    return build
+
+
+_CONFIG_OF_MODE = {"synthetic": _synthetic_config, "disaggregated": _disaggregated_config,
+                   "transformers": _engine_config("transformers"), "vllm": _engine_config("vllm")}
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    plan = plan_simulate(args)
+    if plan.mode == "synthetic":
+        return _run_synthetic(plan.config, plan.output)
+    if plan.mode == "disaggregated":
+        return _run_disaggregated(plan.config, plan.output)
+    return _run_engine(plan.mode, plan.config, plan.output)
+
+
+def _run_synthetic(cfg: Any, out: Output) -> int:
+    from .sim.report import ProgressDisplay, print_report, write_html, write_json
+    from .sim.runner import Simulation
+
+    try:
         sim = Simulation(cfg)
     except (ValueError, OSError) as exc:
         raise BadArguments(str(exc)) from None
-    _check_outputs(args)
-    with ProgressDisplay(cfg.steps, enabled=not args.quiet) as progress:
+    _check_outputs(out)
+    with ProgressDisplay(cfg.steps, enabled=not out.quiet) as progress:
         report = sim.run(progress)
-    human = _emit(args, report, print_report, write_json, write_html)
+    human = _emit(out, report, print_report, write_json, write_html)
     if sim.recorder is not None:
         for kind, path in sim.recorder.dumped.items():
             print(f"dumped the first failing launch of {kind}: {path}", file=human)
@@ -342,82 +501,28 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return int(report["exit_code"])
 
 
-def _cmd_simulate_transformers(args: argparse.Namespace) -> int:
-    try:
-        from .integrations.transformers import report, simulate
-    except ImportError as exc:
-        raise BadArguments(f"--engine transformers needs torch and transformers: {exc}") from None
-    refused = None
-    if args.tiers or args.tier_dir is not None:
-        refused = ("--tiers applies to the synthetic engine (--engine synthetic); transformers' own CPU offload "
-                   "(cpu_offload_space) needs pinned memory, which CPU-only torch refuses")
-    return _simulate_engine(args, "transformers", report, simulate, refused)
-
-
-def _cmd_simulate_vllm(args: argparse.Namespace) -> int:
-    """``--engine vllm``: vLLM's CPU build in-process (docs/vllm.md); --model-size small/medium pick its models."""
-    try:
-        from .integrations.vllm import report, simulate
-    except ImportError as exc:
-        raise BadArguments(f"--engine vllm needs vLLM (pip install 'kvcanary_cupy[vllm]'): {exc}") from None
-    return _simulate_engine(args, "vllm", report, simulate)
-
-
-def _simulate_engine(args: argparse.Namespace, engine: str, report_module: ModuleType, simulate_module: ModuleType,
-                     refused: str | None = None) -> int:
-    """``simulate --engine <engine>`` for an engine the canary is installed in, with that integration's
-    ``report`` and ``simulate`` modules; ``refused``: why an option given cannot apply to this engine."""
-    try:
-        if args.disaggregated:
-            raise ValueError(f"--disaggregated does not apply to --engine {engine}")
-        if refused is not None:
-            raise ValueError(refused)
-        cfg = simulate_module.config_from_args(args)
-    except ValueError as exc:
-        raise BadArguments(str(exc)) from None
-    _check_outputs(args)
-    report = simulate_module.run_quietly(cfg, progress=not args.quiet)
-    _emit(args, report, report_module.print_report, report_module.write_json, report_module.write_html)
+def _run_engine(engine: str, cfg: Any, out: Output) -> int:
+    """``simulate --engine <engine>`` for an engine the canary is installed in (transformers, vLLM)."""
+    report_module, simulate_module = _engine_modules(engine)
+    _check_outputs(out)
+    report = simulate_module.run_quietly(cfg, progress=not out.quiet)
+    _emit(out, report, report_module.print_report, report_module.write_json, report_module.write_html)
     return int(report["exit_code"])
 
 
-def _cmd_simulate_disaggregated(args: argparse.Namespace) -> int:
-    from .sim.disagg import DisaggConfig, DisaggRunError, run_disaggregated
-    from .sim.disagg.faults import DEFAULT_TRANSFER_RATE, TRANSFER_KINDS
+def _run_disaggregated(cfg: Any, out: Output) -> int:
+    from .sim.disagg import DisaggRunError, run_disaggregated
     from .sim.disagg.report import print_report, write_html, write_json
-    from .sim.faults import parse_inject
 
-    try:
-        if args.layout != "token" or args.block_size is not None or args.block_stride is not None:
-            raise ValueError("--layout, --block-size and --block-stride do not apply to --disaggregated (its "
-                             "engines keep req_to_token)")
-        if args.tiers or args.tier_dir is not None:
-            raise ValueError("--tiers does not apply to --disaggregated: its decode workers keep no prefix cache "
-                             "to write back or load into (each prefix arrives once, from the prefill process, "
-                             "and is verified there by the transfer verify); run --tiers without "
-                             "--disaggregated")
-        for option, given in (("--dump-failures", args.dump_failures), ("--cooldown", args.cooldown)):
-            if given is not None:
-                raise ValueError(f"{option} does not apply to --disaggregated")
-        cfg = DisaggConfig(
-            preset=args.preset or "decode", steps=args.steps, requests=args.requests, seed=args.seed,
-            backend=args.backend, decode_workers=args.decode_workers,
-            inject=parse_inject(args.inject, known=TRANSFER_KINDS, default_rate=DEFAULT_TRANSFER_RATE),
-            sweep_interval=args.sweep_interval, with_v=args.with_v, real_kv_hash=args.real_kv_hash,
-            warmup_steps=args.warmup, ring_capacity=args.ring_capacity, transfer_timeout_s=args.transfer_timeout,
-            kill_decode_worker=args.kill_decode_worker)
-        cfg.validate()
-    except ValueError as exc:
-        raise BadArguments(str(exc)) from None
-    _check_outputs(args)
-    if not args.quiet:
+    _check_outputs(out)
+    if not out.quiet:
         print(f"starting 1 prefill process and {cfg.decode_workers} decode worker(s) on 127.0.0.1", file=sys.stderr)
     try:
         report = run_disaggregated(cfg)
     except DisaggRunError as exc:
         print(f"{PROG} simulate: error: the disaggregated run failed: {exc}", file=sys.stderr)
         return 1
-    _emit(args, report, print_report, write_json, write_html)
+    _emit(out, report, print_report, write_json, write_html)
     return int(report["exit_code"])
 
 
@@ -448,11 +553,21 @@ def _cmd_cache_clear(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse(argv: list[str], parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """``argv`` parsed (by ``parser``, default :func:`build_parser`'s); for ``simulate`` with
+    ``given_options``, the options typed rather than defaulted."""
+    args = (parser or build_parser()).parse_args(argv)
+    if args.command == "simulate":
+        args.given_options = _given_options(argv)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``) and return the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parse(argv, parser)
     except _UsageError as exc:
         exc.parser.print_usage(sys.stderr)
         print(f"{exc.parser.prog}: error: {exc}", file=sys.stderr)

@@ -170,4 +170,4 @@ def test_the_command_line_takes_a_layout(capsys):
     assert main(["simulate", "--layout", "paged"]) == 2
     assert "argument --layout: invalid choice: 'paged'" in capsys.readouterr().err
     assert main(["simulate", "--disaggregated", "--layout", "csr"]) == 2
-    assert "--layout, --block-size and --block-stride do not apply to --disaggregated" in capsys.readouterr().err
+    assert "--layout does not apply to --disaggregated: its engines keep req_to_token" in capsys.readouterr().err

@@ -41,6 +41,21 @@ def nvrtc_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+#: The NVIDIA driver's user-space library, which the CUDA runtime loads by this name.
+DRIVER_LIBRARY = "libcuda.so.1"
+
+
+def driver_loadable() -> bool:
+    """Whether the NVIDIA driver's library loads in this process (it is on every machine with the driver)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(DRIVER_LIBRARY)
+    except OSError:
+        return False
+    return True
+
+
 def cuda_unavailable_reason() -> str | None:
     """None when the cuda backend can compile and launch here: CuPy imports, a device is visible and NVRTC
     loads (a CuPy without a loadable NVRTC would fail at the first compile, mid-run)."""
@@ -50,6 +65,8 @@ def cuda_unavailable_reason() -> str | None:
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # no driver, or CUDA runtime libraries missing
+        if not driver_loadable():  # the common case, said plainly rather than as the runtime's error code
+            return f"no NVIDIA driver found ({DRIVER_LIBRARY} not loadable)"
         return f"CuPy cannot reach a CUDA device ({type(exc).__name__}: {exc})"
     if count <= 0:
         return "no CUDA device is visible"

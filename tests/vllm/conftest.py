@@ -19,7 +19,7 @@ from kvcanary_cupy.integrations.vllm.workloads import engine, save_llama
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_llama(tmp_path_factory.mktemp("tiny-llama"), "tiny")
+    return save_llama(tmp_path_factory.mktemp("tiny-llama"), "small")
 
 
 @pytest.fixture(scope="session")

@@ -82,7 +82,7 @@ def test_vllm_serve_with_the_plugin_answers_as_without_it_and_reports_a_fault(ll
             str(ENGINE_ARGS["max_model_len"]), "--enforce-eager", "--block-size", str(ENGINE_ARGS["block_size"]),
             "--seed", "0", "--max-num-batched-tokens", str(ENGINE_ARGS["max_num_batched_tokens"]),
             "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]), "--no-async-scheduling",
-            "--kv-cache-memory-bytes", str(kv_cache_bytes("tiny", KV_BLOCKS)), "--served-model-name", "tiny"]
+            "--kv-cache-memory-bytes", str(kv_cache_bytes("small", KV_BLOCKS)), "--served-model-name", "tiny"]
     with open(log, "w") as out:
         server = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:

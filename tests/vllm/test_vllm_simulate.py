@@ -20,6 +20,8 @@ def test_simulate_engine_vllm_passes_and_writes_its_reports(tmp_path):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     report = json.loads(out_json.read_text())
     assert report["schema"] == "kvcanary-vllm-report/1" and report["outcome"] == "passed"
+    assert report["config"]["model_size"] == "small"  # the --model-size name, as the help and docs give it
+    assert "model small (" in run.stdout
     assert all(w["token_exact"] and w["violations"] == 0 for w in report["workloads"])
     assert {w["name"] for w in report["workloads"]} == {"mixed-lengths", "shared-prefix", "preemption",
                                                         "parallel-sampling"}

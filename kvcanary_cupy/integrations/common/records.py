@@ -31,13 +31,18 @@ class EngineSimConfig:
     with_v: bool = True
     inject_at: int = 4
     sweep_interval: int = 8
+    ring_capacity: int = 4096  # violation ring rows per canary group
     workloads: tuple[str, ...] = ()  # empty: all
 
     def check_choices(self, engine: str, *, fault_kinds: Iterable[str], workloads: Iterable[str],
                       backend_note: str = "") -> None:
-        """The checks every engine makes: known fault kinds, a backend a CPU engine runs, known workloads
-        (``backend_note`` is added to the backend's message after the engine's name)."""
+        """The checks every engine makes: known fault kinds, a backend a CPU engine runs, the ring's size, known
+        workloads (``backend_note`` is added to the backend's message after the engine's name)."""
+        from ...sim.config import MAX_RING_CAPACITY
+
         kinds, known = list(fault_kinds), list(workloads)
+        if not 1 <= self.ring_capacity <= MAX_RING_CAPACITY:
+            fail(f"--ring-capacity must lie in [1, {MAX_RING_CAPACITY}], got {self.ring_capacity}")
         for kind in self.inject:
             if kind not in kinds:
                 fail(f"unknown fault kind {kind!r} for --engine {engine}; choose from {', '.join(kinds)}")

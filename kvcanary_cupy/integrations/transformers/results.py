@@ -17,6 +17,7 @@ from .workloads import MODEL_SIZES, workloads
 class TransformersSimConfig(EngineSimConfig):
     model_size: str = "small"
     inject_at: int = 4
+    max_verify_entries: int = 0  # the runtime's bounded verify (0: every prefix slot every step)
 
     def validate(self) -> None:
         from ..._errors import fail
@@ -25,6 +26,9 @@ class TransformersSimConfig(EngineSimConfig):
         check_version()
         if self.model_size not in MODEL_SIZES:
             fail(f"--model-size must be one of {', '.join(MODEL_SIZES)}, got {self.model_size!r}")
+        if not 0 <= self.max_verify_entries <= (1 << 31) - 1:
+            fail(f"--max-verify-entries must lie in [0, {(1 << 31) - 1}] (0: full verify), got "
+                 f"{self.max_verify_entries}")
         self.check_choices("transformers", fault_kinds=FAULT_KINDS, workloads=workloads(),
                            backend_note=" on a CPU model")
 

@@ -39,7 +39,9 @@ class TransformersSimulation(SimulationRecord):
 
     def _run(self, model: Any, w: Workload, kind: str | None, offset: int, injector: Injector | None) -> RunResult:
         opts = CanaryOptions(mode="log", real_kv_hash=self.cfg.real_kv_hash, with_v=self.cfg.with_v,
-                             backend=self.cfg.backend, sweep_interval=self.cfg.sweep_interval)
+                             backend=self.cfg.backend, sweep_interval=self.cfg.sweep_interval,
+                             ring_capacity=self.cfg.ring_capacity,
+                             max_verify_entries_per_step=self.cfg.max_verify_entries)
         canary: TransformersCanary = install(model, opts)
         stats = WorkloadStats()
         out, wall = run_with_canary(canary, [stats] if injector is None else [stats, injector], lambda: w.run(model),
@@ -94,7 +96,8 @@ def config_from_args(args: Any) -> TransformersSimConfig:
     """The run's configuration from ``kvcanary simulate --engine transformers`` arguments (ValueError if bad)."""
     cfg = TransformersSimConfig(model_size=args.model_size, inject=parse_inject(args.inject, FAULT_KINDS),
                                 seed=args.seed, backend=args.backend, real_kv_hash=args.real_kv_hash, with_v=True,
-                                sweep_interval=args.sweep_interval)
+                                sweep_interval=args.sweep_interval, ring_capacity=args.ring_capacity,
+                                max_verify_entries=args.max_verify_entries)
     cfg.validate()
     return cfg
 

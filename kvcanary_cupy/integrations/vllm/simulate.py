@@ -35,7 +35,7 @@ from .workloads import MODEL_SIZES, Workload, engine, num_params, save_llama, wo
 
 @dataclass(frozen=True)
 class VllmSimConfig(EngineSimConfig):
-    model_size: str = "tiny"
+    model_size: str = "small"
     inject_at: int = 1
 
     def validate(self) -> None:
@@ -86,7 +86,8 @@ class VllmSimulation(EngineSimulation[VllmSimConfig, RunResult]):
 
     def _run(self, llm: Any, w: Workload, kind: str | None, offset: int, fault: Any) -> RunResult:
         opts = CanaryOptions(mode="log", real_kv_hash=self.cfg.real_kv_hash, with_v=self.cfg.with_v,
-                             backend=self.cfg.backend, sweep_interval=self.cfg.sweep_interval)
+                             backend=self.cfg.backend, sweep_interval=self.cfg.sweep_interval,
+                             ring_capacity=self.cfg.ring_capacity)
         canary = install(llm, opts)
         stats = WorkloadStats()
         tokens, wall = run_with_canary(canary, [stats] if fault is None else [stats, fault], lambda: w.run(llm))
@@ -125,9 +126,9 @@ class VllmSimulation(EngineSimulation[VllmSimConfig, RunResult]):
 
 def config_from_args(args: Any) -> VllmSimConfig:
     """The run's configuration from ``kvcanary simulate --engine vllm`` arguments (ValueError if bad)."""
-    size = {"small": "tiny", "medium": "bench"}.get(args.model_size, args.model_size)
-    cfg = VllmSimConfig(model_size=size, inject=parse_inject(args.inject, FAULT_KINDS), seed=args.seed,
-                        backend=args.backend, real_kv_hash=args.real_kv_hash, sweep_interval=args.sweep_interval)
+    cfg = VllmSimConfig(model_size=args.model_size, inject=parse_inject(args.inject, FAULT_KINDS), seed=args.seed,
+                        backend=args.backend, real_kv_hash=args.real_kv_hash, sweep_interval=args.sweep_interval,
+                        ring_capacity=args.ring_capacity)
     cfg.validate()
     return cfg
 

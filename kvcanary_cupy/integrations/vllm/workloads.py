@@ -12,11 +12,11 @@ import numpy as np
 
 MODEL_SIZES: dict[str, dict[str, int]] = {
     # 2 layers, hidden 128: the tests' model
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512),
+    "small": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512),
     # ~57M parameters: the cost benchmark's model
-    "bench": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12,
-                  num_key_value_heads=4, vocab_size=4096),
+    "medium": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12,
+                   num_key_value_heads=4, vocab_size=4096),
 }
 BLOCK_SIZE = 32  # the smallest block size vLLM's CPU attention accepts here
 # 24 blocks: the clean and fault workloads fit, the preemption workload does not.
@@ -26,7 +26,7 @@ ENGINE_ARGS: dict[str, Any] = dict(skip_tokenizer_init=True, dtype="float32", ma
                                    async_scheduling=False)
 
 
-def save_llama(directory: Path, size: str = "tiny", *, seed: int = 0) -> Path:
+def save_llama(directory: Path, size: str = "small", *, seed: int = 0) -> Path:
     """A random-weight ``LlamaForCausalLM`` saved under ``directory`` (once; reused after).
     ``initializer_range=0.2`` gives varied greedy output (the default 0.02 repeats one token)."""
     import torch
@@ -58,7 +58,7 @@ def kv_cache_bytes(size: str, blocks: int) -> int:
     return blocks * BLOCK_SIZE * 2 * d["num_hidden_layers"] * d["num_key_value_heads"] * head * 4
 
 
-def engine(model_dir: Path, size: str = "tiny", blocks: int = KV_BLOCKS, **overrides: Any) -> Any:
+def engine(model_dir: Path, size: str = "small", blocks: int = KV_BLOCKS, **overrides: Any) -> Any:
     """An in-process ``vllm.LLM`` over a saved model (set ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` first)."""
     from vllm import LLM
 
