@@ -24,6 +24,7 @@ from kvcanary_cupy.constants import (
     PlanStatus,
 )
 from kvcanary_cupy.runtime.reporting import StepReport
+from kvcanary_cupy.sim.report import short_reason
 from kvcanary_cupy.violations import decode_row
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,16 +39,17 @@ def anchor_name(name: str) -> str:
     return name.lower().replace("_", "-")
 
 
-def reason_labels() -> list[str]:
-    """The labels the ring decoder gives each reason bit (a row with every known bit set, decoded)."""
+def reason_label(reason: FailReason) -> str:
+    """The label the ring decoder prints for one reason bit (a row with that bit alone, decoded)."""
     row = np.zeros(VIOLATION_FIELDS, np.int64)
-    row[VIOLATION_FIELD_FAIL_REASON_BITS] = sum(int(m.value) for m in FailReason)
-    return decode_row(0, row).labels
+    row[VIOLATION_FIELD_FAIL_REASON_BITS] = int(reason)
+    (label,) = decode_row(0, row).labels
+    return label
 
 
 def code_anchors() -> dict[str, str]:
     """Every anchor the runbook must have -> the name its section heading must show."""
-    wanted = {f"reason-{anchor_name(label)}": label for label in reason_labels()}
+    wanted = {f"reason-{anchor_name(str(reason.name))}": str(reason.name) for reason in FailReason}
     for flag in (*CanaryStatus, *PlanStatus):
         wanted[f"status-{anchor_name(str(flag.name))}"] = str(flag.name)
     fields = {f.name for f in dataclasses.fields(StepReport)}
@@ -74,14 +76,14 @@ def test_every_reason_and_status_bit_has_exactly_one_runbook_section_named_after
         assert f"`{name}`" in have[anchor] or f"({name})" in have[anchor].replace("`", ""), (anchor, have[anchor])
 
 
-def test_the_reason_labels_are_the_ones_log_lines_print():
-    # the labels of the anchors are what Violation.log_line prints after "reasons="
-    row = np.zeros(VIOLATION_FIELDS, np.int64)
-    row[VIOLATION_FIELD_FAIL_REASON_BITS] = int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH
-                                                | FailReason.WRITE_TOKEN_MISMATCH)
-    line = decode_row(0, row).log_line()
-    assert line.endswith("reasons=verify_real_kv_hash,write_token")
-    assert {"reason-verify-real-kv-hash", "reason-write-token"} <= set(page_anchors())
+def test_each_reason_section_names_the_labels_a_row_and_the_simulator_print():
+    text = RUNBOOK.read_text()
+    for reason in FailReason:
+        anchor = f'<a id="reason-{anchor_name(str(reason.name))}"></a>'
+        section = text[text.index(anchor):].split("\n<a id=", 1)[0]
+        wanted = (f"print it as `{reason_label(reason)}`, the simulator's tables as "
+                  f"`{short_reason(str(reason.name))}`")
+        assert wanted in section, (reason.name, wanted)
 
 
 def _render_costs():
