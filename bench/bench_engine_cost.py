@@ -377,7 +377,8 @@ if __name__ == "__main__":
 
 
 def markdown(out: dict[str, Any]) -> str:
-    """The share and scaling tables of a JSON written by :func:`main`, as Markdown (for docs/engine-cost.md)."""
+    """The share and scaling tables of a JSON written by :func:`main`, as Markdown (a quick look; docs/costs.md
+    is rendered by bench/render_costs.py)."""
     lines = []
     if out.get("share"):
         lines += ["| backend | rounds | share, median of rounds | middle half of the rounds | spread (min..max) | "

@@ -9,7 +9,7 @@ tokens, an expected-token pool) and a 32-request × 1,024-token write, each call
   kernel arguments in Python at every call (work that stays on the calling thread).
 
 Rows: ``threads=1`` (the baseline) and ``threads=2``, and, where the process may use more than 2 cores,
-all of them. ``speedup_vs_baseline`` of the 2-thread rows is the figure docs/host-threads.md quotes
+all of them. ``speedup_vs_baseline`` of the 2-thread rows is the figure docs/costs.md quotes
 (target: >= 1.7x on a quiet 2-core machine).
 
 Rows run one after another, so a change in the machine's load between them lands in the ratio. Each

@@ -1,6 +1,6 @@
 """Scalar oracle of the plan step for the paged layouts (block tables and CSR page lists).
 
-Written request by request, position by position, from the layout rules (docs/layouts.md, the
+Written request by request, position by position, from the layout rules (docs/slot-layouts.md, the
 docstrings of kvcanary_cupy/layouts.py): no vectorisation and nothing shared with the package but its layout
 dataclasses, used as plain containers. Returns :class:`oracle.PlanExpect`, so the same comparison helpers apply.
 """
