@@ -181,9 +181,12 @@ class RecordMoves(Sweeping):
         slot_arr = host_int_vector(slots, "slots")
         pos_arr, prev_arr = host_int_vector(positions, "positions"), host_int_vector(prev_slots, "prev_slots")
         n = int(slot_arr.shape[0])
-        if not n == pos_arr.shape[0] == prev_arr.shape[0] == records.count:
-            fail(f"slots has {n} entries, positions {pos_arr.shape[0]}, prev_slots {prev_arr.shape[0]} and records "
-                 f"{records.count}; they must match")
+        # one position, one predecessor and one record per restored slot: named before anything is written (a
+        # shorter list would otherwise fail part way, a longer one be cut silently)
+        for name, count in (("positions", int(pos_arr.shape[0])), ("prev_slots", int(prev_arr.shape[0])),
+                            ("records", records.count)):
+            if count != n:
+                fail(f"{name} has {count} entries but slots has {n} entries; restore takes one per restored slot")
         if np.unique(slot_arr).shape[0] != n:
             fail("slots must name distinct slots (two pages restored into one slot)")
         if not self.enabled:
