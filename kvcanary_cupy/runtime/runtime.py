@@ -61,6 +61,10 @@ class CanaryRuntime(RecordMoves, Sweeping, Monitoring):
     Create it with :meth:`create`; read the public attributes, never replace them: ``config``, ``pools``,
     ``capacities``, ``space`` (device and framework), ``groups`` (name -> :class:`GroupState`), ``models``,
     ``stages`` (model -> :class:`StagedBatch`), ``expected_token_pool`` (owner or None) and ``step``.
+
+    This class holds the creation and the step protocol; :class:`RecordMoves` (copy_slots, offload, restore),
+    :class:`Sweeping` (sweep) and :class:`Monitoring` (check_health, run_counters, stats) bring the rest, each
+    allocating its own buffers when the runtime is built.
     """
 
     def __init__(self, config: CanaryConfig, pools: KvPools, capacities: Capacities, *, device: Any = "cpu",
