@@ -35,7 +35,9 @@ def token(rp: int, pos: int) -> int:
 class GrowingEngine:
     """Requests that only grow: each step every live row decodes one token (or ``extend`` tokens), and now and
     then a new row joins with a prompt (rows stay in pool-row order, so entries are only ever inserted into
-    the plan's verify list, never removed or reordered). One full group, a token table, real K bytes."""
+    the plan's verify list, never removed or reordered) unless a test finishes a request (:meth:`finish`: its
+    entries leave the list, and a later request may take its row). One full group, a token table, real K
+    bytes."""
 
     def __init__(self, seed: int, *, prompts: tuple[int, int] = (8, 40)) -> None:
         self.rng = np.random.default_rng(seed)
@@ -52,7 +54,8 @@ class GrowingEngine:
     def schedule(self, join: bool, extend: int = 1) -> StepBatch:
         new_rows: dict[int, int] = {rp: extend for rp in self.lens}
         if join and len(self.lens) < ROWS:
-            new_rows[len(self.lens) + 1] = int(self.rng.integers(*self.prompts))
+            free_row = min(set(range(1, ROWS + 1)) - set(self.lens))  # the lowest row no live request holds
+            new_rows[free_row] = int(self.rng.integers(*self.prompts))
         rows, prefix, ext, ids, pos, loc = [], [], [], [], [], []
         for rp in sorted(new_rows):
             p, e = self.lens.get(rp, 0), new_rows[rp]
@@ -69,6 +72,10 @@ class GrowingEngine:
         a = lambda x: np.asarray(x, np.int64)  # noqa: E731
         return StepBatch(req_pool_indices=a(rows), prefix_lens=a(prefix), extend_seq_lens=a(ext), input_ids=a(ids),
                          positions=a(pos), out_cache_loc=a(loc))
+
+    def finish(self, row: int) -> None:
+        """The request of ``row`` finished: it is no longer scheduled (its KV slots are never reused)."""
+        del self.lens[row]
 
     def forward(self, batch: StepBatch) -> None:
         for t, p, s in zip(batch.input_ids.tolist(), batch.positions.tolist(), batch.out_cache_loc.tolist(),
@@ -267,3 +274,105 @@ def test_the_simulators_fault_runs_detect_every_kind_within_the_bound() -> None:
     assert 0 < vb["slowest_steps"] <= vb["bound_steps_growing"]
     assert max(k["latency_steps"]["max"] for k in report["kinds"]) == vb["slowest_steps"]
     assert any(line.startswith("bounded verify: 256 entries/step/group") for line in summary_lines(report))
+
+
+def step(engine: GrowingEngine, rt: CanaryRuntime, *, join: bool, extend: int = 1) -> list[int]:
+    """One step of ``engine`` under ``rt``; returns its verify list (rows in batch order, each row's prefix)."""
+    batch = engine.schedule(join=join, extend=extend)
+    entries = [int(engine.req_to_token[rp, q]) for rp, p in zip(batch.req_pool_indices.tolist(),
+                                                               batch.prefix_lens.tolist(), strict=True)
+               for q in range(p)]
+    rt.prepare(batch)
+    rt.pre_forward()
+    engine.forward(batch)
+    rt.post_forward()
+    assert not rt.finish_step().new_violations
+    return entries
+
+
+def slots(first: int, last: int) -> list[int]:
+    return list(range(first, last + 1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_after_requests_finish_below_the_cursor_the_next_window_starts_again_at_entry_0(backend: str) -> None:
+    """Three requests of 20 prompt tokens (slots 1-20, 21-40, 41-60, listed in row order), a window of 10, no
+    new tokens after the prompts: the cursor walks to entry 40; then requests 2 and 3 finish and the list is
+    request 1's 20 entries, below the cursor. Worked by hand: the next window is entries 0-9 again."""
+    engine, recorder = GrowingEngine(0, prompts=(20, 21)), WindowRecorder()
+    rt = make(engine, 10, backend, recorder)
+    for t in range(5):  # requests join at steps 0, 1 and 2; each one's entries are listed from the next step
+        step(engine, rt, join=t < 3, extend=0)
+    engine.finish(2)
+    engine.finish(3)
+    for _ in range(3):
+        assert step(engine, rt, join=False, extend=0) == slots(1, 20)
+    assert recorder.windows == [[], slots(1, 10), slots(11, 20), slots(21, 30), slots(31, 40),
+                                slots(1, 10), slots(11, 20), slots(1, 10)]
+    assert not rt.flush().new_violations
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_windows_follow_the_cursor_model_while_requests_join_and_finish(seed: int) -> None:
+    rng = np.random.default_rng(1000 + seed)
+    n = int(rng.integers(3, 30))
+    engine, recorder = GrowingEngine(seed, prompts=(4, 30)), WindowRecorder()
+    rt = make(engine, n, "numpy", recorder)
+    lists = []
+    for _ in range(60):
+        if len(engine.lens) > 1 and rng.random() < 0.3:  # a request finishes: its entries leave the list
+            engine.finish(int(rng.choice(sorted(engine.lens))))
+        lists.append(step(engine, rt, join=rng.random() < 0.4))
+    assert recorder.windows == cursor_model(lists, n)
+    # the case under test happened: a list that shrank to or below where the cursor stood
+    cursor, restarts = 0, 0
+    for entries in lists:
+        restarts += 0 < len(entries) <= cursor
+        cursor = 0 if cursor >= len(entries) else cursor
+        cursor = 0 if cursor + n >= len(entries) else cursor + n
+    assert restarts > 0
+    assert not rt.flush().new_violations
+
+
+def test_the_bound_is_one_step_when_the_live_entries_equal_the_window_even_with_growth() -> None:
+    # live entries L equal to the window N: every entry is in every window, whatever G entries a step adds
+    for n, growth in ((64, 8), (64, 63), (64, 64), (64, 200), (1, 1)):
+        assert verify_latency_bound(n, n, growth_per_step=growth) == 1
+    # one entry more: a pass may take ceil(65 / (64 - 8)) = 2 steps, so the bound is twice that; none for N <= G
+    assert verify_latency_bound(65, 64, growth_per_step=8) == 4
+    assert verify_latency_bound(65, 64, growth_per_step=64) == -1
+    # a run at the boundary: two requests of 20 prompt tokens (20 entries added by a step), a window of 40
+    engine, recorder = GrowingEngine(0, prompts=(20, 21)), WindowRecorder()
+    rt = make(engine, 40, "numpy", recorder)
+    for t in range(4):
+        step(engine, rt, join=t < 2, extend=0)
+    rt.flush()
+    assert recorder.windows == [[], slots(1, 20), slots(1, 40), slots(1, 40)]
+    stats = rt.stats()
+    assert (stats["verify_live_max"], stats["verify_growth_max"]) == (40, 20)
+    assert (stats["verify_bound_steps"], stats["verify_bound_steps_growing"]) == (1, 1)
+    assert "every live slot verified within 1 steps (40 live entries), within 1 while 20 entries" in rt.stats_line()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("prompt", [12, 20, 33])
+def test_an_overflowed_plan_counts_neither_in_the_live_maximum_nor_in_the_bound(backend: str, prompt: int) -> None:
+    """Three requests of ``prompt`` tokens against a verify capacity between two and three prompts: the lists
+    hold P, 2P, then 3P entries (the plan overflows, twice), then 2P again once request 3 finished. Worked by
+    hand: the most live entries are 2P and the bound ceil(2P / N); the overflowed plans' counts are not."""
+    n, capacity = prompt // 2 + 1, 2 * prompt + prompt // 2
+    engine = GrowingEngine(0, prompts=(prompt, prompt + 1))
+    cfg = CanaryConfig(mode="log", backend=backend, real_kv_hash_mode="all", max_verify_entries_per_step=n,
+                       logger="kvcanary_cupy.runtime.test.bounded")
+    rt = CanaryRuntime.create(cfg, engine.pools(), Capacities(max_batch_size=ROWS, max_tokens=64,
+                                                              verify_capacity=capacity))
+    lengths = [len(step(engine, rt, join=t < 3, extend=0)) for t in range(5)]
+    engine.finish(3)
+    lengths += [len(step(engine, rt, join=False, extend=0)) for _ in range(3)]
+    rt.flush()
+    assert lengths == [0, prompt, 2 * prompt, 3 * prompt, 3 * prompt, 2 * prompt, 2 * prompt, 2 * prompt]
+    stats = rt.stats()
+    assert stats["overflows"] == {"FULL": 2}
+    assert stats["verify_live_max"] == 2 * prompt
+    assert stats["verify_bound_steps"] == math.ceil(2 * prompt / n)
+    assert f"within {math.ceil(2 * prompt / n)} steps ({2 * prompt} live entries)" in rt.stats_line()

@@ -1,5 +1,10 @@
 """No import circle anywhere in the package: module-level imports (``if TYPE_CHECKING:`` blocks and class bodies
-included, function bodies not) form a graph without a cycle.
+included, function bodies not) form a graph without a cycle, and neither do all imports together: an import
+deferred into a function body does not excuse a circle (a report module importing, for its types, the module that
+runs the simulation and imports the report back when it finishes is still a circle).
+
+The graph is read from the source (``ast``), never imported, so the integrations whose engine is not installed
+here (``integrations/vllm``) are in it too.
 
 An edge goes from a module to the deepest module an import names (``from .x import y`` names ``x``, or ``x.y``
 when ``y`` is a submodule); parent packages, which Python imports on the way, are not edges of their own.
@@ -24,6 +29,11 @@ def _modules(root: Path) -> dict[str, Path]:
     return found
 
 
+def _all_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of the module, wherever it sits (function bodies included)."""
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
 def _module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
     """Import statements run when the module is imported: not those inside a function body."""
     found: list[ast.Import | ast.ImportFrom] = []
@@ -37,13 +47,14 @@ def _module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]
     return found
 
 
-def import_graph(root: Path) -> dict[str, set[str]]:
-    """Module -> the package's modules it imports at module level."""
+def import_graph(root: Path, *, deferred: bool = False) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports at module level (``deferred``: or in a function body)."""
+    find_imports = _all_imports if deferred else _module_level_imports
     modules = _modules(root)
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in _module_level_imports(ast.parse(path.read_text(), str(path))):
+        for node in find_imports(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -104,6 +115,14 @@ def test_the_package_has_no_import_circle():
     assert circles(graph) == []
 
 
+def test_no_circle_closes_through_an_import_deferred_into_a_function_body():
+    graph = import_graph(PACKAGE, deferred=True)
+    # the engines' integrations are read whether or not their engine is installed
+    assert {"kvcanary_cupy.integrations.vllm.report", "kvcanary_cupy.integrations.vllm.simulate",
+            "kvcanary_cupy.integrations.transformers.report"} <= set(graph)
+    assert circles(graph) == []
+
+
 def test_the_circle_finder_finds_a_circle_through_relative_and_type_checking_imports(tmp_path):
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
@@ -117,3 +136,21 @@ def test_the_circle_finder_finds_a_circle_through_relative_and_type_checking_imp
     assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.c"} and graph["pkg.d"] == {"pkg.c"}
     # c -> d sits in a function body: not a module-level edge, so d is outside the circle
     assert circles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+    # counting deferred imports, c -> d is an edge and d joins the circle
+    graph = import_graph(pkg, deferred=True)
+    assert graph["pkg.c"] == {"pkg.a", "pkg.d"}
+    assert circles(graph) == [["pkg.a", "pkg.c", "pkg.d", "pkg.sub.b"]]
+
+
+def test_a_circle_closed_by_a_deferred_import_is_found_only_when_deferred_imports_count(tmp_path):
+    """The shape of a report that imports the simulation for its types while the simulation imports the report
+    inside the function that finishes the run."""
+    pkg = tmp_path / "eng"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "report.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                   "    from .simulate import Sim\n\ndef build(sim: 'Sim') -> dict: ...\n")
+    (pkg / "simulate.py").write_text("class Sim:\n    def run(self):\n        from .report import build\n"
+                                     "        return build(self)\n")
+    assert circles(import_graph(pkg)) == []
+    assert circles(import_graph(pkg, deferred=True)) == [["eng.report", "eng.simulate"]]

@@ -10,7 +10,9 @@
 Modules: :mod:`.config` (switches, capacities), :mod:`.pools` (groups and layout), :mod:`.batch` (the
 batch and its staged copy), :mod:`.groups` (per-group buffers and bound launches), :mod:`.scalars` (device
 words and their snapshots), :mod:`.space` (device, framework, streams, pinned memory), :mod:`.reporting`
-(step reports, exceptions, logging) and :mod:`.runtime` (the object and its four phases).
+(step reports, exceptions, logging) and :mod:`.runtime` (the object, its creation and its four phases), built from
+one class per concern: :mod:`.moves` (record moves between slots and tiers), :mod:`.sweep` (the sweep),
+:mod:`.monitor` (snapshots, ring reads, health and stats) over :mod:`.base` (their shared state and launch helpers).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from ..common.report import (
 from .faults import FAULT_KINDS
 
 if TYPE_CHECKING:
-    from .simulate import VllmSimulation
+    from ..common.records import EngineSimulation
 
 __all__ = ["OUTCOMES", "PHASES", "SCHEMA_ID", "build_report", "headline", "print_report", "summary_lines",
            "verdict", "write_html", "write_json"]
@@ -27,7 +27,9 @@ __all__ = ["OUTCOMES", "PHASES", "SCHEMA_ID", "build_report", "headline", "print
 SCHEMA_ID = "kvcanary-vllm-report/1"
 
 
-def build_report(sim: VllmSimulation) -> dict[str, Any]:
+def build_report(sim: EngineSimulation[Any, Any]) -> dict[str, Any]:
+    """The report of a finished simulation, from its record alone (``cfg`` a ``VllmSimConfig``, ``runs`` its
+    ``RunResult`` records): the report never imports the module that runs the simulation."""
     import vllm
 
     from .workloads import MODEL_SIZES, workloads

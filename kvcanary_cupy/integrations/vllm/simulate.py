@@ -30,6 +30,7 @@ from ..common.records import (
 from .canary import CanaryOptions
 from .faults import FAULT_KINDS, injector
 from .hooks import install
+from .report import build_report
 from .workloads import MODEL_SIZES, Workload, engine, num_params, save_llama, workloads
 
 
@@ -119,8 +120,6 @@ class VllmSimulation(EngineSimulation[VllmSimConfig, RunResult]):
 
         run_workloads(self, names, workload, progress)
         self.wall = time.perf_counter() - start
-        from .report import build_report
-
         return build_report(self)
 
 
