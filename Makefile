@@ -23,7 +23,7 @@ $(VENV)/.test: pyproject.toml $(VENV)/.base
 	touch $@
 
 demo: $(VENV)/.base
-	$(BIN)/kvcanary simulate --preset mixed --inject all --steps 200 --requests 48 --seed 7 \
+	$(BIN)/kvcanary simulate --preset mixed --inject all --steps 200 --requests 48 --seed 7 --backend numpy \
 		--json report/demo.json --html report/demo.html --dump-failures report/dumps
 
 # The HTML report's headless-browser test needs Debian's chromium. CI runs as root with apt: install it there

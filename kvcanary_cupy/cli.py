@@ -181,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--requests", type=_positive, default=48, help="requests in the workload (default: 48)")
     sim.add_argument("--seed", type=_seed, default=0, help="seed of the workload and the faults (default: 0)")
     sim.add_argument("--backend", choices=["auto", *BACKEND_NAMES], default="auto",
-                     help="canary implementation: auto (cuda with a GPU, else numpy), numpy (reference), "
+                     help="canary implementation: auto (cuda with a GPU, else host where g++ compiles it, else "
+                     "numpy; default: auto), numpy (reference), "
                      "cuda (CuPy kernels), host (the CUDA kernels compiled for the CPU)")
     sim.add_argument("--inject", action="append", default=[], metavar="KIND[:RATE]",
                      help="inject a fault kind (repeatable; 'all' for every kind)")
