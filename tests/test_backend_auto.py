@@ -34,8 +34,8 @@ sim = sim_backend("auto")[0]
 from kvcanary_cupy.backends import resolve_backend
 from kvcanary_cupy.dlpack import CPU
 resolved = {resolve_backend("auto", CPU, "flag").name for _ in range(3)}
-print(json.dumps({"engine": engine, "launcher": launcher, "sim": sim, "resolved": sorted(resolved), "info": collect()["auto"],
-                  "records": records}))
+print(json.dumps({"engine": engine, "launcher": launcher, "sim": sim, "resolved": sorted(resolved),
+                  "info": collect()["auto"], "records": records}))
 """
 
 
