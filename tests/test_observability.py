@@ -143,10 +143,10 @@ def test_the_exported_series_count_what_the_step_reports_hold(seed):
         for key, n in ((("FULL", "WRITE_TOKEN_MISMATCH"), n_full), (("FULL", "WRITE_POSITION_MISMATCH"), n_full),
                        (("SWA", "VERIFY_CHAIN_HASH_MISMATCH"), n_swa)):
             want_reasons[key] = want_reasons.get(key, 0) + n
-        reports.append(StepReport(step + 1, step, new_violations=rows, scatter_status=int(CanaryStatus.SLOT_OUT_OF_RANGE)
-                                  if step == 1 else 0, plan_status={"FULL": int(PlanStatus.SWA_SLOT_OUTSIDE_LUT)}
-                                  if step == 2 else {}, dropped=3 * step, health_problems=["x"] * (step == 3),
-                                  swept_slots=10 * step))
+        scatter = int(CanaryStatus.SLOT_OUT_OF_RANGE) if step == 1 else 0
+        plan = {"FULL": int(PlanStatus.SWA_SLOT_OUTSIDE_LUT)} if step == 2 else {}
+        reports.append(StepReport(step + 1, step, new_violations=rows, scatter_status=scatter, plan_status=plan,
+                                  dropped=3 * step, health_problems=["x"] * (step == 3), swept_slots=10 * step))
     engine = f"toy{seed}"
 
     def value(name: str, **labels: str) -> float:

@@ -42,8 +42,9 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _package_files_on_disk() -> set[str]:
+    kept = (".py", ".h", ".cpp", ".typed", ".json", ".yml")
     files = {p.relative_to(ROOT).as_posix() for p in (ROOT / "kvcanary_cupy").rglob("*")
-             if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".h", ".cpp", ".typed", ".json", ".yml")}
+             if p.is_file() and "__pycache__" not in p.parts and p.suffix in kept}
     files |= {f"kvcanary_cupy/kernels/{p.name}" for p in (ROOT / "kernels").iterdir() if p.suffix in (".cu", ".cuh")}
     return files
 
