@@ -108,3 +108,19 @@ def test_kvcanary_info_prints_the_auto_choice_and_its_reason(tmp_path):
     assert done.returncode == 0, done.stderr
     line = next(x for x in done.stdout.splitlines() if x.strip().startswith("auto "))
     assert "picks numpy" in line and "no C++ compiler was found" in line
+
+
+def test_an_engine_install_logs_one_line_naming_the_backend_and_why(caplog):
+    import logging
+
+    from kvcanary_cupy.integrations.common.options import EngineCanaryOptions
+
+    name, why = backends.auto_choice("cpu", "flag")
+    with caplog.at_level(logging.INFO, logger="kvcanary_cupy.test.install"):
+        EngineCanaryOptions(logger="kvcanary_cupy.test.install").log_install("ToyRunner")
+        EngineCanaryOptions(logger="kvcanary_cupy.test.install", backend="numpy").log_install("ToyRunner")
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvcanary_cupy.test.install"]
+    assert lines == [f"kv-canary installed in ToyRunner (mode=log, real_kv_hash=partial, backend={name}: {why})",
+                     "kv-canary installed in ToyRunner (mode=log, real_kv_hash=partial, backend=numpy: set by "
+                     "CanaryOptions.backend)"]
+    assert name == ("host" if backends.unavailable_reason("host") is None else "numpy")
