@@ -97,6 +97,8 @@ class StepMetrics:
         self.engine = engine
         self.counters = _counters()
         self._seconds_seen: dict[str, float] = {}
+        self._phase_children: dict[str, Any] = {}  # labelled children looked up once, not every step
+        self._steps_child: Any = None
 
     def report(self, report: StepReport) -> None:
         """What one read of the rings found (violations, status flags, drops, health, sweep)."""
@@ -126,10 +128,16 @@ class StepMetrics:
         c = self.counters
         if c is None:
             return
-        c["kvcanary_steps_total"].labels(engine=self.engine).inc()
-        seen = self._seconds_seen
+        if self._steps_child is None:
+            self._steps_child = c["kvcanary_steps_total"].labels(engine=self.engine)
+        self._steps_child.inc()
+        seen, children = self._seconds_seen, self._phase_children
         for phase, total in seconds.items():
             grown = total - seen.get(phase, 0.0)
             if grown > 0:
-                c["kvcanary_phase_seconds_total"].labels(engine=self.engine, phase=phase).inc(grown)
+                child = children.get(phase)
+                if child is None:
+                    child = children[phase] = c["kvcanary_phase_seconds_total"].labels(engine=self.engine,
+                                                                                        phase=phase)
+                child.inc(grown)
                 seen[phase] = total
