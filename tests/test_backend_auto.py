@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHOOSE = """
 import json, logging, sys
 from kvcanary_cupy.backends import auto_choice
-from kvcanary_cupy.diagnostics import collect
+from kvcanary_cupy.diagnostics import _auto as info_auto  # what `kvcanary info` prints for auto
 from kvcanary_cupy.sim.config import resolve_backend as sim_backend
 records = []
 handler = logging.Handler()
@@ -35,7 +36,7 @@ from kvcanary_cupy.backends import resolve_backend
 from kvcanary_cupy.dlpack import CPU
 resolved = {resolve_backend("auto", CPU, "flag").name for _ in range(3)}
 print(json.dumps({"engine": engine, "launcher": launcher, "sim": sim, "resolved": sorted(resolved),
-                  "info": collect()["auto"], "records": records}))
+                  "info": info_auto(), "records": records}))
 """
 
 
@@ -63,6 +64,14 @@ def host_works() -> None:
 
 
 def test_auto_runs_the_host_kernels_where_gxx_works_and_builds_the_probe_once(host_works, tmp_path):
+    # The host runtime and worker pool every module links, from this process's cache (content-keyed, so valid
+    # anywhere): the fresh cache then lacks only the probe module itself, which the first process must build.
+    from kvcanary_cupy.cache import host_module_dir
+
+    (tmp_path / "hostcuda").mkdir()
+    for built in [*host_module_dir().glob("kvc-host-runtime-*.o"), *host_module_dir().glob("kvc-host-pool-*.so")]:
+        shutil.copy2(built, tmp_path / "hostcuda" / built.name)
+    assert not list((tmp_path / "hostcuda").glob("kvc_probe-*"))
     first = choose({}, tmp_path)
     assert first["engine"][0] == first["sim"] == first["info"]["backend"] == "host"
     assert first["resolved"] == ["host"]
