@@ -140,7 +140,9 @@ def _reason_counts(rows: list[Violation]) -> dict[str, int]:
         name: n for name, n in counts.items() if name not in FailReason.__members__}
 
 
-def _status_flag_names(report: StepReport) -> list[str]:
+def status_flag_names(report: StepReport) -> list[str]:
+    """The :class:`CanaryStatus` and :class:`PlanStatus` flag names a step report carries (its status bits and
+    every group's plan status), each once."""
     bits = report.status_bits
     names = [str(m.name) for m in CanaryStatus if bits & m.value]
     plan = 0
@@ -200,7 +202,7 @@ def publish(report: StepReport, mode: str, logger: logging.Logger, *, overflow_c
         text, fields = _group_line(report.launch_step, group, rows, log_rows)
         logger.warning("%s", text, extra={"kv_canary": fields})
     if report.alarming:
-        flags = _status_flag_names(report)
+        flags = status_flag_names(report)
         anchors = [reason_anchor(name) for name in _reason_counts([v for _, v in report.new_violations])]
         anchors += [status_anchor(name) for name in flags]
         text = report.summary() + ("; runbook: " + " ".join(anchors) if anchors else "")

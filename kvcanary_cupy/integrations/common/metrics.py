@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ...constants import CanaryStatus, PlanStatus
+from ...runtime.reporting import status_flag_names
 
 if TYPE_CHECKING:
     from ...runtime import StepReport
@@ -80,15 +80,6 @@ def _counters() -> dict[str, Any] | None:
         return _registered or None
 
 
-def _flag_names(report: StepReport) -> list[str]:
-    bits = report.status_bits
-    names = [str(m.name) for m in CanaryStatus if bits & m.value]
-    plan = 0
-    for value in report.plan_status.values():
-        plan |= value
-    return names + [str(m.name) for m in PlanStatus if plan & m.value]
-
-
 class StepMetrics:
     """Feeds one engine canary's findings into the counters of :data:`METRICS` (a no-op without
     prometheus_client). Phase seconds are exported as the growth of the state's cumulative timers."""
@@ -114,7 +105,7 @@ class StepMetrics:
             for (group, name), n in reasons.items():
                 c["kvcanary_violations_total"].labels(engine=engine, group=group, reason=name).inc(n)
         if report.status_bits or report.plan_status:
-            for name in _flag_names(report):
+            for name in status_flag_names(report):
                 c["kvcanary_status_flags_total"].labels(engine=engine, flag=name).inc()
         if report.dropped:
             c["kvcanary_ring_dropped_rows_total"].labels(engine=engine).inc(report.dropped)
