@@ -9,7 +9,7 @@ TORCH_CPU := torch==2.13.0
 # The transformers integration is tested against this minor release (see the transformers extra).
 TRANSFORMERS := transformers==5.24.*
 
-.PHONY: demo test bench lint typecheck gpu-check clean chromium test-vllm bench-vllm
+.PHONY: demo test bench lint typecheck gpu-check clean chromium promtool test-vllm bench-vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,7 @@ $(VENV)/.test: pyproject.toml $(VENV)/.base
 	touch $@
 
 demo: $(VENV)/.base
-	$(BIN)/kvcanary simulate --preset mixed --inject all --steps 200 --requests 48 --seed 7 \
+	$(BIN)/kvcanary simulate --preset mixed --inject all --steps 200 --requests 48 --seed 7 --backend numpy \
 		--json report/demo.json --html report/demo.html --dump-failures report/dumps
 
 # The HTML report's headless-browser test needs Debian's chromium. CI runs as root with apt: install it there
@@ -38,7 +38,18 @@ chromium:
 	    echo "chromium is missing and this is not a root shell with apt-get: the browser test will skip" >&2; \
 	  fi; }
 
-test: $(VENV)/.test chromium
+# The alerting rules' test runs promtool (Debian's prometheus package): installed the same way, else it skips.
+promtool:
+	@command -v promtool >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's prometheus (promtool) for the alerting rules' test"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	  else \
+	    echo "promtool is missing and this is not a root shell with apt-get: the alerting rules' test will skip" >&2; \
+	  fi; }
+
+test: $(VENV)/.test chromium promtool
 	$(BIN)/ruff check kvcanary_cupy tests bench examples setup.py
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -p no:cacheprovider --benchmark-disable

@@ -226,9 +226,9 @@ def _add_simulate(sub: Any) -> None:
     engine.add_argument("--model-size", choices=["small", "medium"], default="small",
                         help=f"the random-weight model: {_model_sizes()} (default: %(default)s)")
     engine.add_argument("--backend", choices=["auto", *BACKEND_NAMES], default="auto",
-                        help="canary implementation: auto (cuda with a GPU, else numpy), numpy (reference), "
-                        "cuda (CuPy kernels), host (the CUDA kernels compiled for the CPU); transformers and vllm "
-                        "take auto, numpy or host (default: %(default)s)")
+                        help="canary implementation: auto (cuda with a GPU, else host where g++ compiles it, "
+                        "else numpy), numpy (reference), cuda (CuPy kernels), host (the CUDA kernels compiled for "
+                        "the CPU); transformers and vllm take auto, numpy or host (default: %(default)s)")
     work = sim.add_argument_group("workload")
     work.add_argument("--preset", choices=list(PRESETS), default=None,
                       help="scenario (default: mixed; decode with --disaggregated)")

@@ -2,7 +2,8 @@
 of everything the backends load (CuPy, NVRTC, the CUDA driver, g++, libasan, torch) and the cache folders.
 
 :func:`collect` returns a JSON-ready dict; :func:`render_text` formats it. Nothing here compiles a kernel or
-starts a GPU context beyond what CuPy's import and the availability check already do.
+starts a GPU context beyond what CuPy's import and the availability checks already do (the host backend's check
+builds and runs its one-line probe module, once per machine: it is cached with the kernel modules).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 from typing import Any
 
 from . import __version__
-from .backends import BACKEND_NAMES, unavailable_reason
+from .backends import BACKEND_NAMES, auto_choice, unavailable_reason
 from .cache import cupy_kernel_cache_dir, host_module_dir, max_bytes, usage
 
 #: The extra to install for each CUDA major version that ``torch.version.cuda`` may report.
@@ -77,6 +78,13 @@ def _torch() -> dict[str, Any]:
             "cuda_extra": CUDA_EXTRAS.get(str(cuda).split(".")[0]) if cuda else None}
 
 
+def _auto() -> dict[str, str]:
+    """What ``auto`` runs for an engine here (flagged statuses, the engine's arrays on a GPU where one is
+    reachable), and why."""
+    name, why = auto_choice("cuda" if unavailable_reason("cuda") is None else "cpu", "flag")
+    return {"backend": name, "reason": why}
+
+
 def collect() -> dict[str, Any]:
     """Everything ``kvcanary info`` shows, as a JSON-ready dict."""
     host = host_module_dir(create=False)
@@ -93,6 +101,7 @@ def collect() -> dict[str, Any]:
         "python_executable": sys.executable,
         "backends": {name: {"available": unavailable_reason(name) is None, "reason": unavailable_reason(name)}
                      for name in BACKEND_NAMES},
+        "auto": _auto(),
         "versions": versions,
         "caches": [
             {"name": "host modules", "path": str(host), "files": host_usage.files, "bytes": host_usage.bytes,
@@ -113,6 +122,8 @@ def render_text(info: dict[str, Any]) -> str:
              f"{info['python_executable']})", "", "backends:"]
     for name, b in info["backends"].items():
         lines.append(f"  {name:<6} {'available' if b['available'] else 'unavailable: ' + str(b['reason'])}")
+    auto = info["auto"]
+    lines.append(f"  auto   picks {auto['backend']} for an engine here: {auto['reason']}")
     cupy = f"{v['cupy']} ({v['cupy_package']})" if v["cupy"] else "not installed"
     torch = "not installed"
     if v["torch"]:

@@ -42,8 +42,9 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _package_files_on_disk() -> set[str]:
+    kept = (".py", ".h", ".cpp", ".typed", ".json", ".yml")
     files = {p.relative_to(ROOT).as_posix() for p in (ROOT / "kvcanary_cupy").rglob("*")
-             if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".h", ".cpp", ".typed")}
+             if p.is_file() and "__pycache__" not in p.parts and p.suffix in kept}
     files |= {f"kvcanary_cupy/kernels/{p.name}" for p in (ROOT / "kernels").iterdir() if p.suffix in (".cu", ".cuh")}
     return files
 
@@ -53,6 +54,8 @@ def test_the_wheel_holds_every_module_every_kernel_and_the_type_marker(built):
     missing = _package_files_on_disk() - names
     assert not missing, f"not in the wheel: {sorted(missing)}"
     assert "kvcanary_cupy/py.typed" in names and "kvcanary_cupy/kernels/canary_common.cuh" in names
+    assert {"kvcanary_cupy/observability/grafana-dashboard.json", "kvcanary_cupy/observability/prometheus-rules.yml"
+            } <= names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert not any(n.startswith(("tests/", "bench/")) for n in names)
 

@@ -201,20 +201,30 @@ def test_raise_mode_raises_one_step_after_the_launch_with_the_decoded_rows(backe
     assert "kv-canary violation" in str(err)
 
 
-def test_log_mode_logs_one_record_per_violation_and_a_summary_per_step(caplog):
+def test_log_mode_logs_one_line_per_step_and_group_and_a_summary_per_step(caplog):
     engine = sc.ToyEngine()
     rt = make(engine, write_input_assert=True)
     oracle = oracle_for(engine, rt)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         reports = drive(engine, rt, oracle, hooks=faults(engine))
     records = [r for r in caplog.records if r.name == LOGGER]
-    per_row = [r for r in records if r.getMessage().startswith("kv-canary violation ")]
+    lines = [r for r in records if " violation row(s) (" in r.getMessage()]
     summaries = [r for r in records if "new violation(s)" in r.getMessage()]
-    rows = [v for rep in reports for _, v in rep.new_violations]
-    assert len(per_row) == len(rows) == sum(len(v) for v in oracle.rows.values()) > 0
-    assert [r.getMessage().split(" group=")[0] for r in per_row] == [v.log_line() for v in rows]
-    assert all(r.levelno == logging.WARNING and r.kv_canary["slot"] == v.slot for r, v in zip(per_row, rows,
-                                                                                              strict=True))
+    # one line per step and group with rows, in the order the rows were read
+    want = [(rep.launch_step, g) for rep in reports for g in dict.fromkeys(g for g, _ in rep.new_violations)]
+    assert [(r.kv_canary["step"], r.kv_canary["group"]) for r in lines] == want
+    rows = {(rep.launch_step, g): [v for gg, v in rep.new_violations if gg == g] for rep in reports
+            for g, _ in rep.new_violations}
+    assert sum(len(v) for v in rows.values()) == sum(len(v) for v in oracle.rows.values()) > 0
+    for r in lines:
+        got = rows[(r.kv_canary["step"], r.kv_canary["group"])]
+        assert r.levelno == logging.WARNING and r.kv_canary["rows"] == len(got)
+        shown = got[:5]
+        assert [(f["slot"], f["position"], f["reasons"]) for f in r.kv_canary["first_rows"]] == [
+            (v.slot, v.position, v.labels) for v in shown]
+        assert r.kv_canary["unlogged_rows"] == len(got) - len(shown)
+        for v in shown:
+            assert f"slot={v.slot} position={v.position} [{','.join(v.labels)}]" in r.getMessage()
     steps_with_rows = sorted({rep.launch_step for rep in reports if rep.new_violations})
     assert [int(r.getMessage().split("step ")[1].split(":")[0]) for r in summaries] == steps_with_rows
 

@@ -56,16 +56,18 @@ def first_alarm(kind: str) -> tuple[int, list[tuple[str, tuple[int, ...]]]]:
 
 
 @pytest.mark.parametrize("kind", list(FAULT_KINDS))
-def test_every_fault_kind_is_logged_one_record_per_row(kind, caplog):
+def test_every_fault_kind_is_logged_one_line_per_step_and_group_counting_every_row(kind, caplog):
     with caplog.at_level(logging.WARNING, logger=CANARY_LOGGER):
         sim = Simulation(kind_config(kind))
         report = sim.run()
     assert report["passed"], report["kinds"]
     assert report["kinds"][0]["detected"] == report["kinds"][0]["injected"] > 0
     records = [r for r in caplog.records if r.name == CANARY_LOGGER]
-    rows = [r for r in records if r.getMessage().startswith("kv-canary violation ")]
-    assert len(rows) == report["violations"]["total"] > 0
-    assert {r.kv_canary["tag"] for r in rows} == {t.removesuffix("/draft") for t in report["violations"]["by_tag"]}
+    lines = [r for r in records if " violation row(s) (" in r.getMessage()]
+    assert sum(r.kv_canary["rows"] for r in lines) == report["violations"]["total"] > 0
+    assert len({(r.kv_canary["step"], r.kv_canary["group"]) for r in lines}) == len(lines)  # one per step, group
+    shown = [f for r in lines for f in r.kv_canary["first_rows"]]
+    assert {f["tag"] for f in shown} <= {t.removesuffix("/draft") for t in report["violations"]["by_tag"]}
     summaries = [r for r in records if "new violation(s)" in r.getMessage()]
     assert len(summaries) == sum(1 for n in report["timeline"]["violations"] if n)
 

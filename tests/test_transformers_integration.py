@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -450,13 +451,23 @@ def test_unsupported_transformers_versions_are_refused_naming_the_range():
             check_version(bad)
 
 
-def test_simulate_engine_transformers_reports_and_exits_zero(tmp_path, capsys):
+def test_simulate_engine_transformers_reports_and_exits_zero(tmp_path, capsys, caplog):
+    import kvcanary_cupy.backends as backends
+
     path = tmp_path / "tf.json"
-    status = main(["simulate", "--engine", "transformers", "--inject", "kv-bitflip", "--quiet", "--plain", "--json",
-                   str(path)])
+    backends.log_auto_choice.cache_clear()  # logged once per process: let this run's launches log their choice
+    with caplog.at_level(logging.INFO, logger="kvcanary_cupy.backends"):
+        status = main(["simulate", "--engine", "transformers", "--inject", "kv-bitflip", "--quiet", "--plain",
+                       "--json", str(path)])
     out = capsys.readouterr().out
     assert status == 0, out
+    # the default backend the engine's launches ran: host where g++ builds it, the report saying the same
+    ran = {r.getMessage().split(": ")[1].split(" ")[0] for r in caplog.records
+           if r.getMessage().startswith("kv-canary backend auto: ")}
+    want = "host" if backends.unavailable_reason("host") is None else "numpy"
+    assert ran == {want}
     report = json.loads(path.read_text())
+    assert report["cost"]["backend"] == want
     assert report["passed"] and report["violations"]["false_positives"] == 0
     assert [k["kind"] for k in report["kinds"]] == ["kv-bitflip"]
     assert all(k["detected"] == k["injected"] >= len(WORKLOADS) - 1 for k in report["kinds"])

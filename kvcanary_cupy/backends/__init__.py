@@ -6,8 +6,14 @@
   CPU arrays. Set ``KVCANARY_HOST_SANITIZE=1`` to build it with AddressSanitizer and UBSan
   (``KVCANARY_HOST_SANITIZE=thread``: ThreadSanitizer), ``KVCANARY_HOST_THREADS`` for its OS threads.
 
+``auto`` (:func:`auto_choice`) picks ``cuda`` for CUDA arrays; for CPU arrays it picks ``host`` wherever g++
+builds and runs a probe module (compiled once into the kernel cache, asked once per process) and the caller takes
+flagged statuses (``on_invalid='flag'``, as the runtime and every engine integration do), else ``numpy`` (the
+only backend that raises on invalid device values, and the one that runs without a compiler).
+
 Validation happens before dispatch (in the launcher modules), so backends only compute. Availability, the
-backend ``auto`` picks and kernel compiles are logged on the ``kvcanary_cupy`` logger (info / debug).
+backend ``auto`` picks (one INFO line per process and choice, with the reason) and kernel compiles are logged on
+the ``kvcanary_cupy`` logger (info / debug).
 """
 
 from __future__ import annotations
@@ -57,9 +63,9 @@ def _probe(name: str) -> str | None:
     if name == "numpy":
         return None
     if name == "host":
-        from ..hostcuda import find_compiler
+        from ..hostcuda import probe_compiler
 
-        return None if find_compiler() else "g++ was not found (set CXX or install g++)"
+        return probe_compiler(host_sanitizer_requested() or False)
     if name == "cuda":
         from .cuda import cuda_unavailable_reason
 
@@ -109,8 +115,8 @@ def resolve_backend(backend: str, device: Device, on_invalid: str | None = None)
         fail(f"on_invalid must be 'raise' or 'flag', got {on_invalid!r}")
     name = backend
     if name == "auto":
-        name = "numpy" if device.kind == "cpu" else "cuda"
-        _log_auto_choice(device.kind, name)
+        name, why = auto_choice(device.kind, on_invalid)
+        log_auto_choice(name, why)
     if name in ("numpy", "host") and device.kind != "cpu":
         fail(f"backend={name!r} runs on CPU arrays, but the arrays are on {device}")
     if name == "cuda" and device.kind != "cuda":
@@ -127,9 +133,31 @@ def resolve_backend(backend: str, device: Device, on_invalid: str | None = None)
     return _kernel_backend(name, host_sanitizer_requested() if name == "host" else None)
 
 
+def auto_choice(device_kind: str, on_invalid: str | None = "flag") -> tuple[str, str]:
+    """The backend ``auto`` runs for arrays on a ``device_kind`` ("cpu" or "cuda") device, and why.
+
+    CUDA arrays run the CUDA kernels. CPU arrays run the ``host`` backend (the same kernels compiled by g++,
+    several times faster than the NumPy reference in an engine) where its probe compile works, unless the
+    caller asks invalid device values to raise (``on_invalid`` "raise", or None, the launchers' default for the
+    NumPy reference): only the reference can raise. Where the compiler is missing or fails, the NumPy
+    reference runs and the reason says why."""
+    if device_kind != "cpu":
+        return "cuda", "the arrays are CUDA arrays"
+    if on_invalid != "flag":
+        return "numpy", (f"on_invalid={on_invalid!r}: only the NumPy reference raises on invalid device values"
+                         if on_invalid is not None else
+                         "the launcher's default on_invalid raises on invalid device values, which only the "
+                         "NumPy reference does (on_invalid='flag' picks the host kernels)")
+    reason = unavailable_reason("host")
+    if reason is None:
+        return "host", "the host kernels compile here (g++ built and ran the probe module)"
+    return "numpy", f"the host backend is unavailable: {reason}"
+
+
 @functools.cache
-def _log_auto_choice(device_kind: str, name: str) -> None:  # cached: once per process, not per launch
-    log.debug("backend auto: %s for %s arrays", name, device_kind)
+def log_auto_choice(name: str, why: str) -> None:  # cached: once per process and choice, not per launch
+    """One INFO line naming the backend ``auto`` picked and why."""
+    log.info("kv-canary backend auto: %s (%s)", name, why)
 
 
 def prepare_backend(name: str) -> float:

@@ -66,6 +66,7 @@ __all__ = [
     "default_host_threads",
     "find_compiler",
     "host_threads",
+    "probe_compiler",
     "sanitizer_preload",
     "set_host_threads",
 ]
@@ -198,6 +199,33 @@ def find_compiler() -> str | None:
         if found:
             return found
     return shutil.which("g++")
+
+
+_PROBE_SOURCE = """
+extern "C" __global__ void kvc_probe(int *out) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) out[0] = 42;
+}
+"""
+
+
+def probe_compiler(sanitize: bool | str = False) -> str | None:
+    """None if the compiler builds, loads and runs a host module here, else why not (no compiler, a failed
+    compile or load, a wrong result). The probe is a one-line kernel built like every kernel module, so it
+    shares their disk cache: a machine that built it once only loads it again (milliseconds), and the
+    runtime object and worker pool it builds on a cold cache are the ones every kernel module links."""
+    cxx = find_compiler()
+    if cxx is None:
+        return "no C++ compiler was found (set CXX or install g++)"
+    try:
+        module = HostModule(_PROBE_SOURCE, sanitize=sanitize, name="kvc_probe", threads=1)
+        out = np.zeros(1, np.int32)
+        module.get_function("kvc_probe")((1,), (1,), (out,))
+    except (HostBuildError, HostLaunchError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"{cxx} could not build and run the probe module ({first})"
+    if int(out[0]) != 42:
+        return f"the probe module built by {cxx} returned {int(out[0])} instead of 42"
+    return None
 
 
 def _compiler_env() -> dict[str, str]:

@@ -11,6 +11,10 @@ from .._validate import bool_arg, int_arg
 from ..backends import BACKEND_NAMES
 from ..constants import MAX_PLAN_BATCH_SIZE, RealKvHashMode
 from ..context import real_kv_mode_arg
+from .reporting import DEFAULT_LOG_ROWS
+
+#: The most rows one log line may spell out (a line stays a line, not a dump: the dump is the ring's read).
+MAX_LOG_ROWS = 1000
 
 MODES = ("off", "log", "raise")
 _HASH_MODES = {"none": RealKvHashMode.NONE, "partial": RealKvHashMode.PARTIAL, "all": RealKvHashMode.ALL}
@@ -37,8 +41,9 @@ class CanaryConfig:
     """The canary's switches.
 
     Attributes:
-        mode: "off" (nothing allocated or launched), "log" (one WARNING per violation, one summary per step)
-            or "raise" (:class:`~kvcanary_cupy.runtime.CanaryViolationError` one step after the launch).
+        mode: "off" (nothing allocated or launched), "log" (per step one WARNING per group with violation rows,
+            one summary, one ERROR per failed health check) or "raise"
+            (:class:`~kvcanary_cupy.runtime.CanaryViolationError` one step after the launch).
         ring_capacity: violation rows per group ring; the ring is drained after every read.
         sweep_interval: sweep the prefix cache every N steps (steps 0, N, 2N...); 0 disables the sweep.
         real_kv_hash_mode: "none", "partial" or "all" for the TAIL and SWEEP endpoints.
@@ -56,6 +61,8 @@ class CanaryConfig:
             a step and wraps to the start after the last one), so that a set of L live prefix entries is
             verified completely every ``ceil(L / N)`` steps (see :func:`~kvcanary_cupy.runtime.verify_latency_bound`).
             The write's checks of the step's new tokens and the sweep stay complete.
+        log_rows: in ``log`` mode, the rows of a group whose slot, position and reasons a step's line spells
+            out (default 5); the line counts the others, which stay in the report, ``stats()`` and the totals.
     """
 
     mode: str = "log"
@@ -69,6 +76,7 @@ class CanaryConfig:
     backend: str = "auto"
     logger: str = "kvcanary_cupy.runtime"
     max_verify_entries_per_step: int = 0
+    log_rows: int = DEFAULT_LOG_ROWS
 
     def __post_init__(self) -> None:
         _choice(self.mode, "CanaryConfig.mode", MODES)
@@ -77,6 +85,7 @@ class CanaryConfig:
         int_arg(self.stats_interval, "CanaryConfig.stats_interval", minimum=0)
         int_arg(self.max_verify_entries_per_step, "CanaryConfig.max_verify_entries_per_step", minimum=0,
                 maximum=(1 << 31) - 1)
+        int_arg(self.log_rows, "CanaryConfig.log_rows", minimum=0, maximum=MAX_LOG_ROWS)
         object.__setattr__(self, "real_kv_hash_mode", hash_mode(self.real_kv_hash_mode,
                                                                 "CanaryConfig.real_kv_hash_mode"))
         for flag in ("write_input_assert", "verify_token_assert", "health_check"):

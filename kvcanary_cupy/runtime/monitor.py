@@ -243,7 +243,8 @@ class Monitoring(RuntimeBase):
             yield
         except BaseException as exc:
             if not report.clean:
-                publish(report, "log", self.log, overflow_counts=self._totals.overflows)
+                publish(report, "log", self.log, overflow_counts=self._totals.overflows,
+                        log_rows=self.config.log_rows)
                 add_note = getattr(exc, "add_note", None)  # Python 3.11+
                 if add_note is not None:
                     add_note(f"kv-canary: {len(report.new_violations)} violation(s) read from the rings before this "

@@ -1,14 +1,35 @@
 """What the host learns each step, and what it does with it: :class:`StepReport`, the two exceptions of
-``raise`` mode, and :func:`publish` (the ``log`` / ``raise`` policy, one :mod:`logging` record per fact)."""
+``raise`` mode, and :func:`publish` (the ``log`` / ``raise`` policy: a bounded number of :mod:`logging` records
+per step, each pointing at its runbook section)."""
 
 from __future__ import annotations
 
 import enum
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
-from ..constants import CanaryStatus, PlanStatus
+from ..constants import CanaryStatus, FailReason, PlanStatus
 from ..violations import Violation, ViolationReport
+
+#: Rows of a group whose slot, position and reasons a step's log line spells out (the rest are counted).
+DEFAULT_LOG_ROWS = 5
+
+#: The runbook page, relative to the project's root (one section per reason and status flag).
+RUNBOOK = "docs/violations.md"
+
+
+def reason_anchor(name: str) -> str:
+    """The runbook section of a :class:`~kvcanary_cupy.FailReason` name (``WRITE_TOKEN_MISMATCH`` ->
+    ``docs/violations.md#reason-write-token-mismatch``)."""
+    return f"{RUNBOOK}#reason-{name.lower().replace('_', '-')}"
+
+
+def status_anchor(name: str) -> str:
+    """The runbook section of a :class:`~kvcanary_cupy.CanaryStatus` or :class:`~kvcanary_cupy.PlanStatus` flag
+    name (``SLOT_OUT_OF_RANGE`` -> ``docs/violations.md#status-slot-out-of-range``)."""
+    return f"{RUNBOOK}#status-{name.lower().replace('_', '-')}"
 
 
 def _flag_names(flag: type[enum.IntFlag], bits: int) -> str:
@@ -112,8 +133,58 @@ class CanaryHealthError(RuntimeError):
         super().__init__("kv-canary health check failed: " + "; ".join(self.problems))
 
 
-def publish(report: StepReport, mode: str, logger: logging.Logger, *, overflow_counts: dict[str, int]) -> None:
-    """Log every fact of ``report`` (``log``) or raise for it (``raise``); overflows only ever warn."""
+def _reason_counts(rows: list[Violation]) -> dict[str, int]:
+    """Rows per reason name, in :class:`FailReason` order (a row with two reasons counts for both)."""
+    counts = Counter(name for v in rows for name in v.reasons)
+    return {m.name: counts[m.name] for m in FailReason if m.name and counts[m.name]} | {
+        name: n for name, n in counts.items() if name not in FailReason.__members__}
+
+
+def status_flag_names(report: StepReport) -> list[str]:
+    """The :class:`CanaryStatus` and :class:`PlanStatus` flag names a step report carries (its status bits and
+    every group's plan status), each once."""
+    bits = report.status_bits
+    names = [str(m.name) for m in CanaryStatus if bits & m.value]
+    plan = 0
+    for value in report.plan_status.values():
+        plan |= value
+    names += [str(m.name) for m in PlanStatus if plan & m.value and m.name not in names]
+    return names
+
+
+def _row_fields(v: Violation) -> dict[str, Any]:
+    return {"tag": v.launch_tag, "slot": v.slot, "position": v.position, "stored_token": v.stored_token,
+            "expected_token": v.expected_token, "reasons": list(v.labels)}
+
+
+def _group_line(step: int, group: str, rows: list[Violation], log_rows: int) -> tuple[str, dict[str, Any]]:
+    """One step's rows of one group as one line: counts per reason, the first ``log_rows`` rows, the rest
+    counted, and the runbook section of every reason present."""
+    counts = _reason_counts(rows)
+    shown = rows[:log_rows]
+    anchors = [reason_anchor(name) for name in counts]
+    text = (f"kv-canary: step {step} group {group}: {len(rows)} violation row(s) ("
+            + ", ".join(f"{name} {n}" for name, n in counts.items()) + ")")
+    if shown:
+        text += "; first: " + ", ".join(f"{v.launch_tag} slot={v.slot} position={v.position} "
+                                        f"[{','.join(v.labels)}]" for v in shown)
+    if len(rows) > len(shown):
+        text += f"; {len(rows) - len(shown)} more row(s) counted, not logged"
+    text += "; runbook: " + " ".join(anchors)
+    fields = {"step": step, "group": group, "rows": len(rows), "reasons": counts, "first_rows":
+              [_row_fields(v) for v in shown], "unlogged_rows": len(rows) - len(shown), "runbook": anchors}
+    return text, fields
+
+
+def publish(report: StepReport, mode: str, logger: logging.Logger, *, overflow_counts: dict[str, int],
+            log_rows: int = DEFAULT_LOG_ROWS) -> None:
+    """Log every fact of ``report`` (``log``) or raise for it (``raise``); overflows only ever warn.
+
+    ``log`` mode writes a bounded number of records per step however many rows the rings held: per group with
+    rows one WARNING (counts per reason, the first ``log_rows`` rows' slot, position and reasons, how many more
+    were counted; ``extra={"kv_canary": ...}`` carries the same as fields), one WARNING summary for the step
+    when it raised anything, one ERROR per failed health check. Every row stays in the report (and so in the
+    counters and totals the caller keeps); each line names the runbook sections of what it reports."""
     for group in report.overflowed:
         logger.warning("kv-canary: group %s: the plan overflowed its verify capacity at step %d; that step's "
                        "prefix verify was skipped (%d overflow(s) so far)", group, report.launch_step,
@@ -124,15 +195,21 @@ def publish(report: StepReport, mode: str, logger: logging.Logger, *, overflow_c
         if report.health_problems:
             raise CanaryHealthError(report.health_problems, report)
         return
+    by_group: dict[str, list[Violation]] = {}
     for group, violation in report.new_violations:
-        logger.warning("%s group=%s step=%d", violation.log_line(), group, report.launch_step,
-                       extra={"kv_canary": {"group": group, "step": report.launch_step, "tag": violation.launch_tag,
-                                            "slot": violation.slot, "position": violation.position,
-                                            "stored_token": violation.stored_token,
-                                            "expected_token": violation.expected_token,
-                                            "reasons": list(violation.labels)}})
+        by_group.setdefault(group, []).append(violation)
+    for group, rows in by_group.items():
+        text, fields = _group_line(report.launch_step, group, rows, log_rows)
+        logger.warning("%s", text, extra={"kv_canary": fields})
     if report.alarming:
-        logger.warning("%s", report.summary(), extra={"kv_canary": {"step": report.launch_step, "summary": True}})
+        flags = status_flag_names(report)
+        anchors = [reason_anchor(name) for name in _reason_counts([v for _, v in report.new_violations])]
+        anchors += [status_anchor(name) for name in flags]
+        text = report.summary() + ("; runbook: " + " ".join(anchors) if anchors else "")
+        logger.warning("%s", text, extra={"kv_canary": {"step": report.launch_step, "summary": True,
+                                                        "rows": len(report.new_violations),
+                                                        "dropped": report.dropped, "status": flags,
+                                                        "runbook": anchors}})
     for problem in report.health_problems:
         logger.error("kv-canary health: %s", problem, extra={"kv_canary": {"step": report.launch_step,
                                                                             "health": problem}})

@@ -345,7 +345,8 @@ class CanaryRuntime(RecordMoves, Sweeping, Monitoring):
             interval = self.config.stats_interval
             if interval and self.step % interval == 0:
                 self.log.info("%s", self.stats_line(), extra={"kv_canary": {"stats": self.stats()}})
-        publish(report, self.config.mode, self.log, overflow_counts=self._totals.overflows)
+        publish(report, self.config.mode, self.log, overflow_counts=self._totals.overflows,
+                log_rows=self.config.log_rows)
         return report
 
     def flush(self) -> StepReport:
@@ -367,5 +368,6 @@ class CanaryRuntime(RecordMoves, Sweeping, Monitoring):
         report.overflowed += later.overflowed
         report.dropped += later.dropped
         report.health_problems += later.health_problems
-        publish(report, self.config.mode, self.log, overflow_counts=self._totals.overflows)
+        publish(report, self.config.mode, self.log, overflow_counts=self._totals.overflows,
+                log_rows=self.config.log_rows)
         return report

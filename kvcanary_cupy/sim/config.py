@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backends import BACKEND_NAMES, available_backends, unavailable_reason
+from ..backends import BACKEND_NAMES, auto_choice, available_backends, log_auto_choice, unavailable_reason
 from .faults import ALL_FAULT_KINDS
 from .workload import WorkloadShape
 
@@ -175,7 +175,9 @@ def applicable_kinds(preset: str, tiers: tuple[str, ...] = ()) -> list[str]:
 def resolve_backend(name: str) -> tuple[str, Any, str]:
     """(backend name, array module, device) for a ``--backend`` value; ValueError when unavailable."""
     if name == "auto":
-        name = "cuda" if unavailable_reason("cuda") is None else "numpy"
+        on_device = unavailable_reason("cuda") is None
+        name, why = ("cuda", "a CUDA device is available") if on_device else auto_choice("cpu", "flag")
+        log_auto_choice(name, why)
     reason = unavailable_reason(name)
     if reason is not None:
         raise ValueError(f"--backend {name} is not available here: {reason} "

@@ -106,13 +106,17 @@ def test_vllm_serve_with_the_plugin_answers_as_without_it_and_reports_a_fault(ll
             _post(port, {**body, "prompt": [list(p) for p in load.prompts[:2]]})
             if "WRITE_TOKEN_MISMATCH" in log.read_text():
                 break
-        records = [json.loads(line.split("kv_canary=", 1)[1]) for line in log.read_text().splitlines()
-                   if "kv_canary=" in line and '"reasons"' in line]
-        assert records and any("write_token" in r["reasons"] for r in records)
-        assert all({"step", "slot", "position", "group", "expected_token"} <= set(r) for r in records)
+        lines = [line for line in log.read_text().splitlines() if "kv_canary=" in line and '"first_rows"' in line]
+        records = [json.loads(line.split("kv_canary=", 1)[1]) for line in lines]
+        assert records and any("WRITE_TOKEN_MISMATCH" in r["reasons"] for r in records)
+        assert all({"step", "group", "rows", "unlogged_rows", "runbook"} <= set(r) for r in records)
+        assert all({"slot", "position", "expected_token"} <= set(f) for r in records for f in r["first_rows"])
+        assert any("runbook: docs/violations.md#reason-write-token-mismatch" in line for line in lines)
+        assert "backend=host: " in text or "backend=numpy: " in text  # the install line says which and why
         metrics = _get(port, "/metrics")
-        steps = re.search(r"^kvcanary_steps_total ([0-9.e+]+)$", metrics, re.M)
-        flagged = re.search(r'^kvcanary_violations_total\{reason="WRITE_TOKEN_MISMATCH"\} ([0-9.e+]+)$', metrics, re.M)
+        steps = re.search(r'^kvcanary_steps_total\{engine="vllm"\} ([0-9.e+]+)$', metrics, re.M)
+        flagged = re.search(r'^kvcanary_violations_total\{engine="vllm",group="[^"]+",reason="WRITE_TOKEN_MISMATCH"\} '
+                            r"([0-9.e+]+)$", metrics, re.M)
         assert steps is not None and float(steps.group(1)) >= 60, metrics[-2000:]
         assert flagged is not None and float(flagged.group(1)) >= 1
     finally:

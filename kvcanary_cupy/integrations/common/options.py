@@ -1,17 +1,21 @@
 """The options every engine's canary takes (:class:`EngineCanaryOptions`: mode, real-KV hashing, V endpoints,
-backend, ring size, sweep interval, logger) and how they become the runtime's :class:`CanaryConfig`. Each engine's
-``CanaryOptions`` derives from it, sets its own logger and checks the fields its own way."""
+backend, ring size, sweep interval, logger, rows spelled out per log line) and how they become the runtime's
+:class:`CanaryConfig`. Each engine's ``CanaryOptions`` derives from it, sets its own logger and checks the fields
+its own way."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from ..._errors import fail
 from ..._validate import bool_arg, int_arg
-from ...backends import BACKEND_NAMES
+from ...backends import BACKEND_NAMES, auto_choice
 from ...runtime import CanaryConfig
+from ...runtime.config import MAX_LOG_ROWS
+from ...runtime.reporting import DEFAULT_LOG_ROWS
 
 Options = TypeVar("Options", bound="EngineCanaryOptions")
 
@@ -27,6 +31,7 @@ class EngineCanaryOptions:
     ring_capacity: int = 4096
     sweep_interval: int = 8
     logger: str = "kvcanary_cupy"
+    log_rows: int = DEFAULT_LOG_ROWS
 
     # the real_kv_hash values an engine supports
     REAL_KV_HASH_CHOICES: ClassVar[tuple[str, ...]] = ("none", "partial", "all")
@@ -48,6 +53,21 @@ class EngineCanaryOptions:
         int_arg(self.sweep_interval, "CanaryOptions.sweep_interval", minimum=0)
         if not isinstance(self.logger, str) or not self.logger:
             fail(f"CanaryOptions.logger must be a non-empty str, got {self.logger!r}")
+        int_arg(self.log_rows, "CanaryOptions.log_rows", minimum=0, maximum=MAX_LOG_ROWS)
+
+    def backend_choice(self, device_kind: str = "cpu") -> tuple[str, str]:
+        """The backend the runtime will run for a cache on a ``device_kind`` device, and why (``auto``: see
+        :func:`kvcanary_cupy.backends.auto_choice`; the runtime's launches flag invalid device values)."""
+        if self.backend != "auto":
+            return self.backend, "set by CanaryOptions.backend"
+        return auto_choice(device_kind, "flag")
+
+    def log_install(self, where: str, device_kind: str = "cpu") -> None:
+        """The one INFO line an install writes on the options' logger: where, the mode, and the backend with
+        the reason it was chosen."""
+        backend, why = self.backend_choice(device_kind)
+        logging.getLogger(self.logger).info("kv-canary installed in %s (mode=%s, real_kv_hash=%s, backend=%s: %s)",
+                                            where, self.mode, self.real_kv_hash, backend, why)
 
     @classmethod
     def from_install(cls: type[Options], options: Any, option_fields: dict[str, Any]) -> Options:
@@ -74,4 +94,5 @@ class EngineCanaryOptions:
         and verify-token asserts are always on: an engine's request state gives the expected tokens."""
         return CanaryConfig(mode=self.mode, ring_capacity=self.ring_capacity, real_kv_hash_mode=self.real_kv_hash,
                             write_input_assert=True, verify_token_assert=True, backend=self.backend,
-                            sweep_interval=self.sweep_interval, logger=self.logger, **extra)
+                            sweep_interval=self.sweep_interval, logger=self.logger, log_rows=self.log_rows,
+                            **extra)

@@ -185,8 +185,12 @@ def _status_names(bits: int) -> list[str]:
 
 
 def backend_used(requested: str) -> str:
-    """The backend the canary ran on for a requested one (``auto`` is NumPy for a CPU engine)."""
-    return "numpy" if requested == "auto" else requested
+    """The backend the canary ran on for a requested one (``auto``: what it picks for a CPU engine's arrays)."""
+    if requested != "auto":
+        return requested
+    from ...backends import auto_choice
+
+    return auto_choice("cpu", "flag")[0]
 
 
 # ---- rendering (the synthetic engine's table and plot, with the engine's headline and summary) ----------------

@@ -2,7 +2,8 @@
 
 :class:`EngineCanaryState` is the base of every engine's canary state (one runtime over the engine's KV cache):
 the violations read so far with the engine step whose launch appended them (:class:`StepViolation`), the health
-problems, status bits and ring drops, the wall time per canary phase, the HEAD/TAIL endpoint counters, the runtime
+problems, status bits and ring drops (each read also fed to the Prometheus metrics of :mod:`.metrics`), the wall
+time per canary phase, the HEAD/TAIL endpoint counters, the runtime
 ``StepBatch`` of every group built from one engine step, and the slots of cached blocks the sweep verifies. Reading
 a step uses :func:`host_array` (:class:`HostViews` for the tensors read every step) and :func:`expected_pool`. How
 an engine's cache maps onto runtime groups and how its step is read stay in the engine's package.
@@ -21,6 +22,7 @@ import numpy as np
 
 from ...runtime import CanaryRuntime, StepBatch, StepReport
 from ...violations import Violation
+from .metrics import StepMetrics
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class EngineCanaryState:
         self.status_bits = 0
         self.dropped = 0
         self.steps = 0
+        # the same Prometheus series from every engine: the engine's name is its state class's
+        self.metrics = StepMetrics(type(self).__name__.removesuffix("CanaryState").lower() or "engine")
 
     @contextlib.contextmanager
     def _timer(self, phase: str) -> Iterator[None]:
@@ -113,6 +117,7 @@ class EngineCanaryState:
         """The one-step-late read of the rings (and, when due, the sweep) after the step's TAIL launches."""
         self._collect(self.rt.finish_step())
         self.steps += 1
+        self.metrics.step(self.seconds)
 
     def flush(self) -> None:
         """Read everything still pending (the last step's launches)."""
@@ -124,6 +129,7 @@ class EngineCanaryState:
         self.health_problems += [(report.launch_step, p) for p in report.health_problems]
         self.status_bits |= report.status_bits
         self.dropped += report.dropped
+        self.metrics.report(report)
 
     def counters(self) -> dict[str, int]:
         """Entries verified and written and kernels launched by the HEAD and TAIL endpoints (not the sweep)."""

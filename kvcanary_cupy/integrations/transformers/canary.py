@@ -100,9 +100,9 @@ class GroupGeometry:
 class CanaryOptions(EngineCanaryOptions):
     """What the canary does in the engine (turned into a runtime :class:`CanaryConfig`).
 
-    ``mode``: ``log`` (one warning per violation), ``raise`` (the runtime's ``CanaryViolationError`` one step
-    later, which stops the engine's loop) or ``off`` (hooks in place, nothing allocated or launched); every
-    violation is also kept in ``violations``.
+    ``mode``: ``log`` (per step one warning per group with violations, ``log_rows`` of its rows spelled out),
+    ``raise`` (the runtime's ``CanaryViolationError`` one step later, which stops the engine's loop) or ``off``
+    (hooks in place, nothing allocated or launched); every violation is also kept in ``violations``.
     ``real_kv_hash``: ``partial`` (first 16 bytes of every layer's K/V row) or ``all``; ``with_v`` adds V
     endpoints next to K; ``backend`` as for the launchers (``auto``, ``numpy``, ``host``); the write-input and
     verify-token asserts compare with the engine's request state (prompt + generated ids). ``sweep_interval``:

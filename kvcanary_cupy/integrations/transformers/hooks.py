@@ -240,7 +240,11 @@ def install(target: Any, options: CanaryOptions | None = None, **option_fields: 
     """Install the canary into a transformers model (before ``generate_batch`` / ``init_continuous_batching``) or
     a ``ContinuousBatchingManager``; ``remove()`` the returned object to take it out again. ``option_fields``
     build a :class:`CanaryOptions` when ``options`` is not given."""
-    return TransformersCanary(target, CanaryOptions.from_install(options, option_fields))
+    canary = TransformersCanary(target, CanaryOptions.from_install(options, option_fields))
+    device = getattr(canary.model, "device", None)
+    canary.options.log_install(type(canary.model).__name__, "cuda" if getattr(device, "type", "cpu") == "cuda"
+                               else "cpu")
+    return canary
 
 
 def remove(target: Any) -> None:

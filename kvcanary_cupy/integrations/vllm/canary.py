@@ -44,8 +44,9 @@ ENV_PREFIX = "KVCANARY_VLLM"
 class CanaryOptions(EngineCanaryOptions):
     """What the canary does in vLLM (turned into a runtime :class:`CanaryConfig`).
 
-    ``mode``: ``log`` (one warning per violation), ``raise`` (the runtime's ``CanaryViolationError`` one step
-    later, which fails the step) or ``off`` (hooks in place, nothing allocated or launched).
+    ``mode``: ``log`` (per step one warning per group with violations, ``log_rows`` of its rows spelled out),
+    ``raise`` (the runtime's ``CanaryViolationError`` one step later, which fails the step) or ``off`` (hooks in
+    place, nothing allocated or launched).
     ``real_kv_hash``: ``partial`` (first 16 bytes of each source's row per token), ``all`` or ``none``;
     ``with_v`` adds V endpoints next to K; ``backend`` as for the launchers (``auto``, ``numpy``, ``host``).
     ``sweep_interval``: every N steps verify every slot of the complete blocks the runner has seen and that vLLM
@@ -61,7 +62,7 @@ class CanaryOptions(EngineCanaryOptions):
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> CanaryOptions | None:
         """Options from ``KVCANARY_VLLM`` (the mode: ``log``, ``raise`` or ``off``) and ``KVCANARY_VLLM_<FIELD>``
-        (``REAL_KV_HASH``, ``WITH_V``, ``BACKEND``, ``RING_CAPACITY``, ``SWEEP_INTERVAL``); None when
+        (``REAL_KV_HASH``, ``WITH_V``, ``BACKEND``, ``RING_CAPACITY``, ``SWEEP_INTERVAL``, ``LOG_ROWS``); None when
         ``KVCANARY_VLLM`` is unset or empty (the plugin then does nothing)."""
         env = os.environ if environ is None else environ
         mode = env.get(ENV_PREFIX, "").strip().lower()

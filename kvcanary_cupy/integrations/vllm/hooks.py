@@ -161,7 +161,9 @@ def install(target: Any, options: CanaryOptions | None = None, **option_fields: 
     """Install the canary into an in-process ``vllm.LLM`` (or its engine, or a model runner); ``remove()`` the
     returned object to take it out again. ``option_fields`` build a :class:`CanaryOptions` when ``options`` is
     not given."""
-    return VllmCanary(target, CanaryOptions.from_install(options, option_fields))
+    canary = VllmCanary(target, CanaryOptions.from_install(options, option_fields))
+    canary.options.log_install(type(canary.runner).__name__, "cpu")
+    return canary
 
 
 def remove(target: Any) -> None:
