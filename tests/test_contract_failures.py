@@ -225,6 +225,37 @@ def test_the_compat_write_plan_refuses_write_offsets_it_cannot_size_its_scratch_
             r"^kv-canary: write_offsets\b")
 
 
+def test_an_object_array_is_refused_by_name_wherever_an_array_enters():
+    """An object array holds references, not values: the bridge refuses it by name (a byte view of it was a
+    TypeError from NumPy, and would have read pointers as KV bytes)."""
+    objects = np.zeros((4, 16), object)
+    refused(lambda: as_array(objects, "the_arg"), r"^kv-canary: the_arg holds Python objects")
+    refused(lambda: kc.RealKvSource(objects, page_size=1, num_bytes_per_token=16, read_bytes=16),
+            r"^kv-canary: RealKvSource\.tensor holds Python objects")
+    layout = kc.KvByteLayout(page_stride=16, token_stride=16, head_stride=0, element_stride=1, num_heads=1,
+                             elements_per_head=16, element_bytes=1)
+    refused(lambda: kc.RealKvSource(objects, page_size=1, num_bytes_per_token=16, read_bytes=16, layout=layout),
+            r"^kv-canary: RealKvSource\.tensor holds Python objects")
+
+
+@needs_torch
+@pytest.mark.parametrize("kind", ["sparse", "nested", "meta"])
+def test_a_real_kv_tensor_without_plain_storage_is_refused_by_name(kind):
+    """Viewing a KV tensor as bytes asks torch for its strides first: a nested tensor raised torch's internal
+    error there. Every byte view refuses what has no plain storage by the tensor's name."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: nested tensors are a prototype
+        dense = torch.zeros((4, 16), dtype=torch.float32)
+        tensor = {"sparse": dense.to_sparse, "meta": lambda: dense.to("meta"),
+                  "nested": lambda: torch.nested.nested_tensor([dense])}[kind]()
+    layout = kc.KvByteLayout(page_stride=64, token_stride=64, head_stride=0, element_stride=4, num_heads=1,
+                             elements_per_head=16, element_bytes=4)
+    for with_layout in (None, layout):
+        refused(lambda with_layout=with_layout: kc.RealKvSource(tensor, page_size=1, num_bytes_per_token=64,
+                                                                read_bytes=64, layout=with_layout),
+                r"^kv-canary: RealKvSource\.tensor\b")
+
+
 # ---- 2. refused means refused ----------------------------------------------------------------------------------
 
 def _verifier_call(**changes: Any) -> dict[str, Any]:
