@@ -391,12 +391,12 @@ def test_a_restore_refused_by_its_verify_puts_back_exactly_the_rows_it_scattered
         before = [a.copy() for a in (ctx.canary_buf, ctx.violation_ring, ctx.violation_write_index, ctx.status,
                                      args["status"])]
         # what the scatter writes when nothing refuses: the hand formula's rows, each row's 4 fields
-        probe = {**args, "context": ctx.for_endpoint(canary_buf=ctx.canary_buf.copy()), "status": None}
-        kc.restore_canary_records(records=records, canary_buf=probe["context"].canary_buf, pages=args["pages"],
+        scattered = ctx.canary_buf.copy()
+        kc.restore_canary_records(records=records, canary_buf=scattered, pages=args["pages"],
                                   page_size=args["page_size"], page_stride=args["page_stride"], backend="numpy")
-        changed = np.flatnonzero((probe["context"].canary_buf != ctx.canary_buf).any(axis=1))
+        changed = np.flatnonzero((scattered != ctx.canary_buf).any(axis=1))
         assert set(changed) <= set(written.tolist()), seed  # the scatter writes only the hand formula's rows
-        np.testing.assert_array_equal(probe["context"].canary_buf[written, :32].view(np.int64), records)
+        np.testing.assert_array_equal(scattered[written, :32].view(np.int64), records)
         refusal = r"^kv-canary: plan\.verify_slot_indices\[\d+\]=\d+ is outside"  # the verify's, after the scatter
         with pytest.raises(kc.CanaryArgumentError, match=refusal):
             kc.PrefixRestorer(verify_capacity=64, max_requests=2).restore(**args, backend="numpy")
