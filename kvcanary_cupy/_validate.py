@@ -195,13 +195,16 @@ class StorageGuard:
 
 def storage_guards(named: Iterable[tuple[str, Any]]) -> tuple[StorageGuard, ...]:
     """One :class:`StorageGuard` per torch tensor among ``named`` (other producers cannot move their memory
-    under a live view: NumPy refuses to resize a referenced array, CuPy and JAX arrays never resize)."""
+    under a live view: NumPy refuses to resize a referenced array, CuPy and JAX arrays never resize). A tensor
+    without plain storage (sparse, nested, meta) is skipped: no launch can read it, so no view of it exists to
+    guard, and where a launch does read it the launch's own check refuses it by name."""
     torch = sys.modules.get("torch")
     if torch is None:
         return ()
     guards = []
     for name, obj in named:
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, torch.Tensor) and obj.layout == torch.strided and not obj.is_nested \
+                and obj.device.type != "meta":
             storage = obj.untyped_storage()
             needed = obj.data_ptr() - storage.data_ptr() + _tensor_extent_bytes(obj)
             guards.append(StorageGuard(name, obj, obj.data_ptr(), needed, storage))

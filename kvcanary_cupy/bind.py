@@ -161,11 +161,15 @@ def _bind(step: str, arguments: dict[str, Any], prepare: Callable[[], Any], back
         resolved = resolve_backend(backend, launch.device, on_invalid)
     follows_torch = launch.device.kind == "cuda" and first_torch_cuda_tensor(values) is not None
     named = [leaf for name, value in arguments.items() for leaf in _named_leaves(name, value)]
+    # A preset's source reads a view of the engine's tensor: the tensor itself is checked too, first.
+    sources = getattr(arguments.get("context"), "real_kv_sources", ())
+    owners = tuple(guard for source in sources for guard in source.owner_guards)
     # On the CPU the host backend's launches are packed once here; a CUDA launch keeps building its arguments
     # per call (CuPy packs them itself, and the first call may compile).
     prepare_launch = getattr(resolved, "prepare", None)
     runner = prepare_launch(step, launch) if launch.device.kind == "cpu" and prepare_launch is not None else None
-    return BoundLaunch(step, launch, resolved, launch.device, follows_torch, values, storage_guards(named), runner)
+    return BoundLaunch(step, launch, resolved, launch.device, follows_torch, values, owners + storage_guards(named),
+                       runner)
 
 
 def bind_plan(

@@ -18,7 +18,15 @@ import numpy as np
 
 from ._errors import fail
 from ._limits import check_allocation
-from ._validate import array_arg, bool_arg, check_memory, data_pointer, int_arg, storage_guards
+from ._validate import (
+    StorageGuard,
+    array_arg,
+    bool_arg,
+    check_memory,
+    data_pointer,
+    int_arg,
+    storage_guards,
+)
 from .constants import (
     CANARY_FIELDS_PER_SLOT,
     CANARY_SLOT_BYTES,
@@ -88,6 +96,7 @@ class RealKvSource:
                 fail(f"RealKvSource.num_bytes_per_token must equal the layout's num_heads * elements_per_head * "
                      f"element_bytes = {layout.bytes_per_token}, got {per_token}")
             span = as_byte_span(self.tensor, "RealKvSource.tensor")
+            layout.check_extent(int(span.shape[0]), "RealKvSource.tensor", "RealKvSource.layout")
             covered = layout.slots_covered(page, int(span.shape[0]))
             if covered == 0:
                 fail(f"RealKvSource.layout addresses bytes beyond RealKvSource.tensor ({span.shape[0]} bytes from "
@@ -98,6 +107,7 @@ class RealKvSource:
         object.__setattr__(self, "_rows", rows)
         object.__setattr__(self, "_covered", covered)
         object.__setattr__(self, "_guards", storage_guards([("RealKvSource.tensor", self.tensor)]))
+        object.__setattr__(self, "_owner_guards", ())  # a preset's: the engine tensor ``tensor`` is a view of
         object.__setattr__(self, "_view", self._make_view())  # once: every launch reads it
 
     @property
@@ -107,9 +117,16 @@ class RealKvSource:
         return self._rows  # type: ignore[attr-defined]
 
     def check_storage(self) -> None:
-        """Refuse (ValueError) when the wrapped torch tensor's storage moved or shrank since construction."""
-        for guard in self._guards:  # type: ignore[attr-defined]
+        """Refuse (ValueError) when the wrapped torch tensor's storage moved or shrank since construction (or the
+        engine tensor it is a view of, for a source a preset built: :attr:`owner_guards`)."""
+        for guard in self.owner_guards + self._guards:  # type: ignore[attr-defined]
             guard.check()
+
+    @property
+    def owner_guards(self) -> tuple[StorageGuard, ...]:
+        """The storage checks of the engine tensors ``tensor`` is a view of (a preset's whole KV cache, whose K or
+        V half this source reads), checked before the view's own: bound launches take them too."""
+        return self._owner_guards  # type: ignore[attr-defined]
 
     @property
     def slots_covered(self) -> int:
@@ -129,6 +146,14 @@ class RealKvSource:
             layout = contiguous_layout(stride, int(self.num_bytes_per_token))
         return RealKvBytes(rows, int(self.page_size), int(self.num_bytes_per_token), int(self.read_bytes), layout,
                            self.layout is None)
+
+
+def also_guarding(source: RealKvSource, named: list[tuple[str, Any]]) -> RealKvSource:
+    """``source``, refusing its launches also when one of the torch tensors ``named`` (``(name, tensor)``) moves
+    or shrinks: a source built over a view of an engine's tensor (K or V of a combined cache) holds the view,
+    whose storage stays the one it was taken from when the engine re-points the tensor itself (``set_``)."""
+    object.__setattr__(source, "_owner_guards", source.owner_guards + storage_guards(named))
+    return source
 
 
 @dataclass(frozen=True)

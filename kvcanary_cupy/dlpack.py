@@ -111,6 +111,9 @@ def as_array(obj: Any, name: str, *, writable: bool = False) -> Any:
     else:
         fail(f"{name} must be an array (NumPy, CuPy, or any DLPack producer such as a torch tensor), "
              f"got {type(obj).__name__}")
+    if isinstance(arr, np.ndarray) and arr.dtype.hasobject:
+        # references to Python objects: no value of them lies in the array's memory (DLPack cannot carry them)
+        fail(f"{name} holds Python objects (dtype {arr.dtype}), not values in memory")
     if isinstance(arr, np.ndarray) and not arr.dtype.isnative:
         # DLPack carries native byte order only; a big-endian array would be read with its bytes swapped
         fail(f"{name} holds {arr.dtype.str} values in non-native byte order; pass "
@@ -176,6 +179,15 @@ def _is_writable(arr: Any) -> bool:
         return True
 
 
+def _dense_tensor(obj: Any, name: str, torch: Any) -> Any:
+    """``obj`` detached, refused by ``name`` unless it is a dense tensor with data: a sparse, nested or meta
+    tensor has no strides or bytes to view (torch raises its own errors for both)."""
+    if obj.is_nested or obj.layout != torch.strided or obj.device.type == "meta":
+        kind = "nested" if obj.is_nested else f"layout {obj.layout}"
+        fail(f"{name} must be a dense tensor with data, got a {kind} tensor on {obj.device}")
+    return obj.detach()
+
+
 def as_byte_rows(obj: Any, name: str) -> Any:
     """A ``uint8 [rows, row_bytes]`` view of an array of any dtype with ndim >= 2 (dims after 0 contiguous).
 
@@ -185,11 +197,9 @@ def as_byte_rows(obj: Any, name: str) -> Any:
     if not (isinstance(obj, np.ndarray) or is_cupy_array(obj)):
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor):
+            obj = _dense_tensor(obj, name, torch)
             if obj.ndim < 2:
                 fail(f"{name} must be at least 2-D, got shape {tuple(obj.shape)}")
-            obj = obj.detach()
-            if obj.layout != torch.strided or obj.device.type == "meta":
-                fail(f"{name} must be a dense tensor with data, got layout {obj.layout} on {obj.device}")
             if obj.dtype != torch.uint8 and obj.stride(-1) == 1:
                 try:
                     obj = obj.view(torch.uint8)
@@ -232,7 +242,7 @@ def as_byte_span(obj: Any, name: str) -> Any:
     if not (isinstance(obj, np.ndarray) or is_cupy_array(obj)):
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor):
-            obj = obj.detach()
+            obj = _dense_tensor(obj, name, torch)
             if obj.dtype != torch.uint8 and obj.ndim >= 1 and obj.stride(-1) == 1:
                 try:
                     obj = obj.view(torch.uint8)

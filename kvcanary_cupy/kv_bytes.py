@@ -79,6 +79,17 @@ class KvByteLayout:
         return ((self.num_heads - 1) * self.head_stride + (self.elements_per_head - 1) * self.element_stride
                 + self.element_bytes - 1)
 
+    def check_extent(self, span_bytes: int, tensor_name: str, layout_name: str) -> None:
+        """Refuse this layout over a tensor of ``span_bytes`` bytes (named ``tensor_name``; the layout is
+        ``layout_name``) when one token's stream is longer than the whole tensor: zero or overlapping strides may
+        read some bytes twice, but a stream longer than the tensor reads nothing a real KV layout holds and would
+        let the work per slot (``read_bytes``, and the reference's gather) grow without bound over a small tensor.
+        Checked before anything is read or allocated."""
+        if self.bytes_per_token > span_bytes:
+            fail(f"{layout_name} reads {self.bytes_per_token} bytes per token (num_heads={self.num_heads} x "
+                 f"elements_per_head={self.elements_per_head} x element_bytes={self.element_bytes}), more than the "
+                 f"{span_bytes} bytes {tensor_name} spans: its strides read the same bytes over and over")
+
     def slots_covered(self, page_size: int, span_bytes: int) -> int:
         """How many leading slots (0, 1, ... N-1) have every byte inside a tensor of ``span_bytes`` bytes."""
         last = self.last_byte_in_token()

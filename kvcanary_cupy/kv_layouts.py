@@ -2,6 +2,11 @@
 
 Each preset describes its engine's memory layout as a :class:`~kvcanary_cupy.KvByteLayout` (module
 :mod:`kvcanary_cupy.kv_bytes`, re-exported here) and returns a :class:`~kvcanary_cupy.RealKvSource` for K or V.
+A preset checks everything about ``kv_cache`` and ``read_bytes`` itself, so that a refusal names the caller's
+arguments (never the fields of the source it would have built), and the source it returns is guarded on
+``kv_cache`` itself: a torch cache re-pointed or shrunk later (``set_``, ``resize_``) is refused at the next
+launch, as a plain :class:`~kvcanary_cupy.RealKvSource` over it would be, not read through the K/V view taken
+at construction.
 """
 
 from __future__ import annotations
@@ -10,8 +15,10 @@ import sys
 from typing import Any
 
 from ._errors import fail
-from ._validate import int_arg
-from .context import RealKvSource
+from ._validate import data_pointer, int_arg
+from .constants import REAL_KV_ALIGN_BYTES
+from .context import RealKvSource, also_guarding
+from .dlpack import as_byte_span
 from .kv_bytes import (
     ACCESS_ELEMENTS,
     ACCESS_HEAD_RUNS,
@@ -29,6 +36,7 @@ from .kv_bytes import (
 def _in_place(tensor: Any, name: str) -> tuple[Any, tuple[int, ...], tuple[int, ...], int]:
     """The tensor to slice (a torch tensor as given, anything else as its zero-copy NumPy/CuPy view, so that
     slicing never copies), its shape, its strides in elements and its element size."""
+    as_byte_span(tensor, name)  # readable in place at all (dense, on a DLPack device, viewable as bytes)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(tensor, torch.Tensor):
         return tensor, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.element_size())
@@ -59,9 +67,38 @@ def _check_strides(strides: tuple[int, ...], name: str) -> None:
         fail(f"{name} has a negative stride {strides}; only non-negative strides are read in place")
 
 
-def _source(tensor: Any, page_size: int, layout: KvByteLayout, read_bytes: int) -> RealKvSource:
-    return RealKvSource(tensor, page_size=page_size, num_bytes_per_token=layout.bytes_per_token,
-                        read_bytes=read_bytes, layout=layout)
+def _layout(item: int, **strides_and_sizes: int) -> KvByteLayout:
+    """The layout of K or V in a cache of ``item``-byte elements, refused by the cache's name when the
+    fingerprint cannot read it (an element size it has no load for, a token that is not whole 16-byte units)."""
+    if item not in ELEMENT_BYTES:
+        fail(f"kv_cache has {item}-byte elements; a KV layout is read in elements of "
+             f"{', '.join(map(str, ELEMENT_BYTES))} bytes")
+    layout = KvByteLayout(element_bytes=item, **strides_and_sizes)
+    if layout.bytes_per_token % REAL_KV_ALIGN_BYTES:
+        fail(f"kv_cache holds {layout.bytes_per_token} bytes of K (or V) per token (num_kv_heads="
+             f"{layout.num_heads} x head_size={layout.elements_per_head} x {item}-byte elements), not a multiple "
+             f"of {REAL_KV_ALIGN_BYTES}: the fingerprint reads whole {REAL_KV_ALIGN_BYTES}-byte units")
+    return layout
+
+
+def _source(kv_cache: Any, view: Any, which: str, page_size: int, layout: KvByteLayout,
+            read_bytes: Any) -> RealKvSource:
+    """The source over ``view`` (K or V of ``kv_cache``), with ``read_bytes`` and the view's start checked under
+    the caller's names, guarded on ``kv_cache`` itself."""
+    per_token = layout.bytes_per_token
+    read = int_arg(read_bytes, "read_bytes")
+    if read <= 0 or read > per_token or read % REAL_KV_ALIGN_BYTES:
+        fail(f"read_bytes must be a positive multiple of {REAL_KV_ALIGN_BYTES} up to the {per_token} bytes of K "
+             f"(or V) of one token, got {read}")
+    torch = sys.modules.get("torch")
+    start = view.data_ptr() if torch is not None and isinstance(view, torch.Tensor) else data_pointer(view)
+    if start % REAL_KV_ALIGN_BYTES:
+        fail(f"kv_cache's {which!r} part starts at address {start:#x}, not {REAL_KV_ALIGN_BYTES}-byte aligned "
+             f"(the fingerprint loads aligned {REAL_KV_ALIGN_BYTES}-byte units)")
+    layout.check_extent(int(as_byte_span(view, "kv_cache").shape[0]), f"kv_cache's {which!r} part",
+                        f"kv_cache's {which!r} part, by its strides,")
+    source = RealKvSource(view, page_size=page_size, num_bytes_per_token=per_token, read_bytes=read, layout=layout)
+    return also_guarding(source, [("kv_cache", kv_cache)])
 
 
 def vllm_cpu_source(kv_cache: Any, *, block_size: int, num_kv_heads: int, head_size: int, which: str,
@@ -80,6 +117,7 @@ def vllm_cpu_source(kv_cache: Any, *, block_size: int, num_kv_heads: int, head_s
     bs = int_arg(block_size, "block_size", minimum=1)
     heads = int_arg(num_kv_heads, "num_kv_heads", minimum=1)
     d = int_arg(head_size, "head_size", minimum=1)
+    given = kv_cache
     kv_cache, shape, strides, item = _in_place(kv_cache, "kv_cache")
     _check_shape(shape, 4, "kv_cache", "[num_blocks, num_kv_heads, block_size, 2 * head_size]")
     if shape[1:] != (heads, bs, 2 * d):
@@ -101,41 +139,43 @@ def vllm_cpu_source(kv_cache: Any, *, block_size: int, num_kv_heads: int, head_s
         token_stride, element_stride = item, bs * item
     else:  # row-major [block_size, head_size]
         token_stride, element_stride = d * item, item
-    layout = KvByteLayout(page_stride=strides[0] * item, token_stride=token_stride, head_stride=strides[1] * item,
-                          element_stride=element_stride, num_heads=heads, elements_per_head=d, element_bytes=item)
-    return _source(half, bs, layout, read_bytes)
+    layout = _layout(item, page_stride=strides[0] * item, token_stride=token_stride, head_stride=strides[1] * item,
+                     element_stride=element_stride, num_heads=heads, elements_per_head=d)
+    return _source(given, half, which, bs, layout, read_bytes)
 
 
 def flash_attn_source(kv_cache: Any, *, which: str, read_bytes: int) -> RealKvSource:
     """K or V of a flash-attention KV cache ``[2, num_blocks, block_size, num_kv_heads, head_size]``, read in
     place with the tensor's own strides (so a permuted allocation is read correctly too)."""
     kv = _which(which, "which")
+    given = kv_cache
     kv_cache, shape, strides, item = _in_place(kv_cache, "kv_cache")
     _check_shape(shape, 5, "kv_cache", "[2, num_blocks, block_size, num_kv_heads, head_size]")
     if shape[0] != 2:
         fail(f"kv_cache must have 2 on axis 0 (K, V), got shape {shape}")
     _check_strides(strides, "kv_cache")
     _, _, bs, heads, d = shape
-    layout = KvByteLayout(page_stride=strides[1] * item, token_stride=strides[2] * item,
-                          head_stride=strides[3] * item, element_stride=strides[4] * item, num_heads=heads,
-                          elements_per_head=d, element_bytes=item)
-    return _source(kv_cache[kv], bs, layout, read_bytes)
+    layout = _layout(item, page_stride=strides[1] * item, token_stride=strides[2] * item,
+                     head_stride=strides[3] * item, element_stride=strides[4] * item, num_heads=heads,
+                     elements_per_head=d)
+    return _source(given, kv_cache[kv], which, bs, layout, read_bytes)
 
 
 def flashinfer_hnd_source(kv_cache: Any, *, which: str, read_bytes: int) -> RealKvSource:
     """K or V of a FlashInfer HND KV cache ``[num_blocks, 2, num_kv_heads, block_size, head_size]`` (heads
     before tokens), read in place with the tensor's own strides."""
     kv = _which(which, "which")
+    given = kv_cache
     kv_cache, shape, strides, item = _in_place(kv_cache, "kv_cache")
     _check_shape(shape, 5, "kv_cache", "[num_blocks, 2, num_kv_heads, block_size, head_size]")
     if shape[1] != 2:
         fail(f"kv_cache must have 2 on axis 1 (K, V), got shape {shape}")
     _check_strides(strides, "kv_cache")
     _, _, heads, bs, d = shape
-    layout = KvByteLayout(page_stride=strides[0] * item, token_stride=strides[3] * item,
-                          head_stride=strides[2] * item, element_stride=strides[4] * item, num_heads=heads,
-                          elements_per_head=d, element_bytes=item)
-    return _source(kv_cache[:, kv], bs, layout, read_bytes)
+    layout = _layout(item, page_stride=strides[0] * item, token_stride=strides[3] * item,
+                     head_stride=strides[2] * item, element_stride=strides[4] * item, num_heads=heads,
+                     elements_per_head=d)
+    return _source(given, kv_cache[:, kv], which, bs, layout, read_bytes)
 
 
 __all__ = [

@@ -20,20 +20,27 @@ Three calls sit around an engine's offload and load-back:
 Everything is validated once for all backends (``numpy`` reference; ``cuda`` and ``host`` kernels from
 ``kernels/transfer.cu``); page ids are device values, so a page outside the canary buffer is never followed
 but reported in ``status`` (:class:`~kvcanary_cupy.constants.CanaryStatus`).
+
+The engine runtime carries its records in an :class:`~kvcanary_cupy.runtime.OffloadedRecords`, an object the
+engine holds for as long as the pages stay down a tier; :func:`check_offloaded_records` judges it as a whole
+when it comes back (and :func:`select_offloaded_records` when a subset is taken), so that a mutated, truncated
+or foreign one is refused by name before anything is written.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import numbers
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from ._errors import fail
+from ._validate import host_int_vector, int_arg
 from .backends import resolve_backend
 from .constants import CANARY_FIELDS_PER_SLOT
 from .context import VerifyOrWriteContext
-from .dlpack import device_scope, stream_scope
+from .dlpack import device_scope, plain_ndarray, stream_scope
 from .layouts import SlotLayout, layout_arrays
 from .plan import OnInvalid
 from .transfer import ReceivedPrefixVerifier, RecordTransferLaunch, prepare_record_transfer
@@ -46,13 +53,15 @@ def _pages_arg(slots: Any, pages: Any) -> tuple[Any, str]:
 
 
 def _prepare(*, canary_buf: Any, records: Any, slots: Any, pages: Any, page_size: int, page_stride: int | None,
-             status: Any | None, records_written: bool) -> RecordTransferLaunch:
+             status: Any | None, records_written: bool, canary_name: str = "canary_buf") -> RecordTransferLaunch:
     index, name = _pages_arg(slots, pages)
-    if name == "slots" and (page_size != 1 or page_stride not in (None, 1)):
-        fail("page_size and page_stride apply to pages=, not to slots=")
+    # One slot per record: a page size or stride given with slots= would silently turn slot s into s * stride.
+    if name == "slots" and (page_size != 1 or page_stride is not None):
+        fail(f"page_size and page_stride apply to pages=, not to slots= (one slot per record), got page_size="
+             f"{page_size!r} and page_stride={page_stride!r} with slots")
     return prepare_record_transfer(canary_buf=canary_buf, records=records, slots=index, status=status,
                                    records_written=records_written, page_size=page_size, page_stride=page_stride,
-                                   index_name=name)
+                                   index_name=name, canary_name=canary_name)
 
 
 def offload_canary_records(*, canary_buf: Any, records_out: Any, slots: Any | None = None, pages: Any | None = None,
@@ -113,11 +122,14 @@ class PrefixRestorer(ReceivedPrefixVerifier):
         it). Every argument is checked before anything is written: a refused call leaves the canary buffer, the
         ring and ``status`` unchanged.
         """
+        if not isinstance(context, VerifyOrWriteContext):
+            fail(f"context must be a VerifyOrWriteContext, got {type(context).__name__}")
         with stream_scope(context, records, slots, pages, status, self.plan, req_pool_indices, restored_lens,
                           *layout_arrays(req_to_token, layout), req_to_verify_expected_tokens,
                           req_to_verify_expected_tokens_valid_lens):
             launch = _prepare(canary_buf=context.canary_buf, records=records, slots=slots, pages=pages,
-                              page_size=page_size, page_stride=page_stride, status=status, records_written=False)
+                              page_size=page_size, page_stride=page_stride, status=status, records_written=False,
+                              canary_name="context.canary_buf")
             impl = resolve_backend(backend, launch.device, on_invalid)
 
             def scatter() -> Callable[[], None] | None:
@@ -153,4 +165,82 @@ def _undo_scatter(launch: RecordTransferLaunch) -> Callable[[], None]:
             status[...] = saved_status
     return undo
 
-__all__ = ["PrefixRestorer", "offload_canary_records", "restore_canary_records"]
+
+# ---- the engine runtime's carried records --------------------------------------------------------------------
+
+RecordKey = tuple[str, int]  # (group name, index of the group's canary buffer)
+
+
+def check_offloaded_records(records: Any, name: str = "records", *, models: Sequence[str] | None = None,
+                            keys: Sequence[RecordKey] | None = None) -> None:
+    """Refuse an :class:`~kvcanary_cupy.runtime.OffloadedRecords` that is not whole: ``model`` a str (one of
+    ``models`` when given), ``count`` an int >= 0, ``records`` a dict from ``(group, buffer index)`` to a plain,
+    native int64 ``[count, 4]`` C-contiguous host array (what :meth:`~kvcanary_cupy.runtime.CanaryRuntime.offload`
+    returns) and, given ``keys`` (the canary buffers a restore writes), exactly those buffers. ``name`` is the
+    caller's name for it."""
+    model, count, held = (getattr(records, f, None) for f in ("model", "count", "records"))
+    if not isinstance(model, str):
+        fail(f"{name}.model must be a str (the model it was offloaded from), got {type(model).__name__}")
+    if models is not None and model not in models:
+        fail(f"{name}.model must be one of {', '.join(models)}, got {model!r} (offloaded from another runtime)")
+    count = int_arg(count, f"{name}.count", minimum=0)
+    if not isinstance(held, dict):
+        fail(f"{name}.records must be a dict of (group, buffer index) -> int64 [count, 4] arrays, got "
+             f"{type(held).__name__}")
+    for key, arr in held.items():
+        if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str)
+                and isinstance(key[1], numbers.Integral) and not isinstance(key[1], bool)):
+            fail(f"{name}.records has the key {key!r}; keys are (group name, buffer index)")
+        label = f"{name}.records[{key!r}]"
+        if not isinstance(arr, np.ndarray):
+            fail(f"{label} must be a NumPy host array (as offload() returned it), got {type(arr).__name__}")
+        arr = plain_ndarray(arr, label)
+        if arr.dtype != np.dtype(np.int64) or arr.shape != (count, CANARY_FIELDS_PER_SLOT):
+            fail(f"{label} must be int64 [{count}, {CANARY_FIELDS_PER_SLOT}] ({name}.count records of "
+                 f"{CANARY_FIELDS_PER_SLOT} fields), got {arr.dtype} {arr.shape}")
+        if not arr.flags.c_contiguous:
+            fail(f"{label} must be C-contiguous, got strides {arr.strides}")
+    if keys is None:
+        return
+    wanted = set(keys)
+    missing = [k for k in keys if k not in held]
+    if missing:
+        fail(f"{name} hold no records for canary buffer {missing[0]} (offloaded from another model or runtime)")
+    extra = sorted((k for k in held if k not in wanted), key=repr)
+    if extra:
+        fail(f"{name} hold records for canary buffer {extra[0]}, which model {model!r} of this runtime does not "
+             f"have (offloaded from another runtime)")
+
+
+def select_offloaded_records(records: Any, index: Any) -> tuple[str, int, dict[RecordKey, np.ndarray]]:
+    """``(model, count, arrays)`` of the records of ``index``: a slice, a boolean mask of ``records.count``
+    entries, or a 1-D integer host array of entries in ``[0, records.count)``. ``records`` is checked whole
+    first (:func:`check_offloaded_records`); the arrays are new, contiguous copies."""
+    check_offloaded_records(records, "OffloadedRecords")
+    count = int(records.count)
+    if isinstance(index, slice):
+        try:
+            rows = np.arange(count, dtype=np.int64)[index]
+        except (TypeError, ValueError) as exc:  # a non-integer bound, a zero step
+            fail(f"index slice {index!r} does not select from [0, {count}) ({exc})")
+    else:
+        if isinstance(index, np.ndarray):
+            index = plain_ndarray(index, "index")
+        try:
+            mask: np.ndarray | None = np.asarray(index)
+        except Exception:  # a device array, a ragged list: host_int_vector below says what it is
+            mask = None
+        if mask is not None and mask.dtype == np.bool_:
+            if mask.shape != (count,):
+                fail(f"index as a boolean mask must have shape ({count},) (one entry per record), got {mask.shape}")
+            rows = np.flatnonzero(mask)
+        else:
+            rows = host_int_vector(index, "index")
+            if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= count):
+                bad = int(rows.min()) if int(rows.min()) < 0 else int(rows.max())
+                fail(f"index holds {bad}, outside the {count} records [0, {count})")
+    return records.model, int(rows.shape[0]), {k: np.ascontiguousarray(a[rows]) for k, a in records.records.items()}
+
+
+__all__ = ["PrefixRestorer", "check_offloaded_records", "offload_canary_records", "restore_canary_records",
+           "select_offloaded_records"]

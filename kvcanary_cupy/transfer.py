@@ -65,33 +65,35 @@ class RecordTransferLaunch:
 
 def prepare_record_transfer(*, canary_buf: Any, records: Any, slots: Any, status: Any | None,
                             records_written: bool, page_size: int = 1, page_stride: int | None = None,
-                            index_name: str = "slots") -> RecordTransferLaunch:
+                            index_name: str = "slots", canary_name: str = "canary_buf") -> RecordTransferLaunch:
     """Every host-visible check of a gather (``records_written``) or scatter, for all backends. With
     ``page_size`` > 1, ``slots`` (named ``index_name`` in messages) lists page ids, ``page_stride`` slots
-    apart (None: ``page_size``)."""
+    apart (None: ``page_size``). Messages name the arguments as the caller did: ``records_out`` for a gather,
+    ``records`` for a scatter, the canary buffer as ``canary_name``."""
+    records_name = "records_out" if records_written else "records"
     size = int_arg(page_size, "page_size", minimum=1, maximum=_INT32_MAX)
     step = size if page_stride is None else int_arg(page_stride, "page_stride", minimum=size, maximum=_INT32_MAX)
-    buf = array_arg(canary_buf, "canary_buf", dtype=np.uint8, ndim=2, writable=not records_written)
+    buf = array_arg(canary_buf, canary_name, dtype=np.uint8, ndim=2, writable=not records_written)
     stride = int(buf.shape[1])
     if stride < CANARY_SLOT_BYTES or stride % 8:
-        fail(f"canary_buf slot stride must be a multiple of 8 holding at least {CANARY_FIELDS_PER_SLOT} int64 "
+        fail(f"{canary_name} slot stride must be a multiple of 8 holding at least {CANARY_FIELDS_PER_SLOT} int64 "
              f"fields, got {stride} bytes")
     if buf.shape[0] < 1:
-        fail("canary_buf must hold at least one slot")
+        fail(f"{canary_name} must hold at least one slot")
     slot_arr = array_arg(slots, index_name, dtype=np.int64, ndim=1)
     n = int(slot_arr.shape[0]) * size
-    rec = array_arg(records, "records", dtype=np.int64, ndim=2, shape=(n, CANARY_FIELDS_PER_SLOT),
+    rec = array_arg(records, records_name, dtype=np.int64, ndim=2, shape=(n, CANARY_FIELDS_PER_SLOT),
                     writable=records_written)
     status_arr = optional_array_arg(status, "status", dtype=np.int32, ndim=1, shape=(1,), writable=True)
-    named = [("canary_buf", buf), ("records", rec), (index_name, slot_arr), ("status", status_arr)]
+    named = [(canary_name, buf), (records_name, rec), (index_name, slot_arr), ("status", status_arr)]
     device = same_device(named)
     # SPEC §0.8 as for every launcher: each array aligned to its elements (the int64 view of canary_buf
     # included), and what the call writes (records or canary_buf, and status) sharing no byte with anything
     # else it touches.
     fields = buf.view(np.int64)
-    written = {"records", "status"} if records_written else {"canary_buf", "status"}
-    check_memory(outputs=[(n, fields if n == "canary_buf" else a) for n, a in named if n in written],
-                 inputs=[(n, fields if n == "canary_buf" else a) for n, a in named if n not in written])
+    written = {records_name, "status"} if records_written else {canary_name, "status"}
+    check_memory(outputs=[(n, fields if n == canary_name else a) for n, a in named if n in written],
+                 inputs=[(n, fields if n == canary_name else a) for n, a in named if n not in written])
     return RecordTransferLaunch(fields, rec, slot_arr, status_arr, device, size, step)
 
 

@@ -748,8 +748,9 @@ def _strided_source(draw: st.DrawFn, rng: np.random.Generator, num_slots: int) -
     layout = KvByteLayout(page_stride=page_stride, token_stride=token_stride, head_stride=head_stride,
                           element_stride=element_stride, num_heads=heads, elements_per_head=per_head, element_bytes=eb)
     last = max((s // page_size) * page_stride + (s % page_size) * token_stride for s in range(num_slots))
-    span = last + layout.last_byte_in_token() + 1 + draw(st.sampled_from([0, 1, 16, 40]))
     per_token = layout.bytes_per_token
+    # at least one token's stream long (a source refuses a stream longer than its tensor), overlaps included
+    span = max(last + layout.last_byte_in_token() + 1, per_token) + draw(st.sampled_from([0, 1, 16, 40]))
     read_bytes = 16 * draw(st.integers(1, per_token // 16))
     return (rng.integers(0, 256, size=(1, span), dtype=np.uint8), page_size, per_token, read_bytes, layout)
 

@@ -166,6 +166,96 @@ def test_the_compat_layer_refuses_sparse_meta_and_big_endian_arrays_by_name(kind
         refused(lambda: call(**bad), r"^kv-canary: prefix_lens\b", vp, wp)
 
 
+def _no_plain_storage(kind: str, like: Any) -> Any:
+    """A torch tensor with the values of ``like`` and no plain storage to view: sparse COO/CSR, nested, meta."""
+    dense = torch.from_numpy(np.array(like, copy=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: sparse CSR and nested tensors are beta/prototype
+        if kind == "sparse":
+            return dense.to_sparse()
+        if kind == "sparse_csr":
+            return dense.reshape(1, -1).to_sparse_csr()
+        if kind == "nested":
+            return torch.nested.nested_tensor([dense])
+        return dense.to("meta")
+
+
+@needs_torch
+@pytest.mark.parametrize("kind", ["sparse", "sparse_csr", "nested", "meta"])
+@pytest.mark.parametrize("backend", ["numpy", "host"])
+def test_a_context_flag_without_plain_storage_is_no_foreign_exception_when_bound(kind, backend):
+    """A verify never reads the chain-position flag: bound with a sparse, nested or meta tensor there, it binds
+    and runs like the unbound launch (SPEC 0.7). A write reads it: refused by its name, nothing written."""
+    if backend == "host" and kc.backends.unavailable_reason("host"):
+        pytest.skip(kc.backends.unavailable_reason("host"))
+    ctx = kc.VerifyOrWriteContext.allocate(num_slots=8, ring_capacity=4)
+    flagged = ctx.for_endpoint(enable_chain_position_assert=_no_plain_storage(kind, ctx.enable_chain_position_assert))
+    vp = kc.VerifyPlan.allocate(verify_capacity=2)
+    vp.verify_slot_indices[:] = [1, 2]
+    vp.verify_expected_positions[:] = [0, 1]
+    vp.verify_prev_slot_indices[:] = [-1, 1]
+    vp.verify_expected_tokens[:] = -1
+    vp.verify_num_valid[0] = 2
+    bound = kc.bind_verify(context=flagged, plan=vp, check_verify_expected_token=False, backend=backend)
+    bound()
+    kc.launch_canary_verify_kernel(context=ctx, plan=vp, check_verify_expected_token=False, backend=backend)
+    rows = [(v.slot, v.reason_bits) for v in kc.read_violations(ctx).rows]  # the zeroed slots 1 and 2, twice
+    assert len(rows) == 4 and rows[:2] == rows[2:] and sorted(r[0] for r in rows[:2]) == [1, 2]
+    wp = kc.WritePlan.allocate(write_req_capacity=1)
+    wp.write_offsets[:] = [0, 1]
+    wp.write_seed_slot_indices[:] = -1
+    wp.write_num_valid_reqs[0] = 1
+    one = np.ones(1, np.int64)
+    for entry in (kc.bind_write, kc.launch_canary_write_kernel):
+        refused(lambda entry=entry: entry(context=flagged, plan=wp, input_ids=one, positions=one, out_cache_loc=one,
+                                          enable_write_input_assert=False, backend=backend),
+                r"^kv-canary: context\.enable_chain_position_assert\b", ctx, wp)
+
+
+@needs_torch
+@pytest.mark.parametrize("offsets", [[0, 1], (0, 1), 2, "01", None, "0-d"], ids=str)
+def test_the_compat_write_plan_refuses_write_offsets_it_cannot_size_its_scratch_by(offsets):
+    """SGLang's three-field WritePlan sizes its scratch by write_offsets: a list, a scalar or a 0-d tensor there
+    is refused by that name (it was an AttributeError or IndexError)."""
+    from kvcanary_cupy.compat import sglang
+
+    value = torch.tensor(2) if offsets == "0-d" else offsets
+    refused(lambda: sglang.WritePlan(write_offsets=value, write_seed_slot_indices=torch.zeros(1, dtype=torch.int64),
+                                     write_num_valid_reqs=torch.zeros(1, dtype=torch.int32)),
+            r"^kv-canary: write_offsets\b")
+
+
+def test_an_object_array_is_refused_by_name_wherever_an_array_enters():
+    """An object array holds references, not values: the bridge refuses it by name (a byte view of it was a
+    TypeError from NumPy, and would have read pointers as KV bytes)."""
+    objects = np.zeros((4, 16), object)
+    refused(lambda: as_array(objects, "the_arg"), r"^kv-canary: the_arg holds Python objects")
+    refused(lambda: kc.RealKvSource(objects, page_size=1, num_bytes_per_token=16, read_bytes=16),
+            r"^kv-canary: RealKvSource\.tensor holds Python objects")
+    layout = kc.KvByteLayout(page_stride=16, token_stride=16, head_stride=0, element_stride=1, num_heads=1,
+                             elements_per_head=16, element_bytes=1)
+    refused(lambda: kc.RealKvSource(objects, page_size=1, num_bytes_per_token=16, read_bytes=16, layout=layout),
+            r"^kv-canary: RealKvSource\.tensor holds Python objects")
+
+
+@needs_torch
+@pytest.mark.parametrize("kind", ["sparse", "nested", "meta"])
+def test_a_real_kv_tensor_without_plain_storage_is_refused_by_name(kind):
+    """Viewing a KV tensor as bytes asks torch for its strides first: a nested tensor raised torch's internal
+    error there. Every byte view refuses what has no plain storage by the tensor's name."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: nested tensors are a prototype
+        dense = torch.zeros((4, 16), dtype=torch.float32)
+        tensor = {"sparse": dense.to_sparse, "meta": lambda: dense.to("meta"),
+                  "nested": lambda: torch.nested.nested_tensor([dense])}[kind]()
+    layout = kc.KvByteLayout(page_stride=64, token_stride=64, head_stride=0, element_stride=4, num_heads=1,
+                             elements_per_head=16, element_bytes=4)
+    for with_layout in (None, layout):
+        refused(lambda with_layout=with_layout: kc.RealKvSource(tensor, page_size=1, num_bytes_per_token=64,
+                                                                read_bytes=64, layout=with_layout),
+                r"^kv-canary: RealKvSource\.tensor\b")
+
+
 # ---- 2. refused means refused ----------------------------------------------------------------------------------
 
 def _verifier_call(**changes: Any) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -67,14 +68,19 @@ def _bytes(arr: Any) -> bytes:
     return arr.detach().contiguous().numpy().tobytes()
 
 
-def refuses(call: Callable[[], Any], watched: Any, what: str) -> None:
-    """``call()`` raises CanaryArgumentError naming something, and no watched buffer changed."""
+def refuses(call: Callable[[], Any], watched: Any, what: str, names: tuple[str, ...] = (),
+            never: tuple[str, ...] = ()) -> None:
+    """``call()`` raises CanaryArgumentError naming something (one of ``names`` when given: the caller's
+    arguments the case broke; none of ``never``: names the caller never used), and no watched buffer changed."""
     arrays = _arrays(watched)
     before = [_bytes(a) for a in arrays]
     try:
         call()
     except kc.CanaryArgumentError as exc:
-        assert str(exc).startswith("kv-canary: ") and len(str(exc)) > len("kv-canary: ") + 10, what
+        message = str(exc)
+        assert message.startswith("kv-canary: ") and len(message) > len("kv-canary: ") + 10, what
+        assert not names or any(n in message for n in names), f"{what}: names none of {names}: {message}"
+        assert not any(n in message for n in never), f"{what}: names what the caller never passed: {message}"
     except Exception as exc:  # anything else is a leak of the contract
         raise AssertionError(f"{what}: {type(exc).__name__}: {exc}") from exc
     else:
@@ -1266,7 +1272,9 @@ TIER_CALLS = {
 TIER_BAD_SCALARS = {"page_size": [0, -4, 2**31, 1.5, "4", None, 2**64], "page_stride": [3, 0, -5, 2**31, 2.5, "5"]}
 
 
-def _tier_case(name: str, rng: random.Random) -> tuple[dict[str, Any], str]:
+def _tier_case(name: str, rng: random.Random) -> tuple[dict[str, Any], str, tuple[str, ...]]:
+    """A broken call of a tier entry point: (arguments, what was broken, the argument names a refusal may
+    name: the ones the case broke, as the caller spelled them)."""
     make, _, outputs = TIER_CALLS[name]
     call = make()
     arrays = [k for k, v in call.items() if isinstance(v, np.ndarray)]
@@ -1274,38 +1282,270 @@ def _tier_case(name: str, rng: random.Random) -> tuple[dict[str, Any], str]:
     if roll < 0.15:
         key = rng.choice([k for k in TIER_BAD_SCALARS if k in call or name == "offload"])
         call[key] = rng.choice(TIER_BAD_SCALARS[key])
-        return call, f"{key}={call[key]!r}"
+        return call, f"{key}={call[key]!r}", (key,)
     if roll < 0.25:  # both index forms, or neither
         if rng.random() < 0.5:
             call["slots"] = np.arange(8, dtype=np.int64)
-            return call, "slots and pages"
+            return call, "slots and pages", ("slots", "pages")
         del call["pages"]
-        return call, "no pages"
-    if roll < 0.32 and name != "prefix-restore":  # an output aliasing an input
+        return call, "no pages", ("slots", "pages")
+    if roll < 0.3:  # one slot per record, with a page size or stride that would scale it
+        del call["pages"]
+        call["slots"] = np.arange(1, 9, dtype=np.int64)
+        call.pop("page_size", None)
+        key = rng.choice(["page_size", "page_stride"])
+        call[key] = rng.choice([2, 4, 5, 1]) if key == "page_stride" else rng.choice([2, 4])
+        return call, f"slots with {key}={call[key]}", (key,)
+    if roll < 0.37 and name != "prefix-restore":  # an output aliasing an input
         if "records_out" in outputs:
             call["records_out"] = _alias(call["records_out"], call["canary_buf"])
-            return call, "records_out aliases canary_buf"
+            return call, "records_out aliases canary_buf", ("records_out",)
         call["status"] = call["records"].reshape(-1).view(np.int32)[:1]
-        return call, "status aliases records"
+        return call, "status aliases records", ("status",)
+    if roll < 0.45 and name == "prefix-restore":  # the context, or its canary buffer
+        if rng.random() < 0.3:
+            call["context"] = rng.choice([None, call["context"].canary_buf, "context", {}])
+            return call, "context is not a context", ("context",)
+        label, value = rng.choice(bad_arrays(call["context"].canary_buf, output=True, rng=rng))
+        call["context"] = dataclasses.replace(call["context"], canary_buf=value)
+        return call, f"context.canary_buf: {label}", ("context.canary_buf",)
     key = rng.choice(arrays)
     label, value = rng.choice(bad_arrays(call[key], output=key in outputs, rng=rng))
     if key == "status" and label == "None":  # status is optional: None is valid
         label, value = "dtype", call[key].astype(np.int16)
     call[key] = value
-    return call, f"{key}: {label}"
+    return call, f"{key}: {label}", (key,)
 
 
 @pytest.mark.parametrize("name", list(TIER_CALLS))
-def test_tier_offload_and_restore_refuse_random_bad_arguments_and_write_nothing(name):
+def test_tier_offload_and_restore_refuse_random_bad_arguments_by_name_and_write_nothing(name):
     make, entry, _ = TIER_CALLS[name]
     for backend in BACKENDS:
         entry(**make(), backend=backend)  # the baseline is valid
     rng = random.Random(f"tiers-{name}")
-    for case in range(300):
-        call, what = _tier_case(name, rng)
+    for case in range(400):
+        call, what, names = _tier_case(name, rng)
         watched = [v for v in call.values() if isinstance(v, np.ndarray)]
-        if name == "prefix-restore":
+        if isinstance(call.get("context"), kc.VerifyOrWriteContext):
             ctx = call["context"]
             watched += [ctx.canary_buf, ctx.violation_ring, ctx.violation_write_index]
         call["backend"] = rng.choice(BACKENDS)
-        refuses(lambda call=call: entry(**call), watched, f"{name} case {case}: {what}")
+        refuses(lambda call=call: entry(**call), watched, f"{name} case {case}: {what}", names)
+
+
+# ---- the engine runtime's carried records (OffloadedRecords at select and restore) -----------------------------
+
+def _broken_offloaded(records: Any, rng: random.Random) -> tuple[Any, str, bool]:
+    """A copy of ``records`` broken in one way an engine could hand it back (none of them what offload gave),
+    and whether only a runtime can tell (a buffer it has not, or lacks: ``select`` cannot know)."""
+    from kvcanary_cupy.runtime import OffloadedRecords
+
+    arrays = {k: v.copy() for k, v in records.records.items()}
+    model, count = records.model, records.count
+    key = rng.choice(sorted(arrays))
+    roll = rng.random()
+    if roll < 0.4:
+        # host arrays the runtime copies from: alignment and writability do not matter, everything else does
+        bad = [b for b in bad_arrays(arrays[key], output=False, rng=rng) if b[0] != "misaligned"]
+        label, arrays[key] = rng.choice(bad)
+        what = f"records[{key}]: {label}"
+    elif roll < 0.5:
+        count = rng.choice([count - 1, count + 1, 0, -1, float(count), str(count), None, True])
+        what = f"count={count!r}"
+    elif roll < 0.55:
+        count = rng.choice([count - 1, count + 1, 0, -1, float(count), str(count), None, True])
+        what = f"count={count!r}"
+    elif roll < 0.65:
+        model = rng.choice([None, 0, "draft", "", ["target"], b"target"])
+        what = f"model={model!r}"
+    elif roll < 0.85:
+        change = rng.choice(["drop", "add", "rename", "group"])
+        if change == "drop":
+            del arrays[key]
+        elif change == "add":
+            arrays[(key[0], 7)] = arrays[key].copy()
+        elif change == "rename":
+            arrays[key[0]] = arrays.pop(key)  # type: ignore[index]
+        else:
+            arrays[("NOPE", key[1])] = arrays.pop(key)
+        return OffloadedRecords(model, count, arrays), f"key {key}: {change}", change != "rename"
+    else:
+        value = rng.choice([None, list(arrays.items()), "records", 3, tuple(arrays.values())])
+        return OffloadedRecords(model, count, value), f"records={type(value).__name__}", False  # type: ignore
+    return OffloadedRecords(model, count, arrays), what, model in ("draft", "")
+
+
+BAD_INDEXES = [[0, 4], [-1], [9, 0], [0.0], [[0, 1]], 2, None, "0", [True, False], np.ones(5, bool),
+               slice("a", None), slice(0, 4, 0), np.ma.masked_array([0, 1], mask=[0, 1]), np.array([2**63], np.uint64),
+               np.array([[0]]), object(), {0: 1}]
+
+
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_runtime_restore_and_select_refuse_random_broken_records_by_name_and_write_nothing(backend):
+    from test_runtime import runtime_arrays
+    from test_runtime_tiers import DST, _offloaded
+
+    _, rt, _, _, records, _, _ = _offloaded(backend)
+    rng = random.Random(f"offloaded-{backend}")
+    before = runtime_arrays(rt)
+    kept = {k: v.copy() for k, v in records.records.items()}
+    for case in range(300):
+        if case % 4 == 3:  # a subset with an index outside the records
+            index = rng.choice(BAD_INDEXES)
+            refuses(lambda index=index: records.select(index), records.records, f"case {case}: select({index!r})",
+                    ("index", "OffloadedRecords"))
+            continue
+        broken, what, runtime_only = _broken_offloaded(records, rng)
+        call = (lambda broken=broken: rt.restore(broken, DST, [0, 1, 2, 3], [-1, *DST[:3]])) \
+            if case % 2 or runtime_only else (lambda broken=broken: broken.select([0, 1]))
+        refuses(call, broken.records, f"case {case}: {what}", ("records", "OffloadedRecords"))
+    after = runtime_arrays(rt)
+    assert [k for k in before if not np.array_equal(before[k], after[k])] == []
+    assert all(np.array_equal(kept[k], records.records[k]) for k in kept)
+    assert rt.restore(records.select(slice(None)), DST, [0, 1, 2, 3], [-1, *DST[:3]]) == 4  # still whole
+
+
+# ---- the presets over engines' KV caches, and layout extents -----------------------------------------------------
+
+PRESET_SHAPES = {"cpu": (2, 2, 32, 16), "flash": (2, 2, 32, 2, 8), "hnd": (2, 2, 2, 32, 8)}
+
+
+def _preset_call(preset: str) -> tuple[Callable[..., Any], dict[str, Any]]:
+    from kvcanary_cupy.kv_layouts import flash_attn_source, flashinfer_hnd_source, vllm_cpu_source
+
+    kwargs: dict[str, Any] = {"kv_cache": np.zeros(PRESET_SHAPES[preset], np.float32), "which": "k", "read_bytes": 32}
+    if preset == "cpu":
+        kwargs.update(block_size=32, num_kv_heads=2, head_size=8, isa="vec")
+    build = {"cpu": vllm_cpu_source, "flash": flash_attn_source, "hnd": flashinfer_hnd_source}[preset]
+    return build, kwargs
+
+
+def _bad_cache(preset: str, rng: random.Random) -> tuple[Any, str]:
+    """A kv_cache no preset can read in place: what no strided layout reaches, what is not plain memory."""
+    shape = PRESET_SHAPES[preset]
+    size = int(np.prod(shape)) * 4
+    raw = np.zeros(size + 64, np.uint8)
+    offset = (-raw.ctypes.data) % 16 + rng.choice([4, 8, 12])
+    kind = rng.choice(["misaligned", "broadcast", "reversed", "token bytes", "dtype", "empty", "not an array",
+                       "torch", "padded plane"])
+    if kind == "misaligned":
+        return raw[offset : offset + size].view(np.float32).reshape(shape), kind
+    if kind == "broadcast":  # every element of a head at one address: a stream longer than the tensor
+        return np.broadcast_to(np.zeros((1,) * (len(shape) - 1) + (shape[-1],), np.float32), shape), kind
+    if kind == "reversed":
+        return np.zeros(shape, np.float32)[::-1], kind
+    if kind == "token bytes":  # two 2-byte elements per head and one head: 4 bytes per token
+        small = {"cpu": (2, 2, 32, 4), "flash": (2, 2, 32, 1, 2), "hnd": (2, 2, 1, 32, 2)}[preset]
+        return np.zeros(small, np.float16), kind
+    if kind == "dtype":
+        return np.zeros(shape, rng.choice([np.clongdouble, object, "V3", "V6"])), kind
+    if kind == "empty":
+        return np.zeros((0, *shape[1:]), np.float32), kind
+    if kind == "not an array":
+        return rng.choice([None, "cache", [0.0] * 8, _FailingDlpack(), rng.choice(LYING_PRODUCERS)]), kind
+    if kind == "torch" and torch is not None:
+        dense = torch.zeros(shape)
+        choice = rng.choice(["sparse", "meta", "expanded", "nested"])
+        if choice == "sparse":
+            return dense.to_sparse(), "torch sparse"
+        if choice == "meta":
+            return dense.to("meta"), "torch meta"
+        if choice == "nested":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.nested.nested_tensor([dense]), "torch nested"
+        return torch.zeros((1,) * (len(shape) - 1) + (shape[-1],)).expand(*shape), "torch expanded"
+    padded = np.zeros((*shape[:-1], shape[-1] + rng.choice([1, 4])), np.float32)
+    if preset != "cpu":
+        return padded[..., : shape[-1]][::-1], "reversed padded"
+    return padded[..., : shape[-1]], "padded plane"
+
+
+def test_the_presets_refuse_random_bad_caches_and_arguments_by_the_callers_names():
+    """Every refusal of a preset names kv_cache or the argument the case broke, never a field of the
+    RealKvSource it would have built (the caller passed no such thing)."""
+    rng = random.Random("presets")
+    for case in range(600):
+        preset = rng.choice(list(PRESET_SHAPES))
+        build, kwargs = _preset_call(preset)
+        build(**kwargs)  # valid as built
+        keys = ["kv_cache", "kv_cache", "read_bytes", "which"] + (["block_size", "num_kv_heads", "head_size", "isa"]
+                                                                   if preset == "cpu" else [])
+        key = rng.choice(keys)
+        if key == "kv_cache":
+            kwargs[key], what = _bad_cache(preset, rng)
+        elif key == "read_bytes":
+            kwargs[key] = rng.choice([0, -16, 8, 24, 80, 4096, *BAD_SCALARS])
+            what = f"read_bytes={kwargs[key]!r}"
+        elif key == "which":
+            kwargs[key] = rng.choice(["K", "kv", None, 0, "key", b"k"])
+            what = f"which={kwargs[key]!r}"
+        elif key == "isa":
+            kwargs[key] = rng.choice(["vec16", "amx", None, "VEC", 1])
+            what = f"isa={kwargs[key]!r}"
+        else:
+            kwargs[key] = rng.choice([0, -1, 7, 64, *BAD_SCALARS])
+            what = f"{key}={kwargs[key]!r}"
+        cache = kwargs["kv_cache"]
+        refuses(lambda kwargs=kwargs, build=build: build(**kwargs), cache if isinstance(cache, np.ndarray) else None,
+                f"case {case}: {preset} {what}", names=(key, "kv_cache"), never=("RealKvSource",))
+
+
+@pytest.mark.skipif(torch is None, reason="torch is not installed")
+def test_preset_sources_over_random_torch_caches_moved_later_refuse_every_launch_by_the_caches_name():
+    rng = random.Random("moved presets")
+    for case in range(40):
+        preset = rng.choice(list(PRESET_SHAPES))
+        build, kwargs = _preset_call(preset)
+        cache = torch.zeros(PRESET_SHAPES[preset])
+        source = build(**{**kwargs, "kv_cache": cache, "which": rng.choice("kv")})
+        ctx = kc.VerifyOrWriteContext.allocate(num_slots=16, ring_capacity=4, real_kv_sources=(source,),
+                                               real_kv_hash_mode=kc.RealKvHashMode.ALL)
+        move = rng.choice(["set_", "resize_", "storage resize"])
+        if move == "set_":
+            cache.set_(torch.zeros(cache.shape))
+        elif move == "resize_":
+            cache.resize_(cache.numel() * rng.choice([8, 64]))
+        else:
+            cache.untyped_storage().resize_(rng.choice([0, 64]))
+        wp = kc.WritePlan.allocate(write_req_capacity=1)
+        wp.write_offsets[:] = [0, 1]
+        wp.write_seed_slot_indices[0] = -1
+        wp.write_num_valid_reqs[0] = 1
+        one = np.ones(1, np.int64)
+        backend = rng.choice(BACKENDS)
+        entry = rng.choice([kc.launch_canary_write_kernel, kc.bind_write])
+        refuses(lambda ctx=ctx, wp=wp, one=one, backend=backend, entry=entry: entry(
+            context=ctx, plan=wp, input_ids=one, positions=one, out_cache_loc=one, enable_write_input_assert=False,
+            backend=backend), [dataclasses.replace(ctx, real_kv_sources=()), wp],  # the moved cache is no output
+            f"case {case}: {preset} cache moved by {move}", names=("kv_cache",))
+
+
+def test_random_layouts_are_refused_exactly_when_a_token_reaches_past_or_outgrows_the_tensor():
+    """By the layout's definition, by hand: a source over ``span`` bytes is refused when slot 0's last byte lies
+    past the tensor or one token's stream (heads x elements x element bytes) is longer than the whole tensor
+    (zero strides alias; the work per slot must stay within the tensor); anything else is accepted."""
+    rng = random.Random("extents")
+    for case in range(400):
+        eb = rng.choice([1, 2, 4, 8, 16])
+        heads, per_head = rng.randrange(1, 2**rng.randrange(1, 12)), rng.randrange(1, 2**rng.randrange(1, 12))
+        while (heads * per_head * eb) % 16:
+            per_head += 1
+        strides = [eb * rng.choice([0, 0, 1, 2, 3, 16, 1000]) for _ in range(4)]
+        layout = kc.KvByteLayout(page_stride=strides[0], token_stride=strides[1], head_stride=strides[2],
+                                 element_stride=strides[3], num_heads=heads, elements_per_head=per_head,
+                                 element_bytes=eb)
+        last = (heads - 1) * strides[2] + (per_head - 1) * strides[3] + eb - 1  # slot 0's last byte
+        per_token = heads * per_head * eb
+        span = rng.choice([last + 1, per_token, per_token - 16, last + 1 + rng.randrange(0, 4096), 16, 4096])
+        span = max(span, 16)
+        tensor = np.zeros(span, np.uint8)
+        read = 16 * rng.randrange(1, per_token // 16 + 1)
+        what = f"case {case}: {layout} over {span} bytes"
+        if last >= span or per_token > span:
+            refuses(lambda tensor=tensor, layout=layout, read=read, per_token=per_token: kc.RealKvSource(
+                tensor, page_size=rng.randrange(1, 5), num_bytes_per_token=per_token, read_bytes=read, layout=layout),
+                tensor, what, names=("RealKvSource.layout",))
+        else:
+            kc.RealKvSource(tensor, page_size=1, num_bytes_per_token=per_token, read_bytes=read, layout=layout)

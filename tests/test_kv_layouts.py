@@ -63,8 +63,10 @@ def random_layout_source(rng: np.random.Generator) -> tuple[kc.RealKvSource, int
     strides = [int(rng.integers(0, 9)) * eb for _ in range(4)]
     lay = kc.KvByteLayout(page_stride=strides[0], token_stride=strides[1], head_stride=strides[2],
                           element_stride=strides[3], num_heads=heads, elements_per_head=per_head, element_bytes=eb)
-    data = rng.integers(0, 256, size=int(lay.last_byte_in_token()) + 1 + int(rng.integers(0, 400)), dtype=np.uint8)
     per_token = lay.bytes_per_token
+    # at least one token's stream long (a source refuses a stream longer than its tensor), overlaps included
+    extent = max(int(lay.last_byte_in_token()) + 1, per_token)
+    data = rng.integers(0, 256, size=extent + int(rng.integers(0, 400)), dtype=np.uint8)
     read = 16 * int(rng.integers(1, per_token // 16 + 1))
     source = kc.RealKvSource(data, page_size=int(rng.integers(1, 5)), num_bytes_per_token=per_token, read_bytes=read,
                              layout=lay)
@@ -308,6 +310,144 @@ def test_presets_refuse_the_wrong_rank_or_kv_axis():
         flash_attn_source(np.zeros((2, 2, 16, 8), np.float32), which="k", read_bytes=16)
 
 
+def _padded_last_axis(bs: int, heads: int, d: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """A vLLM CPU cache viewed out of a buffer whose last axis is ``pad`` elements longer: each (block, head)
+    plane's rows are ``2 * d + pad`` apart, so the plane is not one run. Returns (the view, the buffer)."""
+    buf = np.zeros((2, heads, bs, 2 * d + pad), np.float32)
+    return buf[..., : 2 * d], buf
+
+
+@pytest.mark.parametrize("bs", [2, 3, 32])
+@pytest.mark.parametrize("which", ["k", "v"])
+@pytest.mark.parametrize("pad", [1, 4, 16])
+def test_vllm_cpu_preset_refuses_planes_that_are_not_contiguous(bs, which, pad):
+    """K column-major and V row-major are read as one run per (block, head) plane; a slice of a padded last axis
+    breaks the run (the layout would hash padding as K or V): refused by the cache's name."""
+    view, buf = _padded_last_axis(bs, 2, 8, pad)
+    caches = [view]
+    torch = pytest.importorskip("torch") if bs == 32 else None
+    if torch is not None:
+        caches.append(torch.zeros(buf.shape)[..., :16])
+    for cache in caches:
+        with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: kv_cache must be contiguous within each "
+                                                         r"\(block, head\) plane"):
+            vllm_cpu_source(cache, block_size=bs, num_kv_heads=2, head_size=8, which=which, read_bytes=16,
+                            isa="vec")
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_vllm_cpu_preset_reads_a_cache_padded_between_planes_like_contiguous_kv(axis):
+    """Padding between blocks, between heads, or after a block's tokens (planes still one run each) is read in
+    place: the fingerprints equal those of the same K/V laid out contiguously."""
+    bs, heads, d = 4, 2, 8
+    k, v = per_token_kv(2 * bs, heads, d, np.float32, 21), per_token_kv(2 * bs, heads, d, np.float32, 22)
+    cache = vllm_cpu_cache(k, v, bs)  # [2, heads, bs, 2d]
+    shape = list(cache.shape)
+    shape[axis] += 1
+    padded = np.full(shape, np.float32(7.5))
+    view = padded[tuple(slice(0, n) for n in cache.shape)]
+    view[...] = cache
+    slots = np.arange(2 * bs)
+    for which, values in (("k", k), ("v", v)):
+        source = vllm_cpu_source(view, block_size=bs, num_kv_heads=heads, head_size=d, which=which, read_bytes=64,
+                                 isa="vec")
+        assert fingerprints([source], slots, MODE_ALL) == contiguous_fingerprints(values, 64, MODE_ALL, slots)
+
+
+def _preset_cases():
+    """(label, preset call, words): each cause of a preset refusal, which must name the caller's argument."""
+    cpu = dict(block_size=32, num_kv_heads=2, head_size=8, isa="vec")
+    raw = np.zeros(2 * 2 * 32 * 2 * 8 * 4 + 64, np.uint8)
+    start = (-raw.ctypes.data) % 16 + 4  # 4 bytes past a 16-byte boundary
+    misaligned = raw[start : start + 2 * 2 * 32 * 2 * 8 * 4].view(np.float32).reshape(2, 2, 32, 2, 8)
+    yield "read_bytes not whole units", lambda: flash_attn_source(np.zeros((2, 2, 32, 2, 8), np.float32),
+                                                                   which="k", read_bytes=24), "read_bytes must be"
+    yield "read_bytes past a token", lambda: flashinfer_hnd_source(np.zeros((2, 2, 2, 32, 8), np.float32),
+                                                                    which="v", read_bytes=128), "read_bytes must be"
+    yield "read_bytes a str", lambda: vllm_cpu_source(np.zeros((2, 2, 32, 16), np.float32), which="k",
+                                                      read_bytes="16", **cpu), "read_bytes must be an int"
+    yield "read_bytes 0", lambda: vllm_cpu_source(np.zeros((2, 2, 32, 16), np.float32), which="v", read_bytes=0,
+                                                  **cpu), "read_bytes must be"
+    yield "token not whole units", lambda: flash_attn_source(np.zeros((2, 2, 4, 1, 2), np.float16), which="k",
+                                                             read_bytes=16), "kv_cache holds 4 bytes"
+    yield "cpu token not whole units", lambda: vllm_cpu_source(np.zeros((2, 1, 32, 4), np.float16), block_size=32,
+                                                               num_kv_heads=1, head_size=2, which="k", read_bytes=16,
+                                                               isa="vec"), "kv_cache holds 4 bytes"
+    yield "misaligned", lambda: flash_attn_source(misaligned, which="k", read_bytes=16), "kv_cache's 'k' part starts"
+    yield "broadcast heads", lambda: flash_attn_source(np.broadcast_to(np.zeros((1, 1, 1, 1, 8), np.float32),
+                                                                       (2, 2, 4, 2, 8)), which="k", read_bytes=16), \
+        "kv_cache's 'k' part, by its strides, reads 64 bytes per token"
+    torch = pytest.importorskip("torch")
+    dense = torch.zeros((2, 2, 4, 2, 8))
+    yield "torch sparse", lambda: flash_attn_source(dense.to_sparse(), which="k", read_bytes=16), "kv_cache"
+    yield "torch meta", lambda: flash_attn_source(dense.to("meta"), which="k", read_bytes=16), "kv_cache"
+    yield "torch expanded", lambda: flashinfer_hnd_source(torch.zeros((1, 1, 1, 1, 8)).expand(2, 2, 2, 4, 8),
+                                                          which="v", read_bytes=16), "kv_cache's 'v' part, by"
+
+
+@pytest.mark.parametrize(("label", "call", "words"), list(_preset_cases()), ids=lambda x: x if isinstance(x, str)
+                         and " " in x else None)
+def test_presets_name_the_callers_arguments_never_the_fields_of_the_source(label, call, words):
+    with pytest.raises(kc.CanaryArgumentError, match=f"^kv-canary: {words}") as info:
+        call()
+    assert "RealKvSource" not in str(info.value), label
+
+
+def _torch_preset(name: str, torch):
+    """(a torch cache, a source over it) for each preset, small, with nonzero K/V."""
+    if name == "cpu":
+        cache = torch.arange(2 * 2 * 4 * 16, dtype=torch.float32).reshape(2, 2, 4, 16)
+        return cache, vllm_cpu_source(cache, block_size=4, num_kv_heads=2, head_size=8, which="v", read_bytes=64,
+                                      isa="vec")
+    if name == "flash":
+        cache = torch.arange(2 * 2 * 4 * 2 * 8, dtype=torch.float32).reshape(2, 2, 4, 2, 8)
+        return cache, flash_attn_source(cache, which="v", read_bytes=64)
+    cache = torch.arange(2 * 2 * 2 * 4 * 8, dtype=torch.float32).reshape(2, 2, 2, 4, 8)
+    return cache, flashinfer_hnd_source(cache, which="v", read_bytes=64)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("preset", ["cpu", "flash", "hnd"])
+@pytest.mark.parametrize("move", ["set_", "resize_"])
+def test_a_preset_source_over_a_torch_cache_moved_later_is_refused_like_a_plain_source(backend, preset, move):
+    """A preset reads K or V through a view of the cache; re-pointing the cache itself (``set_``) or growing it
+    into new memory (``resize_``) leaves that view on the old storage. The next launch is refused naming
+    kv_cache, as a plain RealKvSource over the tensor is, and writes nothing."""
+    torch = pytest.importorskip("torch")
+    cache, source = _torch_preset(preset, torch)
+    ctx = context(num_slots=8, real_kv_sources=(source,), real_kv_hash_mode=kc.RealKvHashMode.ALL)
+    write(ctx, [2], [-1], [1, 2], [10, 11], [0, 1], backend=backend)  # accepted while the cache is in place
+    if move == "set_":
+        cache.set_(torch.zeros_like(cache).untyped_storage(), 0, cache.shape, cache.stride())
+    else:
+        cache.resize_(cache.numel() * 64)  # larger than its storage: torch moves it to new memory
+    before = ctx.canary_buf.copy(), ctx.violation_ring.copy(), ctx.status.copy()
+    with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: kv_cache: the torch tensor's storage moved"):
+        write(ctx, [2], [-1], [3, 4], [12, 13], [2, 3], backend=backend)
+    with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: kv_cache: the torch tensor's storage moved"):
+        verify(ctx, [1, 2], [0, 1], [-1, 1], backend=backend)
+    after = ctx.canary_buf, ctx.violation_ring, ctx.status
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(before, after, strict=True))
+
+
+def test_a_layout_reading_more_bytes_per_token_than_its_tensor_holds_is_refused_before_any_allocation():
+    """Zero strides let a token's stream alias the same bytes; one longer than the whole tensor would make
+    read_bytes (work per slot, the reference's gather) unbounded: 2**40 bytes per token over 4 KiB is refused at
+    construction, and the boundary is the tensor's length."""
+    huge = kc.KvByteLayout(page_stride=0, token_stride=0, head_stride=0, element_stride=0, num_heads=1 << 20,
+                           elements_per_head=1 << 16, element_bytes=16)
+    with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: RealKvSource\.layout reads 1099511627776 bytes "
+                                                     r"per token .* more than the 4096 bytes RealKvSource\.tensor"):
+        kc.RealKvSource(np.zeros(4096, np.uint8), page_size=1, num_bytes_per_token=1 << 40, read_bytes=1 << 40,
+                        layout=huge)
+    aliased = layout(element_stride=0, elements_per_head=16)  # 16 two-byte elements, all at offset 0: 32 bytes
+    buf = np.zeros(64, np.uint8)
+    assert kc.RealKvSource(buf[:32], page_size=1, num_bytes_per_token=32, read_bytes=32,
+                           layout=aliased).slots_covered == UNBOUNDED_SLOTS
+    with pytest.raises(kc.CanaryArgumentError, match="more than the 31 bytes"):
+        kc.RealKvSource(buf[:31], page_size=1, num_bytes_per_token=32, read_bytes=32, layout=aliased)
+
+
 # --- through write and verify -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -405,3 +545,42 @@ def test_runtime_over_a_vllm_cpu_cache_is_clean_and_catches_a_flipped_k_bit(back
         assert raised is None
     else:
         assert raised == (4, [(33, "TAIL_K_FULL", ["verify_real_kv_hash"])])
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_runtime_over_a_preset_source_refuses_the_tail_phase_once_the_torch_cache_is_re_pointed(backend):
+    """The runtime binds its launches once; a preset source's cache re-pointed with ``set_`` after some steps
+    stops the next TAIL phase (the one that reads the KV) by the cache's name, with nothing written."""
+    torch = pytest.importorskip("torch")
+    from test_runtime import runtime_arrays
+
+    from kvcanary_cupy.runtime import CanaryConfig, CanaryRuntime, Capacities, KvGroup, KvPools, StepBatch
+
+    bs, heads, d = 8, 2, 4
+    cache = torch.zeros((4, heads, bs, 2 * d))
+    src = {w: vllm_cpu_source(cache, block_size=bs, num_kv_heads=heads, head_size=d, which=w, read_bytes=32,
+                              isa="vec") for w in ("k", "v")}
+    req_to_token = np.zeros((2, 16), np.int32)
+    rt = CanaryRuntime.create(CanaryConfig(mode="raise", backend=backend),
+                              KvPools((KvGroup.full("FULL", 4 * bs, src["k"], src["v"]),), req_to_token=req_to_token),
+                              Capacities(max_batch_size=2, max_tokens=8))
+    rt.mark_init_finished()
+
+    def step(position: int) -> None:
+        slot = 1 + position
+        req_to_token[1, position] = slot
+        rt.prepare(StepBatch(*(np.array(a, np.int64) for a in ([1], [position], [1], [7 + position], [position],
+                                                                [slot]))))
+        rt.pre_forward()
+
+    for position in range(3):
+        step(position)
+        rt.post_forward()
+        rt.finish_step()
+    step(3)
+    cache.set_(torch.zeros_like(cache))  # the engine re-allocated its KV cache
+    before = runtime_arrays(rt)
+    with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: kv_cache: the torch tensor's storage moved"):
+        rt.post_forward()
+    after = runtime_arrays(rt)
+    assert [k for k in before if not np.array_equal(before[k], after[k])] == []

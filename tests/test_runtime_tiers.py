@@ -107,3 +107,100 @@ def test_restore_refuses_what_names_no_restore_before_anything_is_written():
             rt.restore(*args)
     after = runtime_arrays(rt)
     assert [k for k in before if not np.array_equal(before[k], after[k])] == []
+
+
+def _whole(records: OffloadedRecords) -> OffloadedRecords:
+    return OffloadedRecords(records.model, records.count, {k: v.copy() for k, v in records.records.items()})
+
+
+def _broken_records(records: OffloadedRecords) -> list[tuple[str, OffloadedRecords, str]]:
+    """(what, a damaged copy of ``records``, words the refusal says): every way an engine can hand back records
+    that are not what offload() gave, each refused as a whole at restore."""
+    key = next(iter(records.records))
+    arr = records.records[key]
+    label = re.escape(f"records.records[{key!r}]")
+
+    def with_array(value):
+        out = _whole(records)
+        out.records[key] = value
+        return out
+
+    def with_field(**changes):
+        out = _whole(records)
+        for name, value in changes.items():
+            setattr(out, name, value)
+        return out
+
+    wide = np.zeros((arr.shape[0], 8), np.int64)
+    wide[:, ::2] = arr
+    cases = [
+        ("matrix", with_array(np.asmatrix(arr)), f"{label} must be a plain array"),
+        ("masked", with_array(np.ma.masked_array(arr, mask=np.zeros_like(arr, bool))), f"{label} must be a plain"),
+        ("list", with_array(arr.tolist()), f"{label} must be a NumPy host array"),
+        ("None", with_array(None), f"{label} must be a NumPy host array"),
+        ("int32", with_array(arr.astype(np.int32)), rf"{label} must be int64 \[4, 4\]"),
+        ("big-endian", with_array(arr.astype(">i8")), rf"{label} must be int64 \[4, 4\]"),
+        ("one row short", with_array(arr[:3].copy()), rf"{label} must be int64 \[4, 4\]"),
+        ("transposed", with_array(np.asfortranarray(arr)), f"{label} must be C-contiguous"),
+        ("strided", with_array(wide[:, ::2]), f"{label} must be C-contiguous"),
+        ("count as float", with_field(count=4.0), "records.count must be an int"),
+        ("count as str", with_field(count="4"), "records.count must be an int"),
+        ("negative count", with_field(count=-4), "records.count must be >= 0"),
+        ("dict as list", with_field(records=list(records.records.items())), "records.records must be a dict"),
+        ("no dict", with_field(records=None), "records.records must be a dict"),
+        ("model None", with_field(model=None), "records.model must be a str"),
+        ("foreign model", with_field(model="draft"), "records.model must be one of target"),
+        ("key not a pair", with_field(records={**records.records, "FULL": arr}), "records.records has the key"),
+    ]
+    extra = _whole(records)
+    extra.records[("FULL", 99)] = arr.copy()
+    cases.append(("a buffer this runtime lacks", extra,
+                  re.escape("records hold records for canary buffer ('FULL', 99)")))
+    return cases
+
+
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_restore_refuses_records_that_are_not_whole_by_name_and_writes_nothing(backend):
+    _, rt, _, _, records, _, _ = _offloaded(backend)
+    before = runtime_arrays(rt)
+    for what, broken, words in _broken_records(records):
+        with pytest.raises(CanaryArgumentError, match=f"^kv-canary: {words}"):
+            rt.restore(broken, DST, [0, 1, 2, 3], [-1, *DST[:3]])
+        after = runtime_arrays(rt)
+        assert [k for k in before if not np.array_equal(before[k], after[k])] == [], what
+    assert rt.restore(records, DST, [0, 1, 2, 3], [-1, *DST[:3]]) == 4  # the whole one is still accepted
+
+
+@pytest.mark.parametrize(("index", "words"), [
+    ([0, 1, 4], r"index holds 4, outside the 4 records \[0, 4\)"),
+    ([-1, 0], r"index holds -1, outside the 4 records"),
+    ([True, False], r"index as a boolean mask must have shape \(4,\)"),
+    ([0.0, 1.0], "index must be a 1-D integer host array"),
+    ([[0, 1], [2, 3]], "index must be a 1-D integer host array"),
+    (2, "index must be a 1-D integer host array"),
+    (None, "index must be a 1-D integer host array"),
+    ("0", "index must be a 1-D integer host array"),
+    (slice("a", None), "index slice"),
+    (slice(0, 4, 0), "index slice"),
+    (np.ma.masked_array([0, 1], mask=[False, True]), "index must be a plain array"),
+])
+def test_select_refuses_an_index_outside_the_records_by_name(index, words):
+    _, _, _, _, records, _, _ = _offloaded("numpy")
+    before = {k: v.copy() for k, v in records.records.items()}
+    with pytest.raises(CanaryArgumentError, match=f"^kv-canary: {words}"):
+        records.select(index)
+    assert all(np.array_equal(before[k], records.records[k]) for k in before)
+
+
+def test_select_picks_the_rows_named_by_an_index_a_mask_or_a_slice():
+    _, _, _, _, records, _, _ = _offloaded("numpy")
+    for index, rows in (([2, 0], [2, 0]), (np.array([True, False, False, True]), [0, 3]), (slice(1, 3), [1, 2]),
+                        ([], []), (np.array([3], np.uint8), [3])):
+        picked = records.select(index)
+        assert picked.model == records.model and picked.count == len(rows)
+        for key, arr in records.records.items():
+            assert picked.records[key].flags.c_contiguous
+            np.testing.assert_array_equal(picked.records[key], arr[rows].reshape(len(rows), 4))
+    # a disabled runtime offloads no arrays; what is selected still counts the slots asked for
+    assert OffloadedRecords("target", 4, {}).select([1, 3]).count == 2

@@ -143,10 +143,15 @@ def _bad_calls():
                                                        slots=pages)
     yield "page_size and page_stride apply to pages=", "offload", dict(canary_buf=canary, records_out=records,
                                                                       slots=pages, page_size=4)
+    # a page stride alone with slots= would silently turn slot s into s * stride: refused by name
+    for call, kw in (("offload", dict(records_out=records[:2])), ("restore", dict(records=records[:2]))):
+        for stride in (2, 5, 1):
+            yield "page_size and page_stride apply to pages=.*page_stride=", call, dict(
+                kw, canary_buf=canary, slots=pages, page_stride=stride)
     yield "page_size must be", "offload", dict(canary_buf=canary, records_out=records, pages=pages, page_size=0)
     yield "page_stride must be", "restore", dict(canary_buf=canary, records=records, pages=pages, page_size=4,
                                                  page_stride=3)
-    yield r"records must have shape \(8, 4\)", "offload", dict(canary_buf=canary, records_out=records[:6],
+    yield r"records_out must have shape \(8, 4\)", "offload", dict(canary_buf=canary, records_out=records[:6],
                                                               pages=pages, page_size=4)
     yield "pages must have dtype int64", "restore", dict(canary_buf=canary, records=records,
                                                          pages=pages.astype(np.int32), page_size=4)
@@ -154,7 +159,7 @@ def _bad_calls():
     yield r"pages\[1\]=4 is outside the 16 slots", "restore", dict(canary_buf=canary, records=records,
                                                                   pages=np.array([3, 4], np.int64), page_size=4)
     whole = np.zeros(16 * 32 + 256, np.uint8)
-    yield "records overlaps canary_buf", "offload", dict(
+    yield "records_out overlaps canary_buf", "offload", dict(
         canary_buf=whole[: 16 * 32].reshape(16, 32), pages=pages, page_size=4,
         records_out=whole[256:512].view(np.int64).reshape(8, 4))
 
@@ -347,6 +352,83 @@ def test_a_refused_restore_leaves_canary_ring_and_status_unchanged(backend):
     np.testing.assert_array_equal(dev.ctx.canary_buf, canary)
     np.testing.assert_array_equal(dev.ctx.violation_ring, ring)
     assert int(status[0]) == 0
+
+
+def _refused_by_its_verify(seed: int) -> tuple[dict, np.ndarray, np.ndarray]:
+    """A restore of random records into random pages (``page_stride`` >= ``page_size``, gaps between pages) whose
+    scatter is valid and whose verify then refuses: the slot table sends one restored position to a slot past
+    the canary buffer, which only the verify reads. Returns (restore arguments, the records, the slots the
+    scatter writes, by the hand formula slot = page * page_stride + j)."""
+    rng = np.random.default_rng(seed)
+    size = int(rng.integers(1, 5))
+    stride = size + int(rng.integers(0, 4))
+    count = int(rng.integers(1, 4))
+    num_slots = stride * 8
+    pages = (rng.permutation(7)[:count] + 1).astype(np.int64)  # distinct pages, all inside the buffer
+    written = np.array([p * stride + j for p in pages for j in range(size)], np.int64)
+    source_kv = rng.integers(0, 256, size=(num_slots, 32), dtype=np.uint8)
+    source = kc.RealKvSource(source_kv, page_size=1, num_bytes_per_token=32, read_bytes=32)
+    ctx = kc.VerifyOrWriteContext.allocate(num_slots=num_slots, ring_capacity=16, slot_stride_bytes=40,
+                                           real_kv_sources=(source,), real_kv_hash_mode=kc.RealKvHashMode.ALL)
+    ctx.canary_buf[...] = rng.integers(0, 256, size=ctx.canary_buf.shape, dtype=np.uint8)
+    records = rng.integers(-(2**62), 2**62, size=(written.shape[0], 4), dtype=np.int64)
+    table = np.zeros((2, 64), np.int32)
+    table[1, : written.shape[0]] = written
+    table[1, int(rng.integers(0, written.shape[0]))] = num_slots + int(rng.integers(0, 50))  # past the buffer
+    lens = np.array([written.shape[0]], np.int64)
+    args = dict(context=ctx, records=records, pages=pages, page_size=size, page_stride=stride, restored_lens=lens,
+                req_pool_indices=np.array([1], np.int64), req_to_token=table, status=np.zeros(1, np.int32))
+    return args, records, written
+
+
+def test_a_restore_refused_by_its_verify_puts_back_exactly_the_rows_it_scattered():
+    """The NumPy reference refuses a slot past the buffer only in the verify, after the scatter wrote the
+    restored rows: the undo must cover those rows (pages * page_stride + j, not pages * page_size + j) and leave
+    the canary buffer, the ring and status as they were, byte for byte, on every seed."""
+    for seed in range(60):
+        args, records, written = _refused_by_its_verify(seed)
+        ctx = args["context"]
+        before = [a.copy() for a in (ctx.canary_buf, ctx.violation_ring, ctx.violation_write_index, ctx.status,
+                                     args["status"])]
+        # what the scatter writes when nothing refuses: the hand formula's rows, each row's 4 fields
+        scattered = ctx.canary_buf.copy()
+        kc.restore_canary_records(records=records, canary_buf=scattered, pages=args["pages"],
+                                  page_size=args["page_size"], page_stride=args["page_stride"], backend="numpy")
+        changed = np.flatnonzero((scattered != ctx.canary_buf).any(axis=1))
+        assert set(changed) <= set(written.tolist()), seed  # the scatter writes only the hand formula's rows
+        np.testing.assert_array_equal(scattered[written, :32].view(np.int64), records)
+        refusal = r"^kv-canary: plan\.verify_slot_indices\[\d+\]=\d+ is outside"  # the verify's, after the scatter
+        with pytest.raises(kc.CanaryArgumentError, match=refusal):
+            kc.PrefixRestorer(verify_capacity=64, max_requests=2).restore(**args, backend="numpy")
+        after = [ctx.canary_buf, ctx.violation_ring, ctx.violation_write_index, ctx.status, args["status"]]
+        for name, a, b in zip(("canary_buf", "ring", "write index", "context status", "status"), before, after,
+                              strict=True):
+            assert a.tobytes() == b.tobytes(), f"seed {seed}: a refused restore changed {name}"
+
+
+def test_offload_and_prefix_restore_name_the_callers_arguments():
+    """offload_canary_records names its output records_out (the name the caller used), and a restore names its
+    context's canary buffer context.canary_buf; nothing is written."""
+    canary = np.zeros((16, 32), np.uint8)
+    pages = np.array([1, 2], np.int64)
+    for bad, words in ((np.zeros((8, 4), np.int32), "records_out must have dtype int64"),
+                       (np.zeros((8, 4), np.int64)[::-1], "records_out must be contiguous"),
+                       ([[0] * 4] * 8, "records_out must be an array")):
+        with pytest.raises(kc.CanaryArgumentError, match=f"^kv-canary: {words}"):
+            kc.offload_canary_records(canary_buf=canary, records_out=bad, pages=pages, page_size=4)
+    ctx = kc.VerifyOrWriteContext.allocate(num_slots=16)
+    for bad_buf, words in ((np.zeros((16, 24), np.uint8), r"context\.canary_buf slot stride"),
+                           (np.zeros((16, 32), np.int8), r"context\.canary_buf must have dtype uint8")):
+        with pytest.raises(kc.CanaryArgumentError, match=f"^kv-canary: {words}"):
+            kc.PrefixRestorer(verify_capacity=8, max_requests=1).restore(
+                context=ctx.for_endpoint(canary_buf=bad_buf), records=np.zeros((8, 4), np.int64), pages=pages,
+                page_size=4, restored_lens=np.array([8], np.int64), req_pool_indices=np.array([0], np.int64),
+                req_to_token=np.zeros((1, 8), np.int32))
+        assert not bad_buf.any()
+    with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: context must be a VerifyOrWriteContext"):
+        kc.PrefixRestorer(verify_capacity=8, max_requests=1).restore(
+            context=canary, records=np.zeros((8, 4), np.int64), pages=pages, page_size=4,
+            restored_lens=np.array([8], np.int64))
 
 
 # ---- sanitizers ---------------------------------------------------------------------------------------------

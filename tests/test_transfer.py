@@ -165,9 +165,9 @@ def _bad_calls():
     records = np.zeros((2, 4), np.int64)
     frozen = records.copy()
     frozen.flags.writeable = False
-    yield "records must have dtype int64", "gather", dict(canary_buf=canary, slots=slots,
+    yield "records_out must have dtype int64", "gather", dict(canary_buf=canary, slots=slots,
                                                           records_out=records.astype(np.int32))
-    yield r"records must have shape \(2, 4\)", "gather", dict(canary_buf=canary, slots=slots,
+    yield r"records_out must have shape \(2, 4\)", "gather", dict(canary_buf=canary, slots=slots,
                                                               records_out=np.zeros((3, 4), np.int64))
     yield "slots must have dtype int64", "scatter", dict(records=records, slots=slots.astype(np.int32),
                                                          canary_buf=canary)
@@ -179,13 +179,13 @@ def _bad_calls():
                                                                                        records_out=records))):
             yield (f"canary_buf slot stride must be a multiple of 8 .*got {stride} bytes", op,
                    dict(kw, canary_buf=np.zeros((8, stride), np.uint8)))
-    yield "records must be contiguous", "gather", dict(canary_buf=canary, slots=slots,
+    yield "records_out must be contiguous", "gather", dict(canary_buf=canary, slots=slots,
                                                        records_out=np.zeros((2, 8), np.int64)[:, ::2])
-    yield "records", "gather", dict(canary_buf=canary, slots=slots, records_out=frozen)
+    yield "records_out is read-only", "gather", dict(canary_buf=canary, slots=slots, records_out=frozen)
     yield "status must have dtype int32", "scatter", dict(records=records, slots=slots, canary_buf=canary,
                                                           status=np.zeros(1, np.int64))
     whole = np.zeros(8 * 32 + 64, np.uint8)
-    yield "records overlaps canary_buf", "gather", dict(canary_buf=whole[: 8 * 32].reshape(8, 32), slots=slots,
+    yield "records_out overlaps canary_buf", "gather", dict(canary_buf=whole[: 8 * 32].reshape(8, 32), slots=slots,
                                                         records_out=whole[64:128].view(np.int64).reshape(2, 4))
     yield "canary_buf overlaps records", "scatter", dict(records=whole[64:128].view(np.int64).reshape(2, 4),
                                                          slots=slots, canary_buf=whole[: 8 * 32].reshape(8, 32))
@@ -196,7 +196,7 @@ def _bad_calls():
                                                       slots=slots, records_out=records)
     yield "slots is not aligned", "scatter", dict(records=records, canary_buf=canary,
                                                   slots=raw[base + 4: base + 20].view(np.int64))
-    yield "records is not aligned", "gather", dict(canary_buf=canary, slots=slots,
+    yield "records_out is not aligned", "gather", dict(canary_buf=canary, slots=slots,
                                                    records_out=raw[base + 4: base + 68].view(np.int64).reshape(2, 4))
     yield "status is not aligned", "scatter", dict(records=records, slots=slots, canary_buf=canary,
                                                    status=raw[base + 2: base + 6].view(np.int32))

@@ -204,8 +204,12 @@ class WritePlan(_plan.WritePlan):
             offsets = self.write_offsets
             if offsets is None:
                 fail("write_offsets is required")
-            object.__setattr__(self, "verify_offsets",
-                               _zeros_next_to(offsets, int(offsets.shape[0]), torch.int64, "write_offsets"))
+            # sized by write_offsets: read its shape through the one conversion (a list or a scalar is refused)
+            template = offsets if isinstance(offsets, np.ndarray) else _tensor(offsets, "write_offsets")
+            shape = tuple(template.shape)
+            if len(shape) != 1:
+                fail(f"write_offsets must be 1-D, got shape {shape}")
+            object.__setattr__(self, "verify_offsets", _zeros_next_to(offsets, shape[0], torch.int64, "write_offsets"))
         _run_parent_post_init(WritePlan, self)
 
     @classmethod

@@ -14,7 +14,12 @@ import numpy as np
 from .._errors import fail
 from .._validate import host_int_vector
 from ..constants import CANARY_FIELDS_PER_SLOT
-from ..tiers import offload_canary_records, restore_canary_records
+from ..tiers import (
+    check_offloaded_records,
+    offload_canary_records,
+    restore_canary_records,
+    select_offloaded_records,
+)
 from ..transfer import gather_canary_records, scatter_canary_records
 from .batch import Buffer
 from .groups import GroupState, gather_lut
@@ -37,9 +42,7 @@ class OffloadedRecords:
 
     def select(self, index: Any) -> OffloadedRecords:
         """The records of the slots ``index`` (a host integer index or boolean mask into ``[0, count)``)."""
-        picked = {k: np.ascontiguousarray(a[index]) for k, a in self.records.items()}
-        count = next(iter(picked.values())).shape[0] if picked else 0
-        return OffloadedRecords(self.model, int(count), picked)
+        return OffloadedRecords(*select_offloaded_records(self, index))
 
 
 class RecordMoves(Sweeping):
@@ -178,6 +181,7 @@ class RecordMoves(Sweeping):
         reported by the next :meth:`finish_step` like any other. Outside any graph, between steps."""
         if not isinstance(records, OffloadedRecords):
             fail(f"records must be the OffloadedRecords of offload(), got {type(records).__name__}")
+        check_offloaded_records(records, models=self.models)
         slot_arr = host_int_vector(slots, "slots")
         pos_arr, prev_arr = host_int_vector(positions, "positions"), host_int_vector(prev_slots, "prev_slots")
         n = int(slot_arr.shape[0])
@@ -194,13 +198,7 @@ class RecordMoves(Sweeping):
         self._outside_capture("restore")
         self._check_launches(self._groups_of(records.model), "SWEEP")  # its verify runs them after the scatter
         buffers = self._canary_buffers(self._groups_of(records.model))
-        missing = [(state.name, b) for state, bufs in buffers for b in range(len(bufs))
-                   if (state.name, b) not in records.records]
-        if missing:
-            fail(f"records hold no records for canary buffer {missing[0]} (offloaded from another model or runtime)")
-        for key, arr in records.records.items():
-            if arr.shape != (n, CANARY_FIELDS_PER_SLOT) or arr.dtype != np.int64:
-                fail(f"records of {key} must be int64 [{n}, {CANARY_FIELDS_PER_SLOT}], got {arr.dtype} {arr.shape}")
+        check_offloaded_records(records, keys=[(state.name, b) for state, bufs in buffers for b in range(len(bufs))])
         space = self.space
         with self._timed("restore"), space.scope():
             for start, m, state, b, buf, dst, status in self._staged_buffers(slot_arr, "dst", buffers):
