@@ -58,7 +58,8 @@ def test_restore_refuses_records_of_the_right_shape_but_not_int64_before_writing
         bad = dict(records.records)
         bad[key] = records.records[key].astype(dtype)  # what a store that changed the element type gives back
         assert bad[key].shape == records.records[key].shape
-        with pytest.raises(CanaryArgumentError, match="^" + re.escape(f"kv-canary: records of {key} must be int64")):
+        message = f"kv-canary: records.records[{key}] must be int64"
+        with pytest.raises(CanaryArgumentError, match="^" + re.escape(message)):
             rt.restore(OffloadedRecords(records.model, records.count, bad), DST, positions=POSITIONS,
                        prev_slots=PREVS)
     assert _changed(before, rt) == []
