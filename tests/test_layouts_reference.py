@@ -125,6 +125,6 @@ def test_each_paged_check_has_its_status_bit_and_message(layout, bit, words):
     with pytest.raises(kc.CanaryArgumentError, match=words):
         kc.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, layout=layout, **kwargs)
     kc.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, layout=layout, on_invalid="flag",
-                                  **kwargs)
+                                  backend="numpy", **kwargs)
     assert int(vp.status[0]) == bit
     assert wp.write_seed_slot_indices[0] == -1

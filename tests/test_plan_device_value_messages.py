@@ -117,6 +117,6 @@ def test_a_paged_seed_flagged_while_entries_overflow_is_refused():
     vp, wp = kc.VerifyPlan.allocate(verify_capacity=2), kc.WritePlan.allocate(write_req_capacity=1)
     with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: .*block id 5"):
         kc.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, **kwargs)
-    kc.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, on_invalid="flag", **kwargs)
+    kc.launch_canary_plan_kernels(verify_plan_out=vp, write_plan_out=wp, on_invalid="flag", backend="numpy", **kwargs)
     assert int(vp.status[0]) == PlanStatus.BLOCK_ID_OUTSIDE_SLOTS
     assert (int(vp.enable[0]), int(wp.write_seed_slot_indices[0])) == (0, -1)

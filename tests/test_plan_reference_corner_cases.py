@@ -137,7 +137,7 @@ def test_pool_row_zero_of_a_page_list_is_read_on_the_masked_path_too():
         full_to_swa_index_mapping=None, verify_capacity=8,
         req_to_verify_expected_tokens=np.array([[50, 51, 52], [60, 61, 62]], np.int32),
         req_to_verify_expected_tokens_valid_lens=np.array([3, 4], np.int64), kv_token_id_vs_position_offset=0,
-        on_invalid="flag")
+        on_invalid="flag", backend="numpy")
     assert int(vp.status[0]) == 8
     assert vp.verify_slot_indices[:7].tolist() == [8, 9, 10, 12, 13, 14, 0]
     assert vp.verify_expected_tokens[:7].tolist() == [50, 51, 52, 60, 61, 62, -1]

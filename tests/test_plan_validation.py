@@ -227,7 +227,7 @@ class TestDeviceValuesRaiseInTheReference:
 
     def test_flag_mode_reports_instead(self):
         kwargs = good_kwargs(req_pool_indices=np.array([1, 9], np.int64))
-        kc.launch_canary_plan_kernels(**kwargs, on_invalid="flag")
+        kc.launch_canary_plan_kernels(**kwargs, on_invalid="flag", backend="numpy")
         vp = kwargs["verify_plan_out"]
         assert int(vp.status[0]) == kc.PlanStatus.REQ_POOL_INDEX_OUT_OF_RANGE
         n = int(vp.verify_num_valid[0])

@@ -59,7 +59,8 @@ def test_verify_flags_an_outside_slot_and_still_checks_the_others():
     runs, slots_run = int(ctx.kernel_run_counter[0]), int(ctx.slot_run_counter[0])
     fields(ctx)[2, 1] = 7  # slot 2's stored position is now wrong: the one violation expected
     vp = verify_plan([1, 64, 2], [0, 9, 1], [-1, 0, 1])
-    kc.launch_canary_verify_kernel(context=ctx, plan=vp, check_verify_expected_token=False, on_invalid="flag")
+    kc.launch_canary_verify_kernel(context=ctx, plan=vp, check_verify_expected_token=False, on_invalid="flag",
+                                   backend="numpy")
     assert int(ctx.status[0]) == SLOT_OUT_OF_RANGE
     (row,) = rows(ctx)
     assert (row[1], row[2], row[7]) == (2, 7, R.VERIFY_POSITION_MISMATCH)

@@ -64,7 +64,7 @@ def test_the_numpy_write_matches_the_oracle(name):
     wp = kc.WritePlan.from_tensors(write_offsets=offsets.copy(), write_seed_slot_indices=seeds.copy(),
                                    write_num_valid_reqs=np.array([seeds.shape[0]], np.int32))
     kc.launch_canary_write_kernel(context=ctx, plan=wp, input_ids=ids, positions=positions, out_cache_loc=locs,
-                                  enable_write_input_assert=False, on_invalid="flag")
+                                  enable_write_input_assert=False, on_invalid="flag", backend="numpy")
     state = oracle.CanaryState.from_arrays(canary, np.zeros((64, 8), np.int64))
     oracle.write_oracle(state, kernel_kind=int(kc.CanaryLaunchTag.HEAD_K_FULL), write_offsets=offsets,
                         write_seed_slot_indices=seeds, write_num_valid_reqs=seeds.shape[0], input_ids=ids,
@@ -101,7 +101,7 @@ def test_a_seed_written_earlier_in_the_launch_continues_that_write():
     wp = kc.WritePlan.from_tensors(write_offsets=offsets, write_seed_slot_indices=seeds,
                                    write_num_valid_reqs=np.array([2], np.int32))
     kc.launch_canary_write_kernel(context=ctx, plan=wp, input_ids=ids, positions=positions, out_cache_loc=locs,
-                                  enable_write_input_assert=False, on_invalid="flag")
+                                  enable_write_input_assert=False, on_invalid="flag", backend="numpy")
     f = ctx.canary_buf.view(np.int64)
     h5 = oracle.mix3(oracle.anchor_hash(), 11, 0)  # the running hash after slot 5 (token 11, position 0)
     assert oracle.to_u64(int(f[6, 2])) == h5
@@ -127,7 +127,7 @@ def test_input_assert_and_chain_position_rows_interleave_in_entry_order():
                                    write_num_valid_reqs=np.array([1], np.int32))
     kc.launch_canary_write_kernel(context=ctx, plan=wp, input_ids=ids, positions=positions, out_cache_loc=locs,
                                   enable_write_input_assert=True, expected_input_tokens=expected_ids,
-                                  expected_input_positions=expected_pos, on_invalid="flag")
+                                  expected_input_positions=expected_pos, on_invalid="flag", backend="numpy")
     state = oracle.CanaryState.from_arrays(canary, np.zeros((64, 8), np.int64))
     oracle.write_oracle(state, kernel_kind=int(kc.CanaryLaunchTag.HEAD_K_FULL), write_offsets=offsets,
                         write_seed_slot_indices=seeds, write_num_valid_reqs=1, input_ids=ids, positions=positions,
