@@ -39,8 +39,9 @@ def _plugin_env(monkeypatch, **values: str) -> None:
 # (variable, bad value): each refused by register(), naming the variable, before anything is hooked
 BAD_PLUGIN_SETTINGS = [
     ("KVCANARY_VLLM", "loud"), ("KVCANARY_VLLM", "LOG"),
-    ("KVCANARY_VLLM_FAULT", "junk"), ("KVCANARY_VLLM_FAULT", "wrong-token@x"), ("KVCANARY_VLLM_FAULT", "wrong-token@"),
-    ("KVCANARY_VLLM_FAULT", "wrong-token@-1"), ("KVCANARY_VLLM_FAULT", "@3"), ("KVCANARY_VLLM_FAULT", "wrong-token@3.5"),
+    ("KVCANARY_VLLM_FAULT", "junk"), ("KVCANARY_VLLM_FAULT", "wrong-token@x"),
+    ("KVCANARY_VLLM_FAULT", "wrong-token@"), ("KVCANARY_VLLM_FAULT", "wrong-token@-1"), ("KVCANARY_VLLM_FAULT", "@3"),
+    ("KVCANARY_VLLM_FAULT", "wrong-token@3.5"),
     ("KVCANARY_VLLM_BACKEND", "cuda"), ("KVCANARY_VLLM_BACKEND", "gpu"),
     ("KVCANARY_VLLM_RING_CAPACITY", "0"), ("KVCANARY_VLLM_RING_CAPACITY", "4096.0"),
     ("KVCANARY_VLLM_RING_CAPACITY", "2147483648"), ("KVCANARY_VLLM_SWEEP_INTERVAL", "-1"),
