@@ -4,9 +4,11 @@ engine untouched, and a step the canary fails (``raise`` mode) leaves it serving
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -107,3 +109,16 @@ def test_a_step_the_canary_fails_leaves_the_engine_serving_installed_and_removed
     finally:
         canary.remove()
     assert LOAD.run(llm) == want
+
+
+def test_the_plugin_logs_a_runner_it_cannot_check_and_leaves_it_unhooked(caplog):
+    """What the canary cannot check is decided when the runner's KV cache is built: one ERROR line, no hook, no
+    exception into vLLM's startup."""
+    runner = types.SimpleNamespace(_model_forward=lambda **kw: None, execute_model=lambda *a: None, kv_caches=[])
+    before = dict(vars(runner))
+    with caplog.at_level(logging.ERROR, logger="kvcanary_cupy.vllm"):
+        plugin._install_after_kv_cache(runner, kv.CanaryOptions(logger="kvcanary_cupy.vllm"), ("wrong-token", 3))
+    assert vars(runner) == before
+    assert [r.getMessage() for r in caplog.records] == [
+        "kv-canary not installed in SimpleNamespace, its KV cache is left unchecked: this model runner has no KV "
+        "cache yet; install the canary once the engine is built"]

@@ -132,9 +132,11 @@ def _install_after_kv_cache(runner: Any, options: CanaryOptions, fault: tuple[st
         old.remove()
     try:
         canary = VllmCanary(runner, options)
-    except ValueError as exc:
+    except Exception as exc:  # whatever it is, the engine serves on: said once, at startup
+        reason = str(exc).removeprefix("kv-canary: ") if isinstance(exc, ValueError) else \
+            f"{type(exc).__name__}: {exc}"
         logger.error("kv-canary not installed in %s, its KV cache is left unchecked: %s", type(runner).__name__,
-                     str(exc).removeprefix("kv-canary: "))
+                     reason)
         return
     canary.observers.append(_Metrics())
     if fault is not None:
