@@ -15,6 +15,7 @@ Where it hooks (vLLM 0.32; the full list with what is read is :data:`.internals.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -173,7 +174,11 @@ class VllmCanary(InstanceOverrides):
                 return original(scheduler_output, *args, **kwargs)
             except BaseException:
                 if self._hook_failed:
-                    self._undo_failed_step()
+                    try:
+                        self._undo_failed_step()
+                    except Exception:  # the step's own error is what the caller must see
+                        logging.getLogger(self.options.logger).exception(
+                            "kv-canary: could not undo the step it failed; the engine may need a restart")
                 raise
             finally:
                 self.in_step = False
