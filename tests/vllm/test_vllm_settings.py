@@ -88,6 +88,22 @@ def test_install_refuses_a_backend_the_engines_device_cannot_run_and_the_engine_
     assert LOAD.run(llm) == want
 
 
+def test_install_refuses_an_engine_with_async_scheduling_before_touching_it(llm):
+    """The runner's own flag is read at install (vLLM's CPU platform turns async scheduling off, so the flag is set by
+    hand here): the refusal says what to set, and nothing is hooked."""
+    runner = kv.find_runner(llm)
+    assert runner.use_async_scheduling is False
+    runner.use_async_scheduling = True
+    try:
+        before = dict(vars(runner))
+        with pytest.raises(ValueError, match=r"^kv-canary: this engine runs with async scheduling.*"
+                                             r"async_scheduling=False \(--no-async-scheduling\)$"):
+            kv.install(llm, backend="numpy")
+        assert vars(runner) == before
+    finally:
+        runner.use_async_scheduling = False
+
+
 def test_a_step_the_canary_fails_leaves_the_engine_serving_installed_and_removed(llm):
     want = baseline(llm)
     canary = kv.install(llm, mode="raise", backend="numpy", sweep_interval=0)

@@ -72,6 +72,10 @@ class VllmCanary(InstanceOverrides):
             fail("a kv-canary is already installed in this model runner; remove() it first")
         # Everything that can be refused is refused here, before the runner is touched: the backend against the
         # device of the engine's KV cache, and (unless mode is off) the runtime over that cache, built now.
+        if getattr(self.runner, "use_async_scheduling", False) is True:
+            fail("this engine runs with async scheduling, where the runner's request state lags the batch by a step "
+                 "and the canary's expected tokens would be wrong; start vLLM with async_scheduling=False "
+                 "(--no-async-scheduling)")
         caches = getattr(self.runner, "kv_caches", None)
         if not caches:
             fail("this model runner has no KV cache yet; install the canary once the engine is built")
