@@ -31,8 +31,8 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{RUNNER}.initialize_kv_cache", "patched at class level by the plugin: the canary installed in a "
              "runner once its KV cache is built (profiling calls skipped)",
              ("self", "kv_cache_config", "is_profiling")),
-    Internal(f"{RUNNER}.__init__", "read: requests, input_batch, kv_caches, kv_cache_config, use_async_scheduling, max_num_reqs, "
-             "max_num_tokens, max_model_len, compilation_config.static_forward_context"),
+    Internal(f"{RUNNER}.__init__", "read: requests, input_batch, kv_caches, kv_cache_config, use_async_scheduling, "
+             "max_num_reqs, max_num_tokens, max_model_len, compilation_config.static_forward_context"),
     Internal("vllm.v1.worker.cpu_model_runner:CPUModelRunner", "the runner class on CPU (a GPUModelRunner)"),
     Internal("vllm.forward_context:get_forward_context", "read inside the forward: attn_metadata per layer"),
     Internal("vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadata",
