@@ -9,6 +9,9 @@ Where it hooks (vLLM 0.32; the full list with what is read is :data:`.internals.
   each layer's attention metadata (``query_start_loc``, ``seq_lens``, ``block_table``, ``slot_mapping``); the
   canary plans, verifies and stamps HEAD before the original call and runs TAIL after it.
 
+Everything that can be refused (options, the backend against the KV cache's device, async scheduling, the
+runtime over the cache) is refused at install, before the runner is touched. A step the canary itself fails
+(``raise`` mode) is undone in an in-process engine so that it keeps serving (:meth:`VllmCanary._undo_failed_step`).
 ``remove()`` deletes the instance attributes it set, which restores the class's methods.
 """
 
