@@ -37,6 +37,7 @@ CASES: dict[str, tuple[dict[str, object], list[str]]] = {
     "KVCANARY_VLLM_RING_CAPACITY": ({"1": 1, "4096": 4096, "2147483647": 2147483647},
                                     ["0", "-1", "2147483648", "4096.0", "big"]),
     "KVCANARY_VLLM_SWEEP_INTERVAL": ({"0": 0, "8": 8}, ["-1", "often", "8.5", "2147483648"]),
+    "KVCANARY_VLLM_LOG_ROWS": ({"0": 0, "5": 5, "1000": 1000}, ["-1", "1001", "5.0", "few", " 5"]),
     "KVCANARY_VLLM_FAULT": ({"wrong-token": ("wrong-token", 3), "kv-bitflip@0": ("kv-bitflip", 0),
                              "slot-mapping@60": ("slot-mapping", 60)},
                             ["junk", "wrong-token@x", "wrong-token@", "wrong-token@-1", "@3", "wrong-token@3.5",
