@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from ._errors import fail
+from .settings import read as read_setting
 
 _LIMIT_ENV = "KVCANARY_MAX_ALLOCATION_BYTES"
 HOST_MEMORY_FRACTION = 0.5
@@ -48,11 +49,9 @@ def allocation_limit(device: Any = "cpu", max_allocation_bytes: int | None = Non
                 or max_allocation_bytes <= 0:
             fail(f"max_allocation_bytes must be a positive int, got {max_allocation_bytes!r}")
         return max_allocation_bytes, "max_allocation_bytes"
-    text = os.environ.get(_LIMIT_ENV)
-    if text:
-        if not text.strip().isdigit() or int(text) <= 0:
-            fail(f"{_LIMIT_ENV} must be a positive integer number of bytes, got {text!r}")
-        return int(text), _LIMIT_ENV
+    from_env = read_setting(_LIMIT_ENV)
+    if from_env is not None:
+        return int(from_env), _LIMIT_ENV
     dev = str(device)
     if dev.startswith("cuda"):
         index = int(dev[5:]) if dev[5:].isdigit() else 0

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import settings
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MB = 512
@@ -24,7 +26,7 @@ _RECENT_S = 600.0
 
 
 def cache_root() -> Path:
-    root = os.environ.get("KVCANARY_CACHE_DIR")
+    root = settings.read("KVCANARY_CACHE_DIR")
     if root:
         return Path(root)
     xdg = os.environ.get("XDG_CACHE_HOME")
@@ -44,13 +46,10 @@ def cupy_kernel_cache_dir() -> Path:
 
 
 def max_bytes() -> int:
-    text = os.environ.get("KVCANARY_CACHE_MAX_MB", "")
-    try:
-        mb = float(text) if text else DEFAULT_MAX_MB
-    except ValueError:
-        log.warning("KVCANARY_CACHE_MAX_MB=%r is not a number; using %d", text, DEFAULT_MAX_MB)
-        mb = DEFAULT_MAX_MB
-    return max(0, int(mb * 1024 * 1024))
+    """The cache's size cap in bytes: ``$KVCANARY_CACHE_MAX_MB`` MiB (any other value than a number from 0 to
+    1048576 is refused, never replaced by the default), else 512 MiB."""
+    mb = settings.read("KVCANARY_CACHE_MAX_MB")
+    return int((DEFAULT_MAX_MB if mb is None else mb) * 1024 * 1024)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any
 from . import __version__
 from .backends import BACKEND_NAMES, auto_choice, unavailable_reason
 from .cache import cupy_kernel_cache_dir, host_module_dir, max_bytes, usage
+from .settings import problems
 
 #: The extra to install for each CUDA major version that ``torch.version.cuda`` may report.
 CUDA_EXTRAS = {"12": "cuda12", "13": "cuda13"}
@@ -87,6 +88,11 @@ def _auto() -> dict[str, str]:
 
 def collect() -> dict[str, Any]:
     """Everything ``kvcanary info`` shows, as a JSON-ready dict."""
+    bad_settings = problems()
+    try:
+        cap: int | None = max_bytes()
+    except ValueError:  # a wrong KVCANARY_CACHE_MAX_MB: listed under "settings" instead
+        cap = None
     host = host_module_dir(create=False)
     host_usage = usage(host)
     cupy_cache = usage(cupy_kernel_cache_dir())
@@ -105,10 +111,11 @@ def collect() -> dict[str, Any]:
         "versions": versions,
         "caches": [
             {"name": "host modules", "path": str(host), "files": host_usage.files, "bytes": host_usage.bytes,
-             "cap_bytes": max_bytes(), "cleared_by": "kvcanary cache clear"},
+             "cap_bytes": cap, "cleared_by": "kvcanary cache clear"},
             {"name": "CuPy kernels (shared with every CuPy user)", "path": str(cupy_cache.path),
              "files": cupy_cache.files, "bytes": cupy_cache.bytes, "cap_bytes": None, "cleared_by": None},
         ],
+        "settings": bad_settings,
     }
 
 
@@ -147,4 +154,7 @@ def render_text(info: dict[str, Any]) -> str:
         how = f"; '{c['cleared_by']}' empties it" if c["cleared_by"] else "; not cleared by kvcanary"
         lines.append(f"  {c['name']}: {c['path']}")
         lines.append(f"    {c['files']} files, {_size(c['bytes'])}{cap}{how}")
+    lines += ["", "settings:"]
+    lines += [f"  {p.removeprefix('kv-canary: ')}" for p in info["settings"]] or \
+        ["  every KVCANARY_* variable that is set is valid"]
     return "\n".join(lines)

@@ -1549,3 +1549,105 @@ def test_random_layouts_are_refused_exactly_when_a_token_reaches_past_or_outgrow
                 tensor, what, names=("RealKvSource.layout",))
         else:
             kc.RealKvSource(tensor, page_size=1, num_bytes_per_token=per_token, read_bytes=read, layout=layout)
+
+
+# ---- the environment variables ---------------------------------------------------------------------------------
+
+# What docs/backends.md documents for each variable, written out by hand: (lowest, highest) for a number, the
+# accepted words otherwise (None: any text).
+ENV_DOCUMENTED: dict[str, tuple[int, int] | tuple[str, ...] | None] = {
+    "KVCANARY_CACHE_DIR": None, "KVCANARY_CACHE_MAX_MB": (0, 1048576), "KVCANARY_HOST_SANITIZE": ("0", "1", "thread"),
+    "KVCANARY_HOST_THREADS": (1, 256), "KVCANARY_HOST_SPIN_US": (0, 1000000),
+    "KVCANARY_MAX_ALLOCATION_BYTES": (1, (1 << 63) - 1), "KVCANARY_DEBUG": ("0", "1"),
+    "KVCANARY_REPLAY_SANITIZED_CHILD": ("1",), "KVCANARY_VLLM": ("log", "raise", "off"),
+    "KVCANARY_VLLM_REAL_KV_HASH": ("partial", "all", "none"),
+    "KVCANARY_VLLM_WITH_V": ("1", "0", "true", "false", "yes", "no"),
+    "KVCANARY_VLLM_BACKEND": ("auto", "numpy", "host", "cuda"), "KVCANARY_VLLM_RING_CAPACITY": (1, 2147483647),
+    "KVCANARY_VLLM_SWEEP_INTERVAL": (0, 2147483647), "KVCANARY_VLLM_LOG_ROWS": (0, 1000),
+    "KVCANARY_VLLM_FAULT": ("<kind>@<step>",),
+}
+_ENV_PIECES = ["0", "1", "7", "256", "257", "-", "+", ".", "5", "e", "E3", "inf", "nan", "Infinity", " ", "\t", "_",
+               "x", "0x1f", "\u00b2", "\u0665", "\uff11", "1000000", "1048577", "9" * 25, "thread", "log", "host",
+               "cuda", "@", "wrong-token", "kv-bitflip", "True", "yes", "\n", "é"]
+
+
+def _junk(rng: random.Random) -> str:
+    return "".join(rng.choice(_ENV_PIECES) for _ in range(rng.randint(1, 4)))
+
+
+def _documented(name: str, raw: str, value: Any) -> bool:
+    """Whether an accepted ``raw`` is a value the docs allow, and ``value`` what it says (an independent check)."""
+    spec = ENV_DOCUMENTED[name]
+    if spec is None:
+        return value == raw
+    if name == "KVCANARY_VLLM_FAULT":
+        from kvcanary_cupy.integrations.vllm.faults import FAULT_KINDS
+
+        kind, _, step = raw.partition("@")
+        return kind in FAULT_KINDS and value == (kind, int(step) if step else 3) and (not step or step.isdigit())
+    if isinstance(spec[0], str):
+        return raw in spec
+    lo, hi = spec
+    return raw.isascii() and raw.replace(".", "", 1).isdigit() and lo <= float(raw) <= hi and value == float(raw)
+
+
+def test_every_environment_variable_takes_only_documented_values_and_refuses_junk_naming_itself():
+    from kvcanary_cupy import settings
+
+    assert set(ENV_DOCUMENTED) == set(settings.SETTINGS)
+    rng = random.Random("environment")
+    for name in settings.SETTINGS:
+        for _ in range(150):
+            raw = _junk(rng)
+            try:
+                value = settings.read(name, {name: raw})
+            except kc.CanaryArgumentError as exc:
+                assert str(exc).startswith(f"kv-canary: {name} must be "), (name, raw, str(exc))
+                continue
+            except Exception as exc:
+                raise AssertionError(f"{name}={raw!r}: {type(exc).__name__}: {exc}") from exc
+            assert raw == "" or _documented(name, raw, value), (name, raw, value)
+
+
+def test_the_entry_points_that_read_a_variable_refuse_its_junk_before_doing_anything(tmp_path, monkeypatch):
+    """Each reader of a variable, given junk: it works (the junk was a documented value) or raises CanaryArgumentError
+    naming the variable, and no file appears under the cache folder."""
+    from kvcanary_cupy import cache, hostcuda
+    from kvcanary_cupy._limits import allocation_limit
+    from kvcanary_cupy.backends import host_sanitizer_requested
+    from kvcanary_cupy.integrations.common.options import backend_refusal
+    from kvcanary_cupy.integrations.vllm.canary import CanaryOptions
+
+    root = tmp_path / "cache"
+    monkeypatch.setenv("KVCANARY_CACHE_DIR", str(root))
+    readers: dict[str, Callable[[], Any]] = {
+        "KVCANARY_CACHE_MAX_MB": cache.max_bytes, "KVCANARY_HOST_THREADS": hostcuda.default_host_threads,
+        "KVCANARY_HOST_SPIN_US": hostcuda._check_host_settings, "KVCANARY_HOST_SANITIZE": host_sanitizer_requested,
+        "KVCANARY_MAX_ALLOCATION_BYTES": lambda: allocation_limit("cpu"),
+    }
+    vllm_names = [n for n in ENV_DOCUMENTED if n.startswith("KVCANARY_VLLM_")] + ["KVCANARY_VLLM_BACKNED"]
+    rng = random.Random("environment-readers")
+    for _ in range(120):
+        name = rng.choice([*readers, *vllm_names])
+        raw = _junk(rng)
+        env = {"KVCANARY_VLLM": "log", name: raw}
+        call = (lambda env=env: CanaryOptions.from_env(env)) if name in vllm_names else readers[name]
+        monkeypatch.setenv(name, raw)
+        try:
+            call()
+        except kc.CanaryArgumentError as exc:
+            assert str(exc).startswith("kv-canary: ") and name in str(exc), (name, raw, str(exc))
+        except Exception as exc:
+            raise AssertionError(f"{name}={raw!r}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            monkeypatch.delenv(name)
+    assert not root.exists()
+    # the install option checked against the device: every backend name on every device kind, and junk
+    for backend in ["auto", "numpy", "host", "cuda", "gpu", ""]:
+        for device in ("cpu", "cuda", "meta"):
+            refusal = backend_refusal(backend, device)
+            runs = {"cpu": ("auto", "numpy", "host"), "cuda": ("auto", "cuda")}.get(device, ())
+            if backend not in runs:
+                assert refusal is not None, (backend, device)
+            elif refusal is not None:  # a backend for this device that this machine cannot run: says why
+                assert "not available here" in refusal and unavailable_reason(backend) is not None

@@ -105,16 +105,57 @@ def _env_vars_read_by_the_package() -> set[str]:
     for path in [*package.rglob("*.py"), *package.rglob("*.cpp"), *package.rglob("*.h")]:
         text = path.read_text()
         names |= set(re.findall(r"""(?:environ\.get|getenv|environ\[|setenv)\(?\s*["']([A-Z][A-Z0-9_]+)["']""", text))
-        names |= set(re.findall(r"""^_[A-Z_]*ENV\s*=\s*["']([A-Z][A-Z0-9_]+)["']""", text, re.M))
+        names |= set(re.findall(r"""^_?[A-Z_]*ENV\s*=\s*["']([A-Z][A-Z0-9_]+)["']""", text, re.M))
+        names |= set(re.findall(r"""read(?:_setting)?\(\s*["']([A-Z][A-Z0-9_]+)["']""", text))
     return names
 
 
+def _table_rows() -> dict[str, str]:
+    """docs/backends.md's table of environment variables: each variable named in a row's first cell -> the row."""
+    page = (ROOT / "docs" / "backends.md").read_text()
+    table = page[page.index("| variable |"):].split("\n\n")[0]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        first = line.split("|")[1]
+        for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", first):
+            rows[name] = line
+    return rows
+
+
 def test_the_backends_page_lists_every_environment_variable_the_package_reads():
+    from kvcanary_cupy.settings import SETTINGS
+
     found = _env_vars_read_by_the_package()
-    expected = {"KVCANARY_CACHE_DIR", "XDG_CACHE_HOME", "KVCANARY_HOST_SANITIZE", "CXX", "KVCANARY_HOST_SPIN_US"}
+    expected = {"KVCANARY_CACHE_DIR", "XDG_CACHE_HOME", "KVCANARY_HOST_SANITIZE", "CXX", "KVCANARY_HOST_SPIN_US",
+                "KVCANARY_HOST_THREADS", "KVCANARY_CACHE_MAX_MB", "KVCANARY_MAX_ALLOCATION_BYTES"}
     assert expected <= found, found
-    readme = (ROOT / "docs" / "backends.md").read_text()
-    table = readme[readme.index("| variable |"):]
-    table = table.split("\n\n")[0]
-    listed = set(re.findall(r"^\| `([A-Z][A-Z0-9_]+)`", table, re.M))
-    assert found <= listed, f"not in docs/backends.md's table: {sorted(found - listed)}"
+    rows = _table_rows()
+    listed = set(rows)
+    missing = (found | set(SETTINGS)) - listed
+    assert not missing, f"not in docs/backends.md's table: {sorted(missing)}"
+    # and the table names no KVCANARY_ variable the package does not check
+    assert {n for n in listed if n.startswith("KVCANARY_")} == set(SETTINGS)
+
+
+def test_the_table_states_each_variables_range_as_the_code_checks_it():
+    """Each row of a checked variable names the values the code accepts at its bounds (hand-picked per variable),
+    so a range changed in one place and not the other fails here."""
+    from kvcanary_cupy.settings import read
+
+    rows = _table_rows()
+    bounds = {"KVCANARY_CACHE_MAX_MB": ("0", "1048576"), "KVCANARY_HOST_THREADS": ("1", "256"),
+              "KVCANARY_HOST_SPIN_US": ("0", "1000000"), "KVCANARY_VLLM_RING_CAPACITY": ("1", "2147483647"),
+              "KVCANARY_VLLM_SWEEP_INTERVAL": ("0", "2147483647")}
+    for name, (low, high) in bounds.items():
+        plain = rows[name].replace(",", "").replace("–", " ")
+        assert re.search(rf"\b{low}\b", plain) and re.search(rf"\b{high}\b", plain), (name, rows[name])
+        assert read(name, {name: low}) is not None and read(name, {name: high}) is not None
+        for outside in (str(int(high) + 1),) + ((str(int(low) - 1),) if int(low) > 0 else ()):
+            with pytest.raises(ValueError, match=rf"^kv-canary: {name}"):
+                read(name, {name: outside})
+    for name, values in {"KVCANARY_HOST_SANITIZE": ("0", "1", "thread"), "KVCANARY_VLLM": ("log", "raise", "off"),
+                         "KVCANARY_VLLM_BACKEND": ("auto", "numpy", "host", "cuda"),
+                         "KVCANARY_VLLM_REAL_KV_HASH": ("partial", "all", "none")}.items():
+        for value in values:
+            assert f"`{value}`" in rows[name], (name, value)
+            assert read(name, {name: value}) is not None

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._errors import fail
+from ..settings import read as read_setting
 
 if TYPE_CHECKING:
     from ..dlpack import Device
@@ -78,14 +78,14 @@ def available_backends() -> list[str]:
 
 
 def host_sanitize_requested() -> bool:
-    return os.environ.get("KVCANARY_HOST_SANITIZE", "") not in ("", "0")
+    return host_sanitizer_requested() is not None
 
 
 def host_sanitizer_requested() -> str | None:
-    """``KVCANARY_HOST_SANITIZE``: unset or 0 -> None, ``thread`` -> ThreadSanitizer, else AddressSanitizer."""
-    if not host_sanitize_requested():
-        return None
-    return "thread" if os.environ["KVCANARY_HOST_SANITIZE"].strip().lower() == "thread" else "address"
+    """``KVCANARY_HOST_SANITIZE``: unset, empty or 0 -> None, 1 -> AddressSanitizer (``"address"``), ``thread``
+    -> ThreadSanitizer; any other value is refused (:mod:`kvcanary_cupy.settings`)."""
+    mode = read_setting("KVCANARY_HOST_SANITIZE")
+    return None if mode in (None, "off") else str(mode)
 
 
 @functools.cache

@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import settings
 from ..cache import host_module_dir, prune, touch
 
 log = logging.getLogger(__name__)
@@ -133,19 +134,12 @@ def _threads_value(value: Any, name: str) -> int:
 
 
 def default_host_threads() -> int:
-    """Threads a launch uses when nothing else says: ``$KVCANARY_HOST_THREADS`` when set, else the number of
-    cores this process may run on (``os.sched_getaffinity``, which honours taskset and cgroup cpusets)."""
-    raw = os.environ.get(THREADS_ENV, "").strip()
-    if raw:
-        try:
-            value = int(raw)
-        except ValueError:
-            value = None
-        if value is None or value < 1:
-            from .._errors import fail
-
-            fail(f"{THREADS_ENV} must be a positive integer, got {raw!r}")
-        return min(value, 256)
+    """Threads a launch uses when nothing else says: ``$KVCANARY_HOST_THREADS`` when set (1 to 256; any other
+    value is refused, never clamped), else the number of cores this process may run on
+    (``os.sched_getaffinity``, which honours taskset and cgroup cpusets), at most 256."""
+    value = settings.read(THREADS_ENV)
+    if value is not None:
+        return int(value)
     try:
         return max(1, min(len(os.sched_getaffinity(0)), 256))
     except AttributeError:  # no sched_getaffinity on this platform
@@ -156,16 +150,12 @@ def default_host_threads() -> int:
 SPIN_ENV = "KVCANARY_HOST_SPIN_US"
 
 
-def _check_spin_setting() -> None:
-    """Refuse a ``$KVCANARY_HOST_SPIN_US`` the pool library would not take (it reads the variable itself, once,
-    when it loads, and would fall back to its default): an integer from 0 to 1,000,000 microseconds."""
-    raw = os.environ.get(SPIN_ENV)
-    if raw is None:
-        return
-    if not (raw.isascii() and raw.isdigit() and int(raw) <= 1_000_000):
-        from .._errors import fail
-
-        fail(f"{SPIN_ENV} must be an integer from 0 to 1000000 (microseconds), got {raw!r}")
+def _check_host_settings() -> None:
+    """Refuse, before a module build writes anything, every host-backend variable outside its range: the cache
+    folder and its cap, the default thread count, and ``$KVCANARY_HOST_SPIN_US``, which the pool library reads
+    itself, once, when it loads (and would silently replace by its default)."""
+    for name in ("KVCANARY_CACHE_DIR", "KVCANARY_CACHE_MAX_MB", THREADS_ENV, SPIN_ENV):
+        settings.read(name)
 
 
 def set_host_threads(threads: int | None) -> None:
@@ -655,6 +645,7 @@ class HostModule:
         )
         headers = _included_headers(code, dirs)
 
+        _check_host_settings()
         cxx = _require_compiler()
         version = _compiler_version(cxx)
         flags = _BASE_FLAGS + {None: (), "address": _SANITIZE_FLAGS, "thread": _TSAN_FLAGS}[self.sanitizer]
@@ -677,7 +668,6 @@ class HostModule:
         target = host_module_dir() / f"{stem}-{key[:32]}{flavour}.so"
         self.library_path = target
         self.from_cache = target.exists()
-        _check_spin_setting()
         pool = _pool_library(cxx, version, flags)
         if self.from_cache:
             touch(target)

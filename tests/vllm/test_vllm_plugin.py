@@ -24,6 +24,7 @@ HERE = Path(__file__).parent
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM")}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: engine core in its own process
+    env["PYTHONPATH"] = str(HERE.parents[1])  # this checkout's package, whatever the environment installed
     env.update(extra)
     return env
 

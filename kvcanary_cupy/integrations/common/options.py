@@ -12,7 +12,7 @@ from typing import Any, ClassVar, TypeVar
 
 from ..._errors import fail
 from ..._validate import bool_arg, int_arg
-from ...backends import BACKEND_NAMES, auto_choice
+from ...backends import BACKEND_NAMES, auto_choice, available_backends, unavailable_reason
 from ...runtime import CanaryConfig
 from ...runtime.config import MAX_LOG_ROWS
 from ...runtime.reporting import DEFAULT_LOG_ROWS
@@ -96,3 +96,22 @@ class EngineCanaryOptions:
                             write_input_assert=True, verify_token_assert=True, backend=self.backend,
                             sweep_interval=self.sweep_interval, logger=self.logger, log_rows=self.log_rows,
                             **extra)
+
+
+#: The backends that run on each kind of device the engine's KV cache may live on.
+DEVICE_BACKENDS = {"cpu": ("numpy", "host"), "cuda": ("cuda",)}
+
+
+def backend_refusal(backend: str, device_kind: str) -> str | None:
+    """Why ``backend`` cannot check a KV cache on a ``device_kind`` device (``"cpu"``, ``"cuda"``), or None when it
+    can: asked at install, so that a backend the engine's device cannot run is refused before any step."""
+    runs_here = DEVICE_BACKENDS.get(device_kind, ())
+    if backend == "auto":
+        return None if runs_here else f"no backend runs on a {device_kind} KV cache"
+    if backend not in runs_here:
+        return (f"backend {backend!r} cannot check this engine's KV cache, which is on {device_kind} (backends for "
+                f"{device_kind}: {', '.join(runs_here) or 'none'}, or auto)")
+    reason = unavailable_reason(backend)
+    if reason is not None:
+        return f"backend {backend!r} is not available here: {reason} (available: {', '.join(available_backends())})"
+    return None

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ... import settings
 from ..._errors import fail
 from ...constants import MAX_REAL_KV_SOURCES
 from ...context import RealKvSource
@@ -62,28 +63,25 @@ class CanaryOptions(EngineCanaryOptions):
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> CanaryOptions | None:
         """Options from ``KVCANARY_VLLM`` (the mode: ``log``, ``raise`` or ``off``) and ``KVCANARY_VLLM_<FIELD>``
-        (``REAL_KV_HASH``, ``WITH_V``, ``BACKEND``, ``RING_CAPACITY``, ``SWEEP_INTERVAL``, ``LOG_ROWS``); None when
-        ``KVCANARY_VLLM`` is unset or empty (the plugin then does nothing)."""
+        (``REAL_KV_HASH``, ``WITH_V``, ``BACKEND``, ``RING_CAPACITY``, ``SWEEP_INTERVAL``, ``LOG_ROWS``); None
+        when ``KVCANARY_VLLM`` is unset or empty (the plugin then does nothing). Each value is parsed and checked
+        by :mod:`kvcanary_cupy.settings` and refused, naming the variable, outside its range; so is a
+        ``KVCANARY_VLLM_*`` name the plugin does not know (a misspelt option would otherwise be ignored)."""
         env = os.environ if environ is None else environ
-        mode = env.get(ENV_PREFIX, "").strip().lower()
-        if not mode:
+        mode = settings.read(ENV_PREFIX, env)
+        if mode is None:
             return None
+        unknown = settings.unknown_vllm_variables(env)
+        if unknown:
+            known = [n for n in settings.SETTINGS if n.startswith(ENV_PREFIX)]
+            fail(f"{', '.join(unknown)}: not a variable of the vLLM plugin (known: {', '.join(known)})")
         values: dict[str, Any] = {"mode": mode}
         for f in fields(cls):
-            raw = env.get(f"{ENV_PREFIX}_{f.name.upper()}")
-            if raw is None or f.name == "mode":
-                continue
-            if f.type in ("int", int):
-                try:
-                    values[f.name] = int(raw)
-                except ValueError:
-                    fail(f"{ENV_PREFIX}_{f.name.upper()} must be an integer, got {raw!r}")
-            elif f.type in ("bool", bool):
-                if raw.lower() not in ("0", "1", "true", "false", "yes", "no"):
-                    fail(f"{ENV_PREFIX}_{f.name.upper()} must be 0/1/true/false, got {raw!r}")
-                values[f.name] = raw.lower() in ("1", "true", "yes")
-            else:
-                values[f.name] = raw
+            name = f"{ENV_PREFIX}_{f.name.upper()}"
+            if name in settings.SETTINGS and f.name != "mode":
+                value = settings.read(name, env)
+                if value is not None:
+                    values[f.name] = value
         opts = cls(**values)
         opts.config()
         return opts

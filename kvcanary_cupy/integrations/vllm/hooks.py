@@ -9,12 +9,16 @@ Where it hooks (vLLM 0.32; the full list with what is read is :data:`.internals.
   each layer's attention metadata (``query_start_loc``, ``seq_lens``, ``block_table``, ``slot_mapping``); the
   canary plans, verifies and stamps HEAD before the original call and runs TAIL after it.
 
+Everything that can be refused (options, the backend against the KV cache's device, async scheduling, the
+runtime over the cache) is refused at install, before the runner is touched. A step the canary itself fails
+(``raise`` mode) is undone in an in-process engine so that it keeps serving (:meth:`VllmCanary._undo_failed_step`).
 ``remove()`` deletes the instance attributes it set, which restores the class's methods.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -22,7 +26,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..._errors import fail
+from ...runtime import CanaryViolationError
 from ..common.hooks import InstanceOverrides
+from ..common.options import backend_refusal
 from ._version import check_version
 from .canary import CanaryOptions, StepViolation, VllmCanaryState, VllmStep, build_step
 
@@ -67,9 +73,28 @@ class VllmCanary(InstanceOverrides):
         self.runner = find_runner(target)
         if getattr(self.runner, "_kvcanary", None) is not None:
             fail("a kv-canary is already installed in this model runner; remove() it first")
+        # Everything that can be refused is refused here, before the runner is touched: the backend against the
+        # device of the engine's KV cache, and (unless mode is off) the runtime over that cache, built now.
+        if getattr(self.runner, "use_async_scheduling", False) is True:
+            fail("this engine runs with async scheduling, where the runner's request state lags the batch by a step "
+                 "and the canary's expected tokens would be wrong; start vLLM with async_scheduling=False "
+                 "(--no-async-scheduling)")
+        caches = getattr(self.runner, "kv_caches", None)
+        if not caches:
+            fail("this model runner has no KV cache yet; install the canary once the engine is built")
+        device = caches[0].device.type
+        refusal = backend_refusal(self.options.backend, device)
+        if refusal is not None:
+            fail(f"backend={self.options.backend!r}: {refusal}")
         self.state: VllmCanaryState | None = None
+        if self.options.mode != "off":
+            self.state = self._new_state()
+        # The in-process engine around the runner (None for a bare runner): what a failed step is undone in.
+        engine = getattr(target, "llm_engine", target)
+        self._engine = engine if hasattr(engine, "output_processor") and hasattr(engine, "engine_core") else None
         self.observers: list[StepObserver] = []
         self.in_step = False
+        self._hook_failed = False  # the canary's own code raised inside the current step
         self.preemptions = 0  # requests vLLM preempted while the canary watched (SchedulerOutput)
         self._set(self.runner, "execute_model", self._wrap_execute(self.runner.execute_model))
         self._set(self.runner, "_model_forward", self._wrap_forward(self.runner._model_forward))
@@ -88,6 +113,41 @@ class VllmCanary(InstanceOverrides):
         if not self.installed:
             return
         self._unset_all()
+
+    def _new_state(self) -> VllmCanaryState:
+        """The runtime over the runner's KV cache (its setup time counted under its own name)."""
+        start = time.perf_counter()
+        state = VllmCanaryState(self.runner, self.options)
+        state.seconds["setup"] += time.perf_counter() - start
+        return state
+
+    def _undo_failed_step(self) -> None:
+        """Leave the in-process engine able to serve after the canary failed a step (``raise`` mode).
+
+        vLLM's scheduler counts a step's tokens as computed when it schedules them, and only the step's output
+        tells it what was sampled: a step that raises leaves a request whose prompt it finished waiting forever
+        for a token that never comes (``LLM.generate`` then never returns, even with the canary removed), and a
+        request it was prefilling resumes past KV the forward may never have written, while the prefix cache
+        already lists those blocks. So every unfinished request of the engine (the failed call's) is aborted,
+        the prefix cache is emptied, and the canary starts its records afresh, its findings kept."""
+        engine = self._engine
+        if engine is None:
+            return
+        processor = engine.output_processor
+        engine.abort_request([*processor.request_states, *processor.parent_requests], internal=True)
+        core = getattr(engine.engine_core, "engine_core", None)
+        scheduler = getattr(core, "scheduler", None)
+        leftover = [] if scheduler is None else list(scheduler.requests)
+        if leftover:  # requests the engine's output side did not know
+            engine.engine_core.abort_requests(leftover)
+        engine.reset_prefix_cache()
+        if self.state is not None:
+            old, self.state = self.state, self._new_state()
+            self.state.violations = old.violations
+            self.state.health_problems = old.health_problems
+            self.state.status_bits, self.state.dropped, self.state.steps = old.status_bits, old.dropped, old.steps
+            for phase, seconds in old.seconds.items():
+                self.state.seconds[phase] += seconds
 
     # -- results ---------------------------------------------------------------------------------------------
 
@@ -116,8 +176,17 @@ class VllmCanary(InstanceOverrides):
                 self.state.forget_blocks(getattr(scheduler_output, "new_block_ids_to_zero", None))
             self.preemptions += len(getattr(scheduler_output, "preempted_req_ids", None) or ())
             self.in_step = True
+            self._hook_failed = False
             try:
                 return original(scheduler_output, *args, **kwargs)
+            except BaseException:
+                if self._hook_failed:
+                    try:
+                        self._undo_failed_step()
+                    except Exception:  # the step's own error is what the caller must see
+                        logging.getLogger(self.options.logger).exception(
+                            "kv-canary: could not undo the step it failed; the engine may need a restart")
+                raise
             finally:
                 self.in_step = False
 
@@ -133,25 +202,34 @@ class VllmCanary(InstanceOverrides):
             metadata = get_forward_context().attn_metadata
             if not isinstance(metadata, dict) or not metadata or kwargs.get("input_ids") is None:
                 return original(*args, **kwargs)
-            if self.state is None:
-                start = time.perf_counter()
-                self.state = VllmCanaryState(self.runner, self.options)
-                # once per install (the runtime, its buffers and bound launches): counted, under its own name
-                self.state.seconds["setup"] += time.perf_counter() - start
             st = self.state
-            for obs in self.observers:
-                obs.before_forward(self, st.steps, kwargs, metadata)
-            start = time.perf_counter()
-            batch = build_step(st.steps, self.runner, kwargs, metadata, st.geos, st.max_tokens)
-            st.seconds["batch"] += time.perf_counter() - start
-            st.before_forward(batch)
+            if st is None:
+                return original(*args, **kwargs)
+            try:
+                for obs in self.observers:
+                    obs.before_forward(self, st.steps, kwargs, metadata)
+                start = time.perf_counter()
+                batch = build_step(st.steps, self.runner, kwargs, metadata, st.geos, st.max_tokens)
+                st.seconds["batch"] += time.perf_counter() - start
+                st.before_forward(batch)
+            except BaseException as exc:
+                self._hook_failed = True
+                if isinstance(exc, CanaryViolationError):  # raise mode: what failed the step is kept
+                    st._collect(exc.step_report)
+                raise
             out = original(*args, **kwargs)
-            t = batch.forward_tokens
-            written = {geo.index: np.asarray(metadata[geo.layer_names[0]].slot_mapping[:t].numpy(), np.int64).copy()
-                       for geo in st.geos}
-            st.after_forward(batch, written)
-            for obs in self.observers:
-                obs.after_forward(self, batch.step, batch)
+            try:
+                t = batch.forward_tokens
+                written = {geo.index: np.asarray(metadata[geo.layer_names[0]].slot_mapping[:t].numpy(),
+                                                 np.int64).copy() for geo in st.geos}
+                st.after_forward(batch, written)
+                for obs in self.observers:
+                    obs.after_forward(self, batch.step, batch)
+            except BaseException as exc:
+                self._hook_failed = True
+                if isinstance(exc, CanaryViolationError):  # raise mode: what failed the step is kept
+                    st._collect(exc.step_report)
+                raise
             return out
 
         return model_forward

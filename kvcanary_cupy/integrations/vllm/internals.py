@@ -28,8 +28,11 @@ INTERNALS: tuple[Internal, ...] = (
              ("self", "scheduler_output", "intermediate_tensors")),
     Internal(f"{RUNNER}._model_forward", "patched per instance: plan/HEAD before, TAIL after the forward",
              ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds")),
-    Internal(f"{RUNNER}.__init__", "read: requests, input_batch, kv_caches, kv_cache_config, max_num_reqs, "
-             "max_num_tokens, max_model_len, compilation_config.static_forward_context"),
+    Internal(f"{RUNNER}.initialize_kv_cache", "patched at class level by the plugin: the canary installed in a "
+             "runner once its KV cache is built (profiling calls skipped)",
+             ("self", "kv_cache_config", "is_profiling")),
+    Internal(f"{RUNNER}.__init__", "read: requests, input_batch, kv_caches, kv_cache_config, use_async_scheduling, "
+             "max_num_reqs, max_num_tokens, max_model_len, compilation_config.static_forward_context"),
     Internal("vllm.v1.worker.cpu_model_runner:CPUModelRunner", "the runner class on CPU (a GPUModelRunner)"),
     Internal("vllm.forward_context:get_forward_context", "read inside the forward: attn_metadata per layer"),
     Internal("vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadata",
@@ -51,7 +54,16 @@ INTERNALS: tuple[Internal, ...] = (
              "driver_worker.worker.model_runner (in-process LLM only)"),
     Internal("vllm.entrypoints.llm:LLM.reset_prefix_cache", "called by install(): drops blocks cached before it",
              ("self",)),
+    Internal("vllm.v1.engine.llm_engine:LLMEngine.abort_request", "called after a step the canary failed: the "
+             "failed call's requests (output_processor.request_states, parent_requests) aborted",
+             ("self", "request_ids", "internal")),
+    Internal("vllm.v1.core.sched.scheduler:Scheduler", "read after a step the canary failed: requests "
+             "(engine_core.engine_core.scheduler, in-process); any the output side did not know aborted"),
+    Internal("vllm.v1.engine.llm_engine:LLMEngine.reset_prefix_cache", "called after a step the canary failed: "
+             "blocks registered for KV the step may not have written dropped", ("self",)),
     Internal("vllm.plugins:load_general_plugins", "calls the entry points of group vllm.general_plugins"),
+    Internal("vllm.platforms:current_platform", "read by the plugin at registration: device_type (the backend "
+             "checked against it)", attributes=("device_type",)),
 )
 
 

@@ -6,22 +6,28 @@ process builds the model runner, with no code change, when ``KVCANARY_VLLM`` ask
 set the other :class:`~.canary.CanaryOptions`; ``KVCANARY_VLLM_FAULT=<kind>[@step]`` injects one fault of
 :mod:`.faults` (for drills: it corrupts the engine on purpose).
 
-vLLM calls :func:`register` in every process it starts (API server, engine core, worker). It wraps
-``GPUModelRunner.execute_model`` once, at class level; the first step of each runner installs a
-:class:`~.hooks.VllmCanary` on that instance. Findings go to the ``kvcanary_cupy.vllm`` logger
-with the record's structured fields (``extra["kv_canary"]``) appended as JSON (a bounded number of lines per
-step: :func:`kvcanary_cupy.runtime.reporting.publish`), and, where ``prometheus_client`` writes to a
-``PROMETHEUS_MULTIPROC_DIR`` the server reads (set it before ``vllm serve``), to the counters of
-:mod:`kvcanary_cupy.integrations.common.metrics` on the server's ``/metrics``.
+vLLM calls :func:`register` in every process it starts (API server, engine core, worker); it refuses any
+``KVCANARY_VLLM*`` value outside its documented range, a backend the build's device cannot run, or a name it does
+not know, so that vLLM stops before it serves. It wraps ``GPUModelRunner.initialize_kv_cache`` once, at class level:
+when a runner has built its KV cache, a :class:`~.hooks.VllmCanary` is installed on that instance (or, where the
+canary cannot check that model, one ERROR line says so and the engine runs unchecked).
+Findings go to the ``kvcanary_cupy.vllm`` logger with the record's structured fields (``extra["kv_canary"]``)
+appended as JSON (a bounded number of lines per step: :func:`kvcanary_cupy.runtime.reporting.publish`), and,
+where ``prometheus_client`` writes to a ``PROMETHEUS_MULTIPROC_DIR`` the server reads (set it before
+``vllm serve``), to the counters of :mod:`kvcanary_cupy.integrations.common.metrics` on the server's ``/metrics``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 from typing import Any
 
+from ... import settings
+from ..._errors import fail
+from ..common.options import backend_refusal
 from .canary import CanaryOptions
 
 _state: dict[str, Any] = {}
@@ -46,39 +52,75 @@ def _logger(name: str) -> None:
         logger.propagate = False
 
 
+def _check_platform(options: CanaryOptions) -> None:
+    """Refuse, at registration, a setting this vLLM build cannot run: the integration checks vLLM's CPU build
+    (a CUDA runner's metadata and caches need device copies it does not make yet), and the backend must run on
+    the device the KV cache will live on."""
+    from vllm.platforms import current_platform
+
+    device = str(current_platform.device_type)
+    if device != "cpu":
+        fail(f"KVCANARY_VLLM={options.mode} asks for the canary, but the vLLM integration runs on vLLM's CPU build "
+             f"only and this vLLM runs on {device}; unset KVCANARY_VLLM")
+    refusal = backend_refusal(options.backend, device)
+    if refusal is not None:
+        fail(f"KVCANARY_VLLM_BACKEND={options.backend}: {refusal}")
+
+
 def register() -> None:
-    """The entry point vLLM calls in each of its processes."""
+    """The entry point vLLM calls in each of its processes: every ``KVCANARY_VLLM*`` variable is checked here,
+    so that a wrong one stops vLLM before it serves (the refusal names the variable); the canary itself is
+    installed in each model runner once its KV cache exists (:func:`_install_after_kv_cache`)."""
     options = CanaryOptions.from_env()
     if options is None or "original" in _state:
         return
+    fault = settings.read("KVCANARY_VLLM_FAULT")
+    _check_platform(options)
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from .hooks import VllmCanary
-
     _logger(options.logger)
-    fault = os.environ.get("KVCANARY_VLLM_FAULT", "").strip()
-    original = GPUModelRunner.execute_model
+    original = GPUModelRunner.initialize_kv_cache
     _state["original"] = original
 
-    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        if "_kvcanary" in vars(self):
-            return original(self, scheduler_output, *args, **kwargs)
-        canary = VllmCanary(self, options)
-        if fault:
-            from .faults import injector
+    @functools.wraps(original)
+    def initialize_kv_cache(self: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, kv_cache_config, *args, **kwargs)
+        if not (kwargs.get("is_profiling") or (args and args[0] is True)):
+            _install_after_kv_cache(self, options, fault)
+        return out
 
-            kind, _, at = fault.partition("@")
-            canary.observers.append(injector(kind, int(at or 3)))
-        options.log_install(type(self).__name__, "cpu")
-        return self.execute_model(scheduler_output, *args, **kwargs)
+    GPUModelRunner.initialize_kv_cache = initialize_kv_cache
 
-    GPUModelRunner.execute_model = execute_model
+
+def _install_after_kv_cache(runner: Any, options: CanaryOptions, fault: tuple[str, int] | None) -> None:
+    """Install the canary in ``runner``, whose KV cache has just been built (before any request is served). What
+    the canary cannot check here (a model or cache it does not handle) is logged and left unchecked: the monitor
+    never stops the engine."""
+    from .hooks import VllmCanary
+
+    logger = logging.getLogger(options.logger)
+    old = getattr(runner, "_kvcanary", None)
+    if old is not None:  # the KV cache was built again: the canary follows the new one
+        old.remove()
+    try:
+        canary = VllmCanary(runner, options)
+    except Exception as exc:  # whatever it is, the engine serves on: said once, at startup
+        reason = str(exc).removeprefix("kv-canary: ") if isinstance(exc, ValueError) else \
+            f"{type(exc).__name__}: {exc}"
+        logger.error("kv-canary not installed in %s, its KV cache is left unchecked: %s", type(runner).__name__,
+                     reason)
+        return
+    if fault is not None:
+        from .faults import injector
+
+        canary.observers.append(injector(*fault))
+    options.log_install(type(runner).__name__, "cpu")
 
 
 def unregister() -> None:
-    """Put ``GPUModelRunner.execute_model`` back (tests; runners already hooked keep their instance hooks)."""
+    """Put ``GPUModelRunner.initialize_kv_cache`` back (tests; runners already hooked keep their canary)."""
     original = _state.pop("original", None)
     if original is not None:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-        GPUModelRunner.execute_model = original
+        GPUModelRunner.initialize_kv_cache = original
