@@ -171,7 +171,8 @@ class VllmCanaryState(EngineCanaryState):
         self.group_names = [g.name for g in groups]
 
         # A row that hits blocks a sibling writes in the same step re-stamps them (see build_step): at most every
-        # token of the step once more per such row; 4x the step's tokens covers n <= 4 siblings.
+        # token of the step once more per such row; 4x the step's tokens covers n <= 4 siblings, rows past that
+        # wait for a later step (build_step's ``deferred``).
         self.max_tokens = 4 * int(runner.max_num_tokens)
         caps = Capacities(max_batch_size=self.max_requests, max_tokens=self.max_tokens,
                           max_context_len=self.max_len, pool_rows=rows,
