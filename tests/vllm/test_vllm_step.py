@@ -273,7 +273,7 @@ def test_blocks_the_scheduler_lists_to_zero_leave_the_sweeps_index(seed):
     run_step(canary.state, runner, [a, c], seed)
     assert canary.state.block_index == {(0, 1): 0, (0, 2): 1, (0, 6): 0}
     out = SchedulerOutput.make_empty()
-    out.new_block_ids_to_zero = [2, 6]
+    out.new_block_ids_to_zero = [2, 6, 9]  # block 9 was never indexed
     runner.execute_model(out)
     assert runner.executed == [out]  # the runner's own method ran, with the same output
     assert canary.state.block_index == {(0, 1): 0}
@@ -282,3 +282,48 @@ def test_blocks_the_scheduler_lists_to_zero_leave_the_sweeps_index(seed):
     assert canary.state.violations == []
     assert swept == BS  # block 1's four slots
     canary.remove()
+
+
+# -- the sweep's block index ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_block_index_keeps_complete_blocks_and_drops_reused_and_unstamped_ones(seed):
+    """Worked by hand (4 tokens a block). Step 0: Z writes 8 tokens into blocks 10, 11 (both complete: indexed
+    at 0, 1) and Y 6 tokens into blocks 12, 13 (12 complete; 13 holds 2 tokens: not indexed).
+    Step 1: W, a new request, gets block 13 back and writes 2 tokens: still incomplete, so nothing new.
+    Step 2: the 8 siblings of a 13-token prompt (20 forward tokens, 60 re-stamps a step): S1..S6 index blocks
+    1, 2, 3 (complete) and drop their own block (position 12 only); S7 and S8 stamp nothing this step, so their
+    own blocks 10 and 11 (Z's, handed out again) leave the index, and the blocks S1 stamps stay."""
+    runner = Runner(max_num_tokens=20)
+    state = canary_state(runner)
+    run_step(state, runner, [Row("Z", tokens(seed, 8), 0, 8, [10, 11]), Row("Y", tokens(seed + 1, 6), 0, 6, [12, 13])])
+    assert state.block_index == {(0, 10): 0, (0, 11): 1, (0, 12): 0}
+    run_step(state, runner, [Row("W", tokens(seed + 2, 2), 0, 2, [13])])
+    assert state.block_index == {(0, 10): 0, (0, 11): 1, (0, 12): 0}
+    _, rows = many_siblings(seed, 8)
+    rows[6].blocks, rows[7].blocks = [1, 2, 3, 10], [1, 2, 3, 11]
+    batch = run_step(state, runner, rows)
+    assert batch.deferred == {"S7": 0, "S8": 0}
+    assert state.block_index == {(0, 1): 0, (0, 2): 1, (0, 3): 2, (0, 12): 0}
+
+
+def test_a_block_a_new_request_only_partly_fills_leaves_the_index():
+    runner = Runner()
+    state = canary_state(runner)
+    run_step(state, runner, [Row("Z", tokens(7, 8), 0, 8, [10, 11])])
+    assert state.block_index == {(0, 10): 0, (0, 11): 1}
+    run_step(state, runner, [Row("V", tokens(8, 7), 0, 7, [11, 10])])  # 11 refilled whole, 10 with 3 tokens
+    assert state.block_index == {(0, 11): 0}
+
+
+def test_the_forward_token_is_what_the_write_checks_even_for_the_first_token_of_the_step():
+    """The forward received a wrong first token (position 0 of A): the canary's token list carries what the
+    forward received, not the history, so the write flags it."""
+    runner = Runner()
+    state = canary_state(runner)
+    q, (a, c), _ = sibling_steps(3)
+    kwargs, md = runner.inputs([a, c])
+    kwargs["input_ids"][0] += 1
+    batch = build_step(state.steps, runner, kwargs, md, state.geos, state.max_tokens, state.unstamped)
+    assert batch.input_ids.tolist() == [q[0] + 1, *q[1:8], *c.tokens[:4]]
+    assert batch.expected_input_ids.tolist() == q[:8] + c.tokens[:4]
