@@ -11,6 +11,7 @@ zero leave the sweep's index.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -327,3 +328,18 @@ def test_the_forward_token_is_what_the_write_checks_even_for_the_first_token_of_
     batch = build_step(state.steps, runner, kwargs, md, state.geos, state.max_tokens, state.unstamped)
     assert batch.input_ids.tolist() == [q[0] + 1, *q[1:8], *c.tokens[:4]]
     assert batch.expected_input_ids.tolist() == q[:8] + c.tokens[:4]
+
+
+@pytest.mark.parametrize(("state_of_a", "message"), [
+    ({"prompt_token_ids": None}, "request A has no prompt token ids (prompt embeddings are not supported)"),
+    ({"prompt_token_ids": [5, 6, 7]}, "request A schedules positions up to 8 but its state holds 3 tokens (async "
+                                      "scheduling is not supported: use async_scheduling=False)"),
+], ids=["prompt-embeddings", "async-scheduling"])
+def test_a_request_state_the_step_cannot_be_read_from_is_refused_by_name(state_of_a, message):
+    runner = Runner()
+    state = canary_state(runner)
+    _, (a, c), _ = sibling_steps(0)
+    kwargs, md = runner.inputs([a, c])
+    runner.requests["A"] = SimpleNamespace(**{"prompt_token_ids": a.tokens, "output_token_ids": [], **state_of_a})
+    with pytest.raises(ValueError, match="^" + re.escape("kv-canary: " + message) + "$"):
+        build_step(state.steps, runner, kwargs, md, state.geos, state.max_tokens, state.unstamped)
