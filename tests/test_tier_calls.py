@@ -136,3 +136,38 @@ def test_restore_runs_on_the_default_backend():
     restorer = kc.PrefixRestorer(verify_capacity=16, max_requests=1)
     restorer.restore(context=ctx, **args)
     np.testing.assert_array_equal(ctx.canary_buf.view(np.int64)[[0, 1, 6, 7], :4], records)
+
+
+def test_slots_take_an_explicit_page_stride_of_1():
+    target = np.zeros((NUM_SLOTS, 32), np.uint8)
+    kc.restore_canary_records(records=records_of([7]), canary_buf=target, slots=np.array([3], np.int64),
+                              page_size=1, page_stride=1, backend="numpy")
+    np.testing.assert_array_equal(target.view(np.int64)[3, :4], records_of([7])[0])
+    with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: page_size and page_stride apply to pages="):
+        kc.restore_canary_records(records=records_of([7]), canary_buf=target, slots=np.array([3], np.int64),
+                                  page_stride=2, backend="numpy")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_flagging_offload_gives_zero_records_for_a_page_outside_and_flags_it(seed):
+    canary = canary_with_records(seed)
+    out = np.full((4, 4), -7, np.int64)
+    status = np.zeros(1, np.int32)
+    # pages of 2 slots, 5 apart: page 2 -> slots 10, 11; page 5 -> 25, 26 (outside 24 slots)
+    kc.offload_canary_records(canary_buf=canary, records_out=out, pages=np.array([2, 5], np.int64), page_size=2,
+                              page_stride=5, status=status, backend="numpy", on_invalid="flag")
+    np.testing.assert_array_equal(out[:2], records_of([10, 11]))
+    assert not out[2:].any()
+    assert int(status[0]) == int(kc.CanaryStatus.SLOT_OUT_OF_RANGE)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_flagging_restore_flags_a_page_outside_in_the_callers_status(seed):
+    ctx, records, args = restore_setup(seed)
+    args["pages"] = np.array([0, 9], np.int64)  # page 9: rows 27, 28, outside the 24 slots
+    args["req_to_token"][1, :5] = [0, 1, 2, 3, 4]
+    status = np.zeros(1, np.int32)
+    restorer = kc.PrefixRestorer(verify_capacity=16, max_requests=1)
+    restorer.restore(context=ctx, status=status, backend="numpy", on_invalid="flag", **args)
+    assert int(status[0]) == int(kc.CanaryStatus.SLOT_OUT_OF_RANGE)
+    np.testing.assert_array_equal(ctx.canary_buf.view(np.int64)[[0, 1], :4], records[:2])
