@@ -79,11 +79,12 @@ class Runner:
                 slots.append(r.blocks[p // BS] * BS + p % BS)
             cu.append(len(ids))
         width = max(len(r.blocks) for r in rows)
-        table = torch.zeros(len(rows), width, dtype=torch.int32)
+        # one padding request past the batch, as vLLM's metadata may carry (num_reqs_padded): never read
+        table = torch.zeros(len(rows) + 1, width, dtype=torch.int32)
         for i, r in enumerate(rows):
             table[i, : len(r.blocks)] = torch.tensor(r.blocks, dtype=torch.int32)
-        md = SimpleNamespace(query_start_loc=torch.tensor(cu, dtype=torch.int32),
-                             seq_lens=torch.tensor([r.prefix + r.extend for r in rows], dtype=torch.int32),
+        md = SimpleNamespace(query_start_loc=torch.tensor([*cu, cu[-1]], dtype=torch.int32),
+                             seq_lens=torch.tensor([*(r.prefix + r.extend for r in rows), 0], dtype=torch.int32),
                              block_table=table, slot_mapping=torch.tensor(slots, dtype=torch.int64))
         kwargs = {"input_ids": torch.tensor(ids, dtype=torch.int64), "positions": torch.tensor(pos)}
         return kwargs, {LAYER: md}
