@@ -344,3 +344,20 @@ def test_a_request_state_the_step_cannot_be_read_from_is_refused_by_name(state_o
     runner.requests["A"] = SimpleNamespace(**{"prompt_token_ids": a.tokens, "output_token_ids": [], **state_of_a})
     with pytest.raises(ValueError, match="^" + re.escape("kv-canary: " + message) + "$"):
         build_step(state.steps, runner, kwargs, md, state.geos, state.max_tokens, state.unstamped)
+
+
+def test_a_step_in_which_every_row_waits_stamps_and_verifies_nothing():
+    """A's positions 0..19 were left unstamped by an earlier step (pending from 0): 20 re-stamps do not fit the
+    16 - 1 the step has left, so A waits again, and the step has no canary token at all; the runtime takes the
+    empty step."""
+    runner = Runner(max_num_tokens=4)
+    state = canary_state(runner)
+    a = Row("A", tokens(5, 22), 20, 1, [1, 2, 3, 4, 5, 6])
+    state.unstamped["A"] = 0
+    batch = run_step(state, runner, [a])
+    assert batch.deferred == {"A": 0} and state.unstamped == {"A": 0}
+    assert (batch.prefix_lens.tolist(), batch.extend_lens.tolist(), batch.forward_len) == ([0], [0], 1)
+    for got in (batch.slot_mappings[0], batch.source_index, batch.expected_input_ids, batch.expected_positions):
+        assert got.shape == (0,) and got.dtype == np.int64
+    state.flush()
+    assert state.violations == [] and endpoint_counts(state) == {"verify": (0, 1), "write": (0, 1)}
