@@ -76,8 +76,6 @@ $(VENV)/.mutate: pyproject.toml $(VENV)/.test
 	$(BIN)/python -m pip install -q -e '.[mutate]'
 	touch $@
 
-mutate: $(VENV)/.mutate
-	$(BIN)/python tests/mutation/run.py $(MUTATE_ARGS)
 
 # vLLM's CPU build pins a transformers release that conflicts with the transformers integration's: its tests run
 # in an environment of their own. pip brings CUDA builds of torchvision/torchaudio/torchcodec with it, which break
@@ -95,6 +93,14 @@ $(VLLM_VENV)/.test: pyproject.toml
 
 test-vllm: $(VLLM_VENV)/.test
 	$(VLLM_RUN) $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider --benchmark-disable tests/vllm bench/bench_vllm.py
+
+# The vllm target mutates the vLLM integration and runs its tests in vLLM's environment: mutmut goes there too.
+$(VLLM_VENV)/.mutate: pyproject.toml $(VLLM_VENV)/.test
+	$(VLLM_BIN)/python -m pip install -q -e '.[mutate]'
+	touch $@
+
+mutate: $(VENV)/.mutate $(VLLM_VENV)/.mutate
+	$(BIN)/python tests/mutation/run.py $(MUTATE_ARGS)
 
 bench-vllm: $(VLLM_VENV)/.test
 	$(VLLM_RUN) $(VLLM_BIN)/python -m pytest bench/bench_vllm.py -q -p no:cacheprovider --benchmark-only -s

@@ -19,38 +19,92 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRATCH = ROOT / "build" / "mutate"
 PYTEST = ["-q", "-p", "no:cacheprovider", "--benchmark-disable", "-x", "-k", "not host and not cuda"]
 
-# target -> (modules to mutate, the tests that pin them)
-TARGETS: dict[str, tuple[list[str], list[str]]] = {
-    "transfer": (["kvcanary_cupy/transfer.py", "kvcanary_cupy/backends/numpy_transfer.py"],
-                 ["tests/test_transfer.py", "tests/test_transfer_edges.py"]),
-    "runtime": (["kvcanary_cupy/runtime/runtime.py"],
-                ["tests/test_runtime.py", "tests/test_runtime_chunks_and_order.py"]),
-    "plan": (["kvcanary_cupy/backends/numpy_plan.py", "kvcanary_cupy/backends/numpy_plan_entries.py"],
-             ["tests/test_plan_edge_cases.py", "tests/test_plan_validation.py",
-              "tests/test_plan_device_value_messages.py", "tests/test_plan_reference_corner_cases.py",
-              "tests/test_layouts_reference.py",
-              "tests/test_reference_vs_oracle.py::test_plan_matches_oracle_on_valid_batches",
-              "tests/test_reference_vs_oracle.py::test_plan_flags_hostile_values_like_the_oracle_and_raises_otherwise",
-              "tests/test_reference_vs_oracle.py::test_plan_matches_oracle_on_large_batches"]),
-    "chain": (["kvcanary_cupy/backends/numpy_chain.py", "kvcanary_cupy/backends/numpy_paged.py",
-               "kvcanary_cupy/backends/numpy_backend.py"],
-              ["tests/test_chain_edge_cases.py", "tests/test_verify_write_refusals.py", "tests/test_oracle_vectors.py",
-               "tests/test_write_reference_cases.py", "tests/test_hashing.py",
-               "tests/test_reference_vs_oracle.py::test_write_and_verify_match_oracle",
-               "tests/test_reference_vs_oracle.py::test_write_and_verify_flag_hostile_values_like_the_oracle",
-               "tests/test_hardening.py::test_two_threads_verifying_on_one_context_lose_no_ring_row"]),
-    "validate": (["kvcanary_cupy/_validate.py"],
-                 ["tests/test_plan_validation.py", "tests/test_context_validation.py",
-                  "tests/test_layout_validation.py"]),
-    "layouts": (["kvcanary_cupy/layouts.py"],
-                ["tests/test_layout_validation.py", "tests/test_layouts_reference.py"]),
+@dataclass(frozen=True)
+class Target:
+    """What one target mutates (``modules``, narrowed to the mutants matching ``mutants`` globs when given) and
+    the tests that pin it; ``env`` ``"vllm"``: mutmut and the tests run in vLLM's own environment (``.venv-vllm``,
+    or ``KVCANARY_VLLM_PYTHON``) with its OpenMP library preloaded, as ``make test-vllm`` runs them."""
+
+    modules: list[str]
+    tests: list[str]
+    mutants: list[str] = field(default_factory=list)
+    env: str = "main"
+
+
+# The runtime package's modules, one list for the targets below (edit here when the package's modules change).
+# CanaryRuntime and the classes it is built from (one concern per module)
+RUNTIME_MODULES = [f"kvcanary_cupy/runtime/{name}.py" for name in ("runtime", "base", "moves", "sweep", "monitor")]
+# The bounded verify: the window selection and the latency bound (its bookkeeping lives in the runtime module).
+BOUNDED_VERIFY_MODULES = ["kvcanary_cupy/runtime/groups.py", "kvcanary_cupy/runtime/config.py",
+                          *RUNTIME_MODULES]
+BOUNDED_VERIFY_MUTANTS = ["*x_select_window__mutmut_*", "*x_verify_latency_bound__mutmut_*",
+                          "*Monitoring*verify_bound__mutmut_*", "*CanaryConfig*bounded_verify__mutmut_*"]
+
+TARGETS: dict[str, Target] = {
+    "transfer": Target(["kvcanary_cupy/transfer.py", "kvcanary_cupy/backends/numpy_transfer.py"],
+                       ["tests/test_transfer.py", "tests/test_transfer_edges.py"]),
+    "runtime": Target(RUNTIME_MODULES, ["tests/test_runtime.py", "tests/test_runtime_chunks_and_order.py"]),
+    "plan": Target(["kvcanary_cupy/backends/numpy_plan.py", "kvcanary_cupy/backends/numpy_plan_entries.py"],
+                   ["tests/test_plan_edge_cases.py", "tests/test_plan_validation.py",
+                    "tests/test_plan_device_value_messages.py", "tests/test_plan_reference_corner_cases.py",
+                    "tests/test_layouts_reference.py",
+                    "tests/test_reference_vs_oracle.py::test_plan_matches_oracle_on_valid_batches",
+                    "tests/test_reference_vs_oracle.py::test_plan_flags_hostile_values_like_the_oracle_and_raises_otherwise",
+                    "tests/test_reference_vs_oracle.py::test_plan_matches_oracle_on_large_batches"]),
+    "chain": Target(["kvcanary_cupy/backends/numpy_chain.py", "kvcanary_cupy/backends/numpy_paged.py",
+                     "kvcanary_cupy/backends/numpy_backend.py"],
+                    ["tests/test_chain_edge_cases.py", "tests/test_verify_write_refusals.py",
+                     "tests/test_oracle_vectors.py", "tests/test_write_reference_cases.py", "tests/test_hashing.py",
+                     "tests/test_reference_vs_oracle.py::test_write_and_verify_match_oracle",
+                     "tests/test_reference_vs_oracle.py::test_write_and_verify_flag_hostile_values_like_the_oracle",
+                     "tests/test_hardening.py::test_two_threads_verifying_on_one_context_lose_no_ring_row"]),
+    "validate": Target(["kvcanary_cupy/_validate.py"],
+                       ["tests/test_plan_validation.py", "tests/test_context_validation.py",
+                        "tests/test_layout_validation.py"]),
+    "layouts": Target(["kvcanary_cupy/layouts.py"],
+                      ["tests/test_layout_validation.py", "tests/test_layouts_reference.py"]),
+    "tiers": Target(["kvcanary_cupy/tiers.py"],
+                    ["tests/test_tiers.py", "tests/test_runtime_tiers.py", "tests/test_tier_calls.py"]),
+    "sim_tiers": Target(["kvcanary_cupy/sim/tiers.py"], ["tests/test_sim_tiers.py"]),
+    "kv_bytes": Target(["kvcanary_cupy/kv_bytes.py"],
+                       ["tests/test_kv_layouts.py", "tests/test_kv_layout_refusals.py"]),
+    "kv_layouts": Target(["kvcanary_cupy/kv_layouts.py"],
+                         ["tests/test_kv_layouts.py", "tests/test_kv_layout_refusals.py"]),
+    "bounded_verify": Target(BOUNDED_VERIFY_MODULES,
+                             ["tests/test_bounded_verify.py", "tests/test_bounded_verify_window.py"],
+                             mutants=BOUNDED_VERIFY_MUTANTS),
+    # The step read and the slot tables of the vLLM integration, pinned by the tests that need no engine (an
+    # engine per mutant would cost seconds each).
+    "vllm": Target(["kvcanary_cupy/integrations/vllm/canary.py"],
+                   ["tests/vllm/test_vllm_step.py", "tests/vllm/test_vllm_internals.py"],
+                   mutants=["*x_build_step__mutmut_*", "*GroupGeometry*slots_of__mutmut_*",
+                            "*VllmCanaryState*_fill_table__mutmut_*", "*VllmCanaryState*forget_blocks__mutmut_*",
+                            "*VllmCanaryState*_note_complete_blocks__mutmut_*", "*VllmStep*canary_tokens__mutmut_*",
+                            "*VllmStep*forward_tokens__mutmut_*"],
+                   env="vllm"),
 }
+
+
+def _python(target: Target) -> tuple[str, dict[str, str]]:
+    """The interpreter a target's mutmut runs under, and the environment additions it needs."""
+    if target.env == "main":
+        return sys.executable, {}
+    python = Path(os.environ.get("KVCANARY_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+    if not python.exists():
+        raise SystemExit(f"the vllm target needs vLLM's environment: {python} is missing (make test-vllm builds "
+                         "it; KVCANARY_VLLM_PYTHON names another)")
+    extra = {}
+    iomp = python.parent.parent / "lib" / "libiomp5.so"
+    if iomp.exists():  # vLLM's CPU build needs its OpenMP first (the Makefile's VLLM_RUN)
+        extra["LD_PRELOAD"] = str(iomp)
+    return str(python), extra
 
 
 def _toml_list(items: list[str]) -> str:
@@ -71,7 +125,10 @@ def _scratch_copy(dest: Path) -> None:
 def run_python_target(name: str, max_children: int, mutants: list[str]) -> tuple[int, int, list[str]]:
     """mutmut over one target (only the mutants matching the ``mutants`` globs, when given); (killed, total,
     survivors as 'mutant: status')."""
-    modules, tests = TARGETS[name]
+    target = TARGETS[name]
+    modules, tests = target.modules, target.tests
+    mutants = mutants or target.mutants
+    python, extra_env = _python(target)
     work = SCRATCH / name
     _scratch_copy(work)
     with open(work / "pyproject.toml", "a") as f:
@@ -82,10 +139,10 @@ def run_python_target(name: str, max_children: int, mutants: list[str]) -> tuple
                 f"pytest_add_cli_args = {_toml_list(PYTEST)}\n"
                 f"pytest_add_cli_args_test_selection = {_toml_list(tests)}\n"
                 "use_git_change_detection = false\n")
-    mutmut = [sys.executable, "-c", "import sys; from mutmut.__main__ import cli; sys.exit(cli())"]
+    mutmut = [python, "-c", "import sys; from mutmut.__main__ import cli; sys.exit(cli())"]
     # The differential tests' random examples cut to a tenth: each survivor reruns them.
     env = dict(os.environ, KVCANARY_CACHE_DIR=str(SCRATCH / "cache"), HYPOTHESIS_PROFILE="ci",
-               KVCANARY_DIFFERENTIAL_SCALE="0.1")
+               KVCANARY_DIFFERENTIAL_SCALE="0.1", **extra_env)
     with open(work / "mutmut.log", "w") as log:  # its progress spinner, kept out of the summary
         rc = subprocess.run([*mutmut, "run", "--max-children", str(max_children), *mutants], cwd=work, env=env,
                             stdout=log, stderr=subprocess.STDOUT).returncode
@@ -152,7 +209,8 @@ def main() -> int:
     parser.add_argument("--no-kernels", action="store_true", help="skip the planted kernel mutations")
     parser.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--mutants", nargs="*", default=[],
-                        help="only the mutants matching these globs, e.g. '*CanaryRuntime*sweep*'")
+                        help="only the mutants matching these globs, e.g. '*CanaryRuntime*sweep*' (in place of "
+                             "a target's own globs)")
     args = parser.parse_args()
     results: dict[str, tuple[int, int, list[str], float]] = {}
     for name in [t for t in args.targets.split(",") if t]:

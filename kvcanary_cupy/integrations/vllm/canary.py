@@ -20,7 +20,7 @@ row-major ``[block_size, head_size]`` (``layer.isa == "vec"``); the sources are
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -170,7 +170,8 @@ class VllmCanaryState(EngineCanaryState):
         self.group_names = [g.name for g in groups]
 
         # A row that hits blocks a sibling writes in the same step re-stamps them (see build_step): at most every
-        # token of the step once more per such row; 4x the step's tokens covers n <= 4 siblings.
+        # token of the step once more per such row; 4x the step's tokens covers n <= 4 siblings, rows past that
+        # wait for a later step (build_step's ``deferred``).
         self.max_tokens = 4 * int(runner.max_num_tokens)
         caps = Capacities(max_batch_size=self.max_requests, max_tokens=self.max_tokens,
                           max_context_len=self.max_len, pool_rows=rows,
@@ -178,6 +179,9 @@ class VllmCanaryState(EngineCanaryState):
         # Where each complete block sits in the sequence that wrote it (the sweep needs positions, which the
         # runner does not keep); a block vLLM hands out fresh is dropped.
         self.block_index: dict[tuple[int, int], int] = {}
+        # Per request, the first position a step left unstamped (more same-step re-stamps than the step's
+        # capacity, see build_step): a later step of that request re-stamps from there before it verifies.
+        self.unstamped: dict[str, int] = {}
         self.rt = CanaryRuntime.create(opts.config(), KvPools(tuple(groups), layout=None), caps, device="cpu",
                                        framework="torch", timer=self._timer, sweep_source=self._cached_slots)
         # The runner's own dummy/profile forwards never reach the canary (only execute_model's do), so the
@@ -223,6 +227,13 @@ class VllmCanaryState(EngineCanaryState):
             planned = batch.slot_mappings[geo.index]
             self._post_forward(geo.name, batch.canary_tokens(written[geo.index], planned), planned)
         self._note_complete_blocks(batch)
+        for rid in batch.request_ids:
+            if rid in batch.deferred:
+                self.unstamped[rid] = batch.deferred[rid]
+            else:
+                self.unstamped.pop(rid, None)
+        if len(self.unstamped) > self.max_requests:  # finished requests leave the runner's state
+            self.unstamped = {r: u for r, u in self.unstamped.items() if r in self.runner.requests}
         self._finish_step()
 
     def _note_complete_blocks(self, batch: VllmStep) -> None:
@@ -231,13 +242,18 @@ class VllmCanaryState(EngineCanaryState):
         not zero reused blocks here, so the runner's own tables are the only record of reuse)."""
         for geo in self.geos:
             table = batch.block_tables[geo.index]
+            stamped = set((batch.slot_mappings[geo.index] // geo.block_size).tolist())
             for i in range(batch.size):
                 total = int(batch.prefix_lens[i] + batch.extend_lens[i])
                 complete = total // geo.block_size
+                unstamped_from = batch.deferred.get(batch.request_ids[i])
+                if unstamped_from is not None:  # the forward wrote past what the canary stamped
+                    complete = unstamped_from // geo.block_size
+                    total = int(batch.valid_lens[i])
                 for k in range(-(-total // geo.block_size)):
                     block = int(table[i, k])
-                    if block <= 0:
-                        continue
+                    if block <= 0 or (k >= complete and unstamped_from is not None and block in stamped):
+                        continue  # a block another row stamps in this step is that row's to index
                     if k < complete:
                         self.block_index[(geo.index, block)] = k
                     else:
@@ -269,10 +285,12 @@ class VllmStep:
     block_tables: dict[int, np.ndarray]  # group index -> int32 [B, max_blocks] (copy of the metadata's)
     slot_mappings: dict[int, np.ndarray]  # group index -> int64 [T']: the canary's out_cache_loc
     source_index: np.ndarray  # int64 [T']: the forward's token behind each canary token, -1 for a re-stamp
+    forward_len: int = 0  # tokens the forward received (the metadata's slot mapping is read up to here)
+    deferred: dict[str, int] = field(default_factory=dict)  # request -> first position left unstamped
 
     @property
     def forward_tokens(self) -> int:
-        """Tokens the forward itself received this step."""
+        """Tokens of the forward the canary stamps this step (all but those of deferred rows)."""
         return int((self.source_index >= 0).sum())
 
     def canary_tokens(self, forward_values: np.ndarray, restamp_values: np.ndarray) -> np.ndarray:
@@ -294,8 +312,9 @@ class VllmStep:
 
 
 def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[str, Any],
-               geos: list[GroupGeometry], max_tokens: int) -> VllmStep:
-    """Read one step from the forward's arguments, the attention metadata and the runner's request state."""
+               geos: list[GroupGeometry], max_tokens: int, pending: dict[str, int] | None = None) -> VllmStep:
+    """Read one step from the forward's arguments, the attention metadata and the runner's request state
+    (``pending``: per request, the first position an earlier step left unstamped)."""
     batch = runner.input_batch
     b = int(batch.num_reqs)
     ids = list(batch.req_ids[:b])
@@ -343,9 +362,12 @@ def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[st
     parts_pos: list[np.ndarray] = []
     budget = max_tokens - t  # re-stamped tokens the runtime's capacity still takes this step
     written_set = set(written_now.tolist())
+    pending = pending or {}
+    deferred: dict[str, int] = {}
+    new_extend = np.zeros_like(extend)
     for i in range(b):
         past = int(prefix[i])
-        start = past
+        run = 0
         # Only a row whose last prefix slot is written in this very step can have such a tail (most steps: none,
         # so one slot is looked up instead of the whole prefix).
         if past and int(geo0.slots_of(tables[geo0.index][i], past, past - 1)[0]) in written_set:
@@ -353,26 +375,36 @@ def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[st
             # is a fault the verify must see, not a dependency to re-stamp)
             now = np.isin(geo0.slots_of(tables[geo0.index][i], past), written_now)
             run = past - int(np.flatnonzero(~now)[-1]) - 1 if not now.all() else past
-            if 0 < run <= budget:
-                start = past - run
-                budget -= run
-        new_prefix[i] = start
+        # positions an earlier step left unstamped (below) are re-stamped with the tail
+        run = max(run, past - min(pending.get(ids[i], past), past))
         lo, hi = int(cu[i]), int(cu[i + 1])
+        if run > budget:
+            # More re-stamps than the runtime takes this step: the row verifies only what was stamped before
+            # and stamps nothing; the positions from there on are re-stamped by a later step (from the history,
+            # where the block table says), unchecked in between. Never a verify of a slot not yet stamped.
+            new_prefix[i] = past - run
+            deferred[ids[i]] = past - run
+            continue
+        budget -= run
+        start = past - run
+        new_prefix[i] = start
         parts_src += [np.full(past - start, -1, np.int64), np.arange(lo, hi, dtype=np.int64)]
         parts_ids += [np.asarray(histories[i][start:past], np.int64), want_ids[lo:hi]]
         parts_pos += [np.arange(start, past, dtype=np.int64), want_pos[lo:hi]]
         for geo in geos:
             slots = geo.slots_of(tables[geo.index][i], past, start)
             parts_slots[geo.index] += [slots, forward_slots[geo.index][lo:hi]]
+        new_extend[i] = hi - lo + run
     source = np.concatenate(parts_src) if parts_src else np.zeros(0, np.int64)
     restamp_ids = np.concatenate(parts_ids) if parts_ids else np.zeros(0, np.int64)
     restamp_pos = np.concatenate(parts_pos) if parts_pos else np.zeros(0, np.int64)
     slot_mappings = {g: np.concatenate(p) if p else np.zeros(0, np.int64) for g, p in parts_slots.items()}
     step_batch = VllmStep(step=step, request_ids=ids, rows=np.arange(1, b + 1, dtype=np.int64),
-                          prefix_lens=new_prefix, extend_lens=extend + (prefix - new_prefix),
+                          prefix_lens=new_prefix, extend_lens=new_extend,
                           input_ids=input_ids, positions=positions, expected_input_ids=restamp_ids,
                           expected_positions=restamp_pos, expected_pool=pool, valid_lens=valid,
-                          block_tables=tables, slot_mappings=slot_mappings, source_index=source)
+                          block_tables=tables, slot_mappings=slot_mappings, source_index=source,
+                          forward_len=t, deferred=deferred)
     # what the forward received, in the canary's order (a re-stamped token is what the other row received)
     step_batch.input_ids = step_batch.canary_tokens(input_ids, restamp_ids)
     step_batch.positions = step_batch.canary_tokens(positions, restamp_pos)

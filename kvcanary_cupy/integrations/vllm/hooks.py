@@ -209,7 +209,7 @@ class VllmCanary(InstanceOverrides):
                 for obs in self.observers:
                     obs.before_forward(self, st.steps, kwargs, metadata)
                 start = time.perf_counter()
-                batch = build_step(st.steps, self.runner, kwargs, metadata, st.geos, st.max_tokens)
+                batch = build_step(st.steps, self.runner, kwargs, metadata, st.geos, st.max_tokens, st.unstamped)
                 st.seconds["batch"] += time.perf_counter() - start
                 st.before_forward(batch)
             except BaseException as exc:
@@ -219,7 +219,7 @@ class VllmCanary(InstanceOverrides):
                 raise
             out = original(*args, **kwargs)
             try:
-                t = batch.forward_tokens
+                t = batch.forward_len
                 written = {geo.index: np.asarray(metadata[geo.layer_names[0]].slot_mapping[:t].numpy(),
                                                  np.int64).copy() for geo in st.geos}
                 st.after_forward(batch, written)

@@ -1,0 +1,363 @@
+"""The canary's read of one vLLM step, driven without an engine: a stand-in for the parts of vLLM's model runner
+the canary reads (request state, input batch, KV cache config with vLLM's own ``FullAttentionSpec``) and the
+forward's arguments and attention metadata built by hand, so each step's schedule is exactly the one written
+in the test. The runtime behind it is the real one (NumPy backend): what it flags is what an engine would flag.
+
+Pinned here: the same-step prefix hit (a row scheduled next to the sibling that writes its prefix) re-stamps
+exactly the positions written in the step and verifies the one before; past the per-step re-stamp budget the
+rows left over are read without a false positive and a fault is still caught; blocks the scheduler lists to
+zero leave the sweep's index.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from kvcanary_cupy.integrations.vllm.canary import CanaryOptions, VllmCanaryState, build_step
+from kvcanary_cupy.integrations.vllm.hooks import VllmCanary
+
+BS = 4  # tokens per block
+LAYER = "model.layers.0.self_attn.attn"
+
+
+@dataclass
+class Row:
+    """One scheduled request of a step: its token history, what is computed (``prefix`` tokens already in the
+    cache, ``extend`` new ones) and its block table row."""
+
+    rid: str
+    tokens: list[int]
+    prefix: int
+    extend: int
+    blocks: list[int]
+
+
+class Runner:
+    """The parts of vLLM's V1 model runner the canary reads, one full-attention KV cache group of one layer."""
+
+    def __init__(self, *, num_blocks: int = 64, max_num_reqs: int = 16, max_model_len: int = 64,
+                 max_num_tokens: int = 64) -> None:
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
+        cache = torch.zeros(num_blocks, 1, BS, 16)
+        self.kv_caches: list[torch.Tensor] = []
+        self.compilation_config = SimpleNamespace(static_forward_context={LAYER: SimpleNamespace(kv_cache=cache)})
+        self.kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec,
+                                                                                layer_names=[LAYER])])
+        self.max_num_reqs, self.max_model_len, self.max_num_tokens = max_num_reqs, max_model_len, max_num_tokens
+        self.requests: dict[str, SimpleNamespace] = {}
+        self.input_batch = SimpleNamespace(num_reqs=0, req_ids=[])
+        self.cache = cache
+        self.executed: list[SchedulerOutput] = []
+
+    # the two methods the canary wraps (their presence makes this a model runner to ``find_runner``)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        self.executed.append(scheduler_output)
+        for block in scheduler_output.new_block_ids_to_zero or ():  # what vLLM's runner does with the list
+            self.cache[block].zero_()
+
+    def _model_forward(self, **kwargs) -> None:
+        return None
+
+    def inputs(self, rows: list[Row]) -> tuple[dict, dict]:
+        """The forward's keyword arguments and attention metadata of a step scheduling ``rows``."""
+        self.input_batch = SimpleNamespace(num_reqs=len(rows), req_ids=[r.rid for r in rows])
+        ids, pos, slots, cu = [], [], [], [0]
+        for r in rows:
+            self.requests[r.rid] = SimpleNamespace(prompt_token_ids=r.tokens[: r.prefix + r.extend],
+                                                   output_token_ids=[])
+            for p in range(r.prefix, r.prefix + r.extend):
+                ids.append(r.tokens[p])
+                pos.append(p)
+                slots.append(r.blocks[p // BS] * BS + p % BS)
+            cu.append(len(ids))
+        width = max(len(r.blocks) for r in rows)
+        # one padding request past the batch, as vLLM's metadata may carry (num_reqs_padded): never read
+        table = torch.zeros(len(rows) + 1, width, dtype=torch.int32)
+        for i, r in enumerate(rows):
+            table[i, : len(r.blocks)] = torch.tensor(r.blocks, dtype=torch.int32)
+        md = SimpleNamespace(query_start_loc=torch.tensor([*cu, cu[-1]], dtype=torch.int32),
+                             seq_lens=torch.tensor([*(r.prefix + r.extend for r in rows), 0], dtype=torch.int32),
+                             block_table=table, slot_mapping=torch.tensor(slots, dtype=torch.int64))
+        kwargs = {"input_ids": torch.tensor(ids, dtype=torch.int64), "positions": torch.tensor(pos)}
+        return kwargs, {LAYER: md}
+
+
+def canary_state(runner: Runner, **opts) -> VllmCanaryState:
+    return VllmCanaryState(runner, CanaryOptions(**{"mode": "log", "real_kv_hash": "none", "backend": "numpy",
+                                                    "sweep_interval": 0, **opts}))
+
+
+def run_step(state: VllmCanaryState, runner: Runner, rows: list[Row], seed: int = 0):
+    """One engine step through the canary's four phases, the forward writing (random K/V) where its slot mapping
+    says."""
+    kwargs, md = runner.inputs(rows)
+    batch = build_step(state.steps, runner, kwargs, md, state.geos, state.max_tokens, state.unstamped)
+    state.before_forward(batch)
+    gen = torch.Generator().manual_seed(seed * 1000 + state.steps)
+    for slot in md[LAYER].slot_mapping.tolist():
+        runner.cache[slot // BS, :, slot % BS, :] = torch.rand(runner.cache.shape[1], runner.cache.shape[3],
+                                                               generator=gen) + 1
+    state.after_forward(batch, {0: md[LAYER].slot_mapping.numpy().astype(np.int64)})
+    return batch
+
+
+def endpoint_counts(state: VllmCanaryState) -> dict[str, tuple[int, int]]:
+    """(entries, launches) per operation, the same at each of the four HEAD/TAIL K/V endpoints (asserted)."""
+    per_op: dict[str, set[tuple[int, int]]] = {}
+    for (_, tag, op), counts in state.rt.run_counters().items():
+        if not tag.startswith("SWEEP_"):
+            per_op.setdefault(op, set()).add(counts)
+    assert all(len(v) == 1 for v in per_op.values()), per_op
+    return {op: v.pop() for op, v in per_op.items()}
+
+
+def slots(blocks: list[int], lo: int, hi: int) -> list[int]:
+    """Hand-worked slots of positions ``lo .. hi - 1`` of a block table row."""
+    return [blocks[p // BS] * BS + p % BS for p in range(lo, hi)]
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(10, 30000, n).tolist()
+
+
+# -- gap: the same-step prefix tail starts exactly at the first position written in the step ------------------
+
+def sibling_steps(seed: int):
+    """Step 0: request A writes an 8-token prompt into blocks 1, 2 (and C, an unrelated request, block 6).
+    Step 1: the parallel-sampling siblings B1, B2 of a 14-token prompt that begins with A's: B1 hits blocks 1, 2
+    and writes positions 8..13 into blocks 3, 4; B2, scheduled next to it, already hits block 3 (cached when
+    B1 was given it, written in this very step) and computes 12..13 into its own block 5."""
+    q = tokens(seed, 14)
+    a = Row("A", q[:8], 0, 8, [1, 2])
+    c = Row("C", tokens(seed + 1000, 5), 0, 4, [6])
+    b1 = Row("B1", q, 8, 6, [1, 2, 3, 4])
+    b2 = Row("B2", q, 12, 2, [1, 2, 3, 5])
+    return q, [a, c], [b1, b2]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_same_step_prefix_tail_is_restamped_from_the_first_position_written_in_the_step(seed):
+    runner = Runner()
+    state = canary_state(runner)
+    q, step0, step1 = sibling_steps(seed)
+    run_step(state, runner, step0)
+    batch = run_step(state, runner, step1)
+    state.flush()
+    # B2 re-stamps positions 8..11 (block 3, which B1 writes now) and verifies 0..7 (cached before the step)
+    assert batch.prefix_lens.tolist() == [8, 8]
+    assert batch.extend_lens.tolist() == [6, 6]
+    want_slots = slots([1, 2, 3, 4], 8, 14) + slots([1, 2, 3, 5], 8, 12) + slots([1, 2, 3, 5], 12, 14)
+    assert batch.slot_mappings[0].tolist() == want_slots == [12, 13, 14, 15, 16, 17, 12, 13, 14, 15, 20, 21]
+    assert batch.source_index.tolist() == [0, 1, 2, 3, 4, 5, -1, -1, -1, -1, 6, 7]
+    assert batch.expected_input_ids.tolist() == q[8:14] + q[8:12] + q[12:14]
+    assert batch.input_ids.tolist() == q[8:14] + q[8:12] + q[12:14]
+    assert batch.positions.tolist() == [*range(8, 14), *range(8, 12), 12, 13]
+    assert batch.forward_tokens == 8
+    assert state.violations == [] and state.health_problems == [] and state.dropped == 0
+    # per endpoint: B1 verifies 8 and writes 6; B2 verifies 8 and writes 4 re-stamped + 2; step 0 wrote 12
+    assert endpoint_counts(state) == {"verify": (8 + 8, 2), "write": (12 + 6 + 6, 2)}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_wrong_block_just_before_the_same_step_tail_is_verified_not_restamped(seed):
+    """B2's block table points its second block (positions 4..7, the last block before the shared tail) at C's
+    block 6: those four positions are read from foreign slots and each is flagged by the verify, and B2's first
+    re-stamp (position 8) seeds from slot 27, which holds C's position 3, so the write flags it. A tail one token
+    too long would re-stamp position 7 into C's slot 27 instead of verifying it: C's record would be overwritten,
+    which C's next step shows."""
+    runner = Runner()
+    state = canary_state(runner)
+    _q, (a, c), (b1, b2) = sibling_steps(seed)
+    run_step(state, runner, [a, c])
+    b2.blocks = [1, 6, 3, 5]
+    batch = run_step(state, runner, [b1, b2])
+    assert batch.prefix_lens.tolist() == [8, 8]
+    c.prefix, c.extend, c.blocks = 4, 1, [6, 7]
+    run_step(state, runner, [c])  # C decodes: its prefix (slots 24..27) must still hold its own records
+    state.flush()
+    verify_rows = {(v.step, v.violation.slot, v.violation.position) for v in state.violations
+                   if "VERIFY_TOKEN_MISMATCH" in v.violation.reasons}
+    write_rows = {(v.step, v.violation.slot, v.violation.position) for v in state.violations
+                  if "WRITE_POSITION_MISMATCH" in v.violation.reasons}
+    assert verify_rows == {(1, 6 * BS + k, k) for k in range(BS)}  # C's records, where B2 expects q[4..7]
+    assert write_rows == {(1, 3 * BS, 8)}
+    assert len(verify_rows | write_rows) == len({(v.step, v.violation.slot) for v in state.violations})
+
+
+# -- gap: same-step re-stamps past the step's capacity -------------------------------------------------------
+
+def many_siblings(seed: int, n: int):
+    """Step 0: ``n`` parallel-sampling siblings of a 13-token prompt. S1 computes it all into blocks 1..4; every
+    other sibling already hits blocks 1..3 (cached when S1 was given them) and computes position 12 into its own
+    block ``3 + k``. The forward holds 13 + (n - 1) tokens, which is also max_num_batched_tokens."""
+    q = tokens(seed, 16)
+    rows = [Row("S1", q, 0, 13, [1, 2, 3, 4])] + [Row(f"S{k}", q, 12, 1, [1, 2, 3, 3 + k]) for k in range(2, n + 1)]
+    return q, rows
+
+
+def decode(rows: list[Row]) -> None:
+    for r in rows:
+        r.prefix, r.extend = r.prefix + r.extend, 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_same_step_restamps_past_the_step_capacity_wait_for_a_later_step_without_a_false_positive(seed):
+    """8 siblings, 20 forward tokens: the canary takes 4 x 20 = 80 tokens a step, so 60 re-stamps. Each sibling
+    after S1 re-stamps positions 0..11 (12 tokens): S2..S6 fit (60), S7 and S8 do not. Worked by hand:
+    step 0: S7 and S8 verify nothing, stamp nothing and wait; S1..S6 write 13 each (78).
+    step 1 (each decodes one token): S1..S6 verify 13 and write 1; S7 and S8 re-stamp 0..12 and write 13 (14
+    each, 28 of the 80): 78 verified, 34 written.
+    step 2: all eight verify 14 and write 1: 112 verified, 8 written. No violation, nothing dropped."""
+    n = 8
+    runner = Runner(max_num_tokens=13 + n - 1)
+    state = canary_state(runner)
+    q, rows = many_siblings(seed, n)
+    batch = run_step(state, runner, rows)
+    assert batch.prefix_lens.tolist() == [0] * n
+    assert batch.extend_lens.tolist() == [13] * 6 + [0, 0]
+    assert batch.deferred == {"S7": 0, "S8": 0} and state.unstamped == {"S7": 0, "S8": 0}
+    assert batch.forward_tokens == 13 + 5 and batch.forward_len == 20
+    decode(rows)
+    batch = run_step(state, runner, rows)
+    assert batch.prefix_lens.tolist() == [13] * 6 + [0, 0]
+    assert batch.extend_lens.tolist() == [1] * 6 + [14, 14]
+    assert batch.slot_mappings[0].tolist()[-14:] == slots([1, 2, 3, 3 + 8], 0, 14)
+    assert batch.expected_input_ids.tolist()[-14:] == q[:14]
+    assert batch.deferred == {} and state.unstamped == {}
+    decode(rows)
+    run_step(state, runner, rows)
+    state.flush()
+    assert state.violations == [] and state.health_problems == [] and state.dropped == 0
+    assert endpoint_counts(state) == {"verify": (78 + 112, 3), "write": (78 + 34 + 8, 3)}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_fault_on_a_sibling_that_waited_for_its_restamp_is_still_caught(seed):
+    """The same schedule; at step 2 S8's block table points its first block at S2's own block 5 (slot 20 holds
+    S2's position 12, slots 21..23 were never written): the verify flags exactly slots 20..23, at step 2."""
+    n = 8
+    runner = Runner(max_num_tokens=13 + n - 1)
+    state = canary_state(runner)
+    _q, rows = many_siblings(seed, n)
+    run_step(state, runner, rows)
+    decode(rows)
+    run_step(state, runner, rows)
+    decode(rows)
+    rows[-1].blocks = [5, 2, 3, 11]
+    run_step(state, runner, rows)
+    state.flush()
+    flagged = {(v.step, v.violation.slot) for v in state.violations if "VERIFY_TOKEN_MISMATCH" in v.violation.reasons}
+    assert flagged == {(2, 5 * BS + k) for k in range(BS)}
+    assert {v.step for v in state.violations} == {2}
+
+
+# -- minor: blocks the scheduler lists to zero leave the sweep's index ---------------------------------------
+
+@pytest.mark.parametrize("seed", range(4))
+def test_blocks_the_scheduler_lists_to_zero_leave_the_sweeps_index(seed):
+    """A writes blocks 1, 2 and C block 6, their K/V hashed into the records. The next scheduler output lists
+    blocks 2 and 6 to zero (vLLM does for Mamba and mixed-precision caches) and the runner zeroes them: the
+    sweep must check block 1 only (zeroed K/V no longer matches the hash its records hold: a sweep still
+    indexing block 2 or 6 would flag every one of their slots)."""
+    runner = Runner()
+    opts = CanaryOptions(mode="log", real_kv_hash="partial", backend="numpy", sweep_interval=0)
+    canary = VllmCanary(runner, opts)
+    canary.state = VllmCanaryState(runner, opts)
+    _q, (a, c), _ = sibling_steps(seed)
+    run_step(canary.state, runner, [a, c], seed)
+    assert canary.state.block_index == {(0, 1): 0, (0, 2): 1, (0, 6): 0}
+    out = SchedulerOutput.make_empty()
+    out.new_block_ids_to_zero = [2, 6, 9]  # block 9 was never indexed
+    runner.execute_model(out)
+    assert runner.executed == [out]  # the runner's own method ran, with the same output
+    assert canary.state.block_index == {(0, 1): 0}
+    swept = canary.state.rt.sweep()
+    canary.state.flush()
+    assert canary.state.violations == []
+    assert swept == BS  # block 1's four slots
+    canary.remove()
+
+
+# -- the sweep's block index ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_block_index_keeps_complete_blocks_and_drops_reused_and_unstamped_ones(seed):
+    """Worked by hand (4 tokens a block). Step 0: Z writes 8 tokens into blocks 10, 11 (both complete: indexed
+    at 0, 1) and Y 6 tokens into blocks 12, 13 (12 complete; 13 holds 2 tokens: not indexed).
+    Step 1: W, a new request, gets block 13 back and writes 2 tokens: still incomplete, so nothing new.
+    Step 2: the 8 siblings of a 13-token prompt (20 forward tokens, 60 re-stamps a step): S1..S6 index blocks
+    1, 2, 3 (complete) and drop their own block (position 12 only); S7 and S8 stamp nothing this step, so their
+    own blocks 10 and 11 (Z's, handed out again) leave the index, and the blocks S1 stamps stay."""
+    runner = Runner(max_num_tokens=20)
+    state = canary_state(runner)
+    run_step(state, runner, [Row("Z", tokens(seed, 8), 0, 8, [10, 11]), Row("Y", tokens(seed + 1, 6), 0, 6, [12, 13])])
+    assert state.block_index == {(0, 10): 0, (0, 11): 1, (0, 12): 0}
+    run_step(state, runner, [Row("W", tokens(seed + 2, 2), 0, 2, [13])])
+    assert state.block_index == {(0, 10): 0, (0, 11): 1, (0, 12): 0}
+    _, rows = many_siblings(seed, 8)
+    rows[6].blocks, rows[7].blocks = [1, 2, 3, 10], [1, 2, 3, 11]
+    batch = run_step(state, runner, rows)
+    assert batch.deferred == {"S7": 0, "S8": 0}
+    assert state.block_index == {(0, 1): 0, (0, 2): 1, (0, 3): 2, (0, 12): 0}
+
+
+def test_a_block_a_new_request_only_partly_fills_leaves_the_index():
+    runner = Runner()
+    state = canary_state(runner)
+    run_step(state, runner, [Row("Z", tokens(7, 8), 0, 8, [10, 11])])
+    assert state.block_index == {(0, 10): 0, (0, 11): 1}
+    run_step(state, runner, [Row("V", tokens(8, 7), 0, 7, [11, 10])])  # 11 refilled whole, 10 with 3 tokens
+    assert state.block_index == {(0, 11): 0}
+
+
+def test_the_forward_token_is_what_the_write_checks_even_for_the_first_token_of_the_step():
+    """The forward received a wrong first token (position 0 of A): the canary's token list carries what the
+    forward received, not the history, so the write flags it."""
+    runner = Runner()
+    state = canary_state(runner)
+    q, (a, c), _ = sibling_steps(3)
+    kwargs, md = runner.inputs([a, c])
+    kwargs["input_ids"][0] += 1
+    batch = build_step(state.steps, runner, kwargs, md, state.geos, state.max_tokens, state.unstamped)
+    assert batch.input_ids.tolist() == [q[0] + 1, *q[1:8], *c.tokens[:4]]
+    assert batch.expected_input_ids.tolist() == q[:8] + c.tokens[:4]
+
+
+@pytest.mark.parametrize(("state_of_a", "message"), [
+    ({"prompt_token_ids": None}, "request A has no prompt token ids (prompt embeddings are not supported)"),
+    ({"prompt_token_ids": [5, 6, 7]}, "request A schedules positions up to 8 but its state holds 3 tokens (async "
+                                      "scheduling is not supported: use async_scheduling=False)"),
+], ids=["prompt-embeddings", "async-scheduling"])
+def test_a_request_state_the_step_cannot_be_read_from_is_refused_by_name(state_of_a, message):
+    runner = Runner()
+    state = canary_state(runner)
+    _, (a, c), _ = sibling_steps(0)
+    kwargs, md = runner.inputs([a, c])
+    runner.requests["A"] = SimpleNamespace(**{"prompt_token_ids": a.tokens, "output_token_ids": [], **state_of_a})
+    with pytest.raises(ValueError, match="^" + re.escape("kv-canary: " + message) + "$"):
+        build_step(state.steps, runner, kwargs, md, state.geos, state.max_tokens, state.unstamped)
+
+
+def test_a_step_in_which_every_row_waits_stamps_and_verifies_nothing():
+    """A's positions 0..19 were left unstamped by an earlier step (pending from 0): 20 re-stamps do not fit the
+    16 - 1 the step has left, so A waits again, and the step has no canary token at all; the runtime takes the
+    empty step."""
+    runner = Runner(max_num_tokens=4)
+    state = canary_state(runner)
+    a = Row("A", tokens(5, 22), 20, 1, [1, 2, 3, 4, 5, 6])
+    state.unstamped["A"] = 0
+    batch = run_step(state, runner, [a])
+    assert batch.deferred == {"A": 0} and state.unstamped == {"A": 0}
+    assert (batch.prefix_lens.tolist(), batch.extend_lens.tolist(), batch.forward_len) == ([0], [0], 1)
+    for got in (batch.slot_mappings[0], batch.source_index, batch.expected_input_ids, batch.expected_positions):
+        assert got.shape == (0,) and got.dtype == np.int64
+    state.flush()
+    assert state.violations == [] and endpoint_counts(state) == {"verify": (0, 1), "write": (0, 1)}
