@@ -32,7 +32,7 @@ def test_the_readme_in_process_block_runs_and_finds_a_healthy_engine_clean(tiny_
     assert code.count(placeholder) == 1, "the README block names its model as path/to/model"
     code = code.replace(placeholder, f"model={str(tiny_model)!r}, skip_tokenizer_init=True, dtype='float32', "
                                      f"max_model_len=256, enforce_eager=True, "
-                                     f"kv_cache_memory_bytes={kv_cache_bytes('tiny', KV_BLOCKS)}")
+                                     f"kv_cache_memory_bytes={kv_cache_bytes('small', KV_BLOCKS)}")
     # after the block: how many engine steps the canary checked (0 would mean it never ran)
     code += "\nprint('canary steps:', canary.steps, 'installed:', canary.installed)\n"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCANARY_VLLM", "VLLM_CPU_KVCACHE"))}

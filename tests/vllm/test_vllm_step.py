@@ -47,7 +47,7 @@ class Runner:
                  max_num_tokens: int = 64) -> None:
         spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
         cache = torch.zeros(num_blocks, 1, BS, 16)
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list[torch.Tensor] = [cache]  # what the runner holds once its KV cache is built
         self.compilation_config = SimpleNamespace(static_forward_context={LAYER: SimpleNamespace(kv_cache=cache)})
         self.kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec,
                                                                                 layer_names=[LAYER])])
