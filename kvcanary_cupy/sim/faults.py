@@ -72,6 +72,16 @@ class Fault:
         return None if self.detection_read_step is None else self.detection_read_step - self.step
 
 
+@dataclass(frozen=True)
+class CarriedTaint:
+    """What the faults had charged to the slots of a page when it left the device (a tier's write-back):
+    ``(group, index in the page, explaining fault ids, corrupted-content fault ids, chain-descent fault ids)``
+    for every page position some fault touched. The page's bytes and records carry that damage with them; on
+    its load-back :meth:`FaultTracker.carry` charges it to the slots the page lands in."""
+
+    entries: tuple[tuple[str, int, tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...] = ()
+
+
 class FaultTracker:
     """Every fault of a run, and per canary group three slot indexes:
 
@@ -189,6 +199,40 @@ class FaultTracker:
             for slot, x in zip(slots.tolist(), swa.tolist(), strict=True):
                 for fault in self._taint["FULL"].get(slot, ()):
                     self.taint(fault, "SWA", [x], source=slot in fault.sources["FULL"])
+
+    def snapshot(self, slots: dict[str, np.ndarray]) -> CarriedTaint:
+        """The damage charged to ``slots`` (per group, in that group's slot space; 0 where a position has no slot
+        in the group) now, for a page copied out of them (see :class:`CarriedTaint`)."""
+        entries = []
+        for group, arr in slots.items():
+            taint, sources, chain = self._taint[group], self._sources[group], self._chain[group]
+            for i, s in enumerate(self._ints(arr)):
+                if s <= 0:
+                    continue
+                explain = tuple(sorted({f.fid for f in taint.get(s, ())}))
+                source = tuple(sorted({f.fid for f in sources.get(s, ())}))
+                descent = tuple(sorted(chain.get(s, ())))
+                if explain or source or descent:
+                    entries.append((group, i, explain, source, descent))
+        return CarriedTaint(tuple(entries))
+
+    def carry(self, carried: CarriedTaint, slots: dict[str, np.ndarray]) -> None:
+        """A page copied out with ``carried`` landed in ``slots`` (per group, as for :meth:`snapshot`): each
+        fault's damage to a page position is charged to the slot that position lands in. Only damage some fault
+        had already caused travels: a page that left the device clean carries nothing, so a violation at its
+        restored slots stays unexplained unless a fault explains it there."""
+        for group, i, explain, source, descent in carried.entries:
+            if group not in slots or i >= len(slots[group]):
+                continue
+            s = int(slots[group][i])
+            if s <= 0:
+                continue
+            for fid in explain:
+                self.taint(self.faults[fid], group, [s])
+            for fid in source:
+                self.taint(self.faults[fid], group, [s], source=True, explain=False)
+            for fid in descent:
+                self.taint(self.faults[fid], group, [s], chain=True, explain=False)
 
     def on_splice(self, prev: int, first: int) -> None:
         """Engine hook: the prefix cache now holds ``first`` right after ``prev`` (a request's own chain joined

@@ -35,14 +35,14 @@ import numpy as np
 
 from ..runtime import CanaryRuntime, OffloadedRecords
 from .engine import Engine
-from .faults import TIER_FAULT_KINDS, FaultInjector, FaultTracker
+from .faults import TIER_FAULT_KINDS, CarriedTaint, FaultInjector, FaultTracker
 from .radix import RadixNode
 from .workload import RequestSpec
 
 TIER_NAMES = ("host", "disk")
 L2_LATENCY, L3_LATENCY = 1, 2  # steps from the start of a load to its completion
-L2_SLOTS = 1024  # host memory holds this many tokens of written-back pages; its LRU pages go to disk
-L3_BYTES = 512 << 10  # the disk tier's cap; its LRU files are deleted
+L2_SLOTS = 512  # host memory holds this many tokens of written-back pages; its LRU pages go to disk
+L3_BYTES = 4 << 20  # the disk tier's cap; its LRU files are deleted
 DEVICE_CACHE_SLOTS = 32  # a tiered engine keeps this much prefix cache on the device; the rest goes down
 
 
@@ -61,6 +61,8 @@ class TierPage:
     nbytes: int = 0
     tier: str = "L2"
     pinned: int = 0  # loads in flight
+    carried: CarriedTaint = field(default_factory=CarriedTaint)  # faults' damage to the slots it was copied from
+    damaged_by: list[Any] = field(default_factory=list)  # tier faults that damaged its file (every later read)
 
 
 @dataclass
@@ -79,6 +81,7 @@ class Load:
     data: dict[str, np.ndarray] | None = None  # read at the start (L3: the file) or at completion (L2)
     planned: str | None = None  # the tier fault kind this load-back carries, if any
     faults: list[Any] = field(default_factory=list)
+    carried: list[CarriedTaint] = field(default_factory=list)  # damage of the bytes it brings back
 
 
 def _host(a: Any) -> np.ndarray:
@@ -146,6 +149,17 @@ class TieredStore:
                     parts[f"kv:{name}:{kind}:{layer}"] = _host(tensor[xp.asarray(page), xp.asarray(row)])
         return parts
 
+    def _group_slots(self, slots: np.ndarray) -> dict[str, np.ndarray]:
+        """``slots`` (full pool) in every canary group's slot space: the SWA group's through the LUT (0 where a
+        position has no SWA slot)."""
+        eng = self.engine
+        out = {"FULL": slots}
+        if eng.cfg.eagle:
+            out["DRAFT"] = slots
+        if eng.swa:
+            out["SWA"] = eng.lut_host[slots]
+        return out
+
     def _record_parts(self, slots: np.ndarray) -> dict[str, np.ndarray]:
         parts = {}
         for model in self.models:
@@ -169,7 +183,8 @@ class TieredStore:
         alive = eng.lut_host[slots] != 0 if eng.swa else np.zeros(n, bool)
         parts = {**self._kv_parts(slots, alive), **self._record_parts(slots)}
         layout, blob = _pack(parts)
-        page = TierPage(key, keys.copy(), int(keys.shape[0]) - n, n, layout, blob, slots, alive, int(blob.nbytes))
+        page = TierPage(key, keys.copy(), int(keys.shape[0]) - n, n, layout, blob, slots, alive, int(blob.nbytes),
+                        carried=self.tracker.snapshot(self._group_slots(slots)))
         self.l2[key] = page
         self.l2_used += n
         self.stats["written_back"] += 1
@@ -219,7 +234,7 @@ class TieredStore:
             self.stats["l3_evicted"] += 1
         self.stats["peak_l3_bytes"] = max(self.stats["peak_l3_bytes"], self.l3_used)
 
-    def _read(self, page: TierPage) -> np.ndarray:
+    def _read(self, page: TierPage, *, count: bool = True) -> np.ndarray:
         """The page's bytes: from host memory, or read back from its file (a short file leaves the missing tail
         as the zeroed staging buffer holds it)."""
         if page.blob is not None:
@@ -228,7 +243,8 @@ class TieredStore:
         with open(self._path(page), "rb") as f:
             data = f.read()
         out[: len(data)] = np.frombuffer(data, np.uint8)[: page.nbytes]
-        self.stats["l3_bytes_read"] += len(data)
+        if count:  # a load-back's read (not the fault planner's look)
+            self.stats["l3_bytes_read"] += len(data)
         return out
 
     # -- load-back -------------------------------------------------------------------------------------------
@@ -317,7 +333,15 @@ class TieredStore:
                     if k.startswith(f"rec:{model}:")}
             self.rt.restore(OffloadedRecords(model, n, recs), slots, positions, prevs)
         self.stats["restored_slots"] += n
-        for fault in load.faults:  # what the tier damaged, in every group's slot space
+        # what faults had done to the page before it left the device travels with it to its new slots, and
+        # the join with the resident slot before it fails if either side descends from corrupted content
+        for carried in [page.carried, *load.carried]:
+            self.tracker.carry(carried, self._group_slots(slots))
+        if page.depth:
+            self.tracker.on_splice(int(load.shared[-1]), int(slots[0]))
+        # what the tier damaged, in every group's slot space: this load's faults, and those that damaged the
+        # page's file for good (a rotten or torn file is read back the same way by every later load)
+        for fault in load.faults + [f for f in page.damaged_by if f not in load.faults]:
             self.tracker.taint_full(fault, slots, source=True, chain=True)
         page.pinned -= 1
         # the page joins the prefix cache after its device match (duplicates of what is cached now go back)
@@ -337,16 +361,28 @@ class TieredStore:
         return bool(self.injector.pending.get(name))
 
     def _plan_fault(self, load: Load) -> str | None:
-        """At most one fault per load-back (each is then judged on its own): of the kinds due now that fit this
-        load's tier, the one injected least so far."""
-        fits = {"tier-disk-bit-rot": load.tier == "L3", "tier-torn-write": load.tier == "L3",
-                "tier-host-page-reused": load.tier == "L2", "tier-wrong-key": True,
-                "tier-wrong-slots": load.page.n >= 2, "tier-stale-copy": True}
-        due = [k for k, ok in fits.items() if ok and self._due(k)]
+        """At most one fault per load-back (each is then judged on its own): of the kinds due now that can strike
+        this load (its tier, its size, another page to confuse it with, old slots rewritten since), the one
+        injected least so far."""
+        fits = {"tier-disk-bit-rot": lambda: load.tier == "L3", "tier-torn-write": lambda: load.tier == "L3",
+                "tier-host-page-reused": lambda: load.tier == "L2" and bool(self._others(load)),
+                "tier-wrong-key": lambda: bool(self._others(load)),
+                "tier-wrong-slots": lambda: load.page.n >= 2,
+                "tier-stale-copy": lambda: self._stale(load.page) is not None}
+        due = [k for k, ok in fits.items() if self._due(k) and ok()]
         if not due:
             return None
         made = {k: sum(f.kind == k for f in self.tracker.faults) for k in due}
         return min(due, key=lambda k: (made[k], k))
+
+    def _stale(self, page: TierPage) -> dict[str, np.ndarray] | None:
+        """What a lazy copy taken now from the page's old device slots would bring back (their KV where the page
+        had SWA slots, their records), or None while those slots still hold the page (nothing rewritten)."""
+        now = self._record_parts(page.origin)
+        ours = _unpack(page.layout, self._read(page, count=False))["rec:target:FULL:0"]
+        if np.array_equal(now["rec:target:FULL:0"], ours):
+            return None
+        return {**self._kv_parts(page.origin, page.swa_alive), **now}
 
     def _fault(self, name: str, load: Load, detail: str) -> None:
         fault = self.tracker.new(TIER_FAULT_KINDS[name], load.start_step, "FULL",
@@ -355,14 +391,21 @@ class TieredStore:
         fault.request = load.rid
         self.injector.pending[name] -= 1
         load.faults.append(fault)
+        if name in ("tier-disk-bit-rot", "tier-torn-write"):
+            load.page.damaged_by.append(fault)
 
-    def _other(self, load: Load) -> TierPage | None:
+    def _others(self, load: Load) -> list[TierPage]:
+        """Pages a confused tier could hand back instead of ``load``'s: as long, of the same parts (those at the
+        same depth when there are any)."""
         page = load.page
         names = [name for name, _ in page.layout]
         options = [p for tier in (self.l2, self.l3) for p in tier.values()
                    if p is not page and p.n >= page.n and [name for name, _ in p.layout] == names]
         same_depth = [p for p in options if p.depth == page.depth]
-        options = same_depth or options
+        return same_depth or options
+
+    def _other(self, load: Load) -> TierPage | None:
+        options = self._others(load)
         return options[int(self.rng.integers(len(options)))] if options else None
 
     def _inject_at_start(self, load: Load) -> None:
@@ -384,6 +427,16 @@ class TieredStore:
                 f.truncate(keep)
             self._fault("tier-torn-write", load, f"{page.key}.kv holds {keep} of {page.nbytes} bytes")
 
+    @staticmethod
+    def _first_positions(name: str, part: np.ndarray, other: TierPage, page: TierPage) -> np.ndarray:
+        """``other``'s part ``name`` cut to ``page``'s first positions and shape: its SWA KV (stored for the
+        positions that had an SWA slot) placed at ``page``'s SWA positions (zeros where ``other`` had none)."""
+        if not name.startswith("kv:SWA"):
+            return part[: page.n]
+        per_position = np.zeros((other.n, *part.shape[1:]), part.dtype)
+        per_position[other.swa_alive] = part
+        return per_position[: page.n][page.swa_alive]
+
     def _inject_at_finish(self, load: Load, data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         page, n = load.page, load.page.n
         if load.faults or load.planned is None or not self._due(load.planned):
@@ -395,17 +448,16 @@ class TieredStore:
                 kv = {k: v[:n] for k, v in theirs.items() if k.startswith("kv:") and not k.startswith("kv:SWA")}
                 if any(not np.array_equal(v, data[k]) for k, v in kv.items()):
                     data = {**data, **kv}
+                    load.carried.append(other.carried)
                     self._fault("tier-host-page-reused", load, f"its host page was evicted and refilled with "
                                 f"{other.key}'s KV before the copy to the device")
         if load.planned == "tier-wrong-key":
             other = self._other(load)
             if other is not None:
                 theirs = _unpack(other.layout, self._read(other))
-                swa = {k for k in theirs if k.startswith("kv:SWA")}
-                if not np.array_equal(theirs["rec:target:FULL:0"][:n], data["rec:target:FULL:0"]) and (
-                        not swa or np.array_equal(other.swa_alive[:n], page.swa_alive)):
-                    alive = int(page.swa_alive.sum())
-                    data = {k: (v[:alive] if k in swa else v[:n]) for k, v in theirs.items()}
+                if not np.array_equal(theirs["rec:target:FULL:0"][:n], data["rec:target:FULL:0"]):
+                    data = {k: self._first_positions(k, v, other, page) for k, v in theirs.items()}
+                    load.carried[:] = [other.carried]
                     self._fault("tier-wrong-key", load, f"the lookup answered with {other.key} (positions "
                                 f"{other.depth}..{other.depth + n - 1} of another prefix)")
         if load.planned == "tier-wrong-slots":
@@ -416,16 +468,12 @@ class TieredStore:
             self._fault("tier-wrong-slots", load, f"positions {page.depth + i} and {page.depth + i + 1} were copied "
                         "into each other's device slots")
         if load.planned == "tier-stale-copy":
-            eng = self.engine
-            held = eng.alloc.refs[page.origin // eng.stride if eng.paged else page.origin] > 0
-            if held.all():
-                now = self._record_parts(page.origin)
-                if not np.array_equal(now["rec:target:FULL:0"], data["rec:target:FULL:0"]):
-                    now_alive: np.ndarray = (eng.lut_host[page.origin] != 0) if eng.swa else np.zeros(n, bool)
-                    if np.array_equal(now_alive, page.swa_alive):
-                        data = {**self._kv_parts(page.origin, now_alive), **now}
-                        self._fault("tier-stale-copy", load, "the copy came from its old device slots after they "
-                                    "were given to another request and rewritten")
+            stale = self._stale(page)
+            if stale is not None:
+                data = stale
+                load.carried.append(self.tracker.snapshot(self._group_slots(page.origin)))
+                self._fault("tier-stale-copy", load, "the copy came from its old device slots after they were given "
+                            "to another request and rewritten")
         return data
 
     # -- end -------------------------------------------------------------------------------------------------
