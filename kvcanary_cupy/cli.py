@@ -305,6 +305,7 @@ def _emit(args: argparse.Namespace, report: dict[str, Any], print_report: Any, w
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from .sim.faults import parse_inject
+    from .sim.l3dir import TierStorageError
     from .sim.report import ProgressDisplay, print_report, write_html, write_json
     from .sim.runner import SimConfig, Simulation, applicable_kinds
 
@@ -330,8 +331,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         raise BadArguments(str(exc)) from None
     _check_outputs(args)
-    with ProgressDisplay(cfg.steps, enabled=not args.quiet) as progress:
-        report = sim.run(progress)
+    try:
+        with ProgressDisplay(cfg.steps, enabled=not args.quiet) as progress:
+            report = sim.run(progress)
+    except TierStorageError as exc:  # the L3 directory failed mid-run (full disk, directory removed)
+        print(f"{PROG} simulate: error: the disk tier failed: {exc}", file=sys.stderr)
+        return 1
     human = _emit(args, report, print_report, write_json, write_html)
     if sim.recorder is not None:
         for kind, path in sim.recorder.dumped.items():

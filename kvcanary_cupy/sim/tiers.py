@@ -6,8 +6,8 @@ travelling with every page.
   engine's ``on_evict`` hook), its KV bytes (every layer, K and V, the full, SWA and draft pools) and the canary
   records of its slots (:meth:`~kvcanary_cupy.runtime.CanaryRuntime.offload`) are copied into one host page
   keyed by the whole prefix it ends. L2 holds at most ``l2_slots`` tokens; its least recently used pages are
-  demoted to L3 as real files (``<tier dir>/<key>.kv``); L3 holds at most ``l3_bytes`` and deletes its least
-  recently used files.
+  demoted to L3 as real files (``<tier dir>/<key>.kv``, created exclusively); L3 holds at most ``l3_bytes``
+  and deletes its least recently used files.
 * **load-back** — when a request arrives whose prompt continues its device match with a page a lower tier
   holds (the engine's ``on_lookup`` hook), the page's device slots are allocated and a load starts; the request
   waits. The load completes one step later from L2, two from L3 (a file read); then the bytes are copied into
@@ -17,14 +17,15 @@ travelling with every page.
 * **faults** — the tier kinds of :mod:`.faults` (``tier-*``) are injected here, at a load-back, the way the real
   bugs strike; each fault names its tier and step.
 
-The L3 directory is ``tier_dir`` (created if needed) or a temporary directory; :meth:`TieredStore.close`
-removes every file the store wrote (and the temporary directory).
+The L3 directory is ``tier_dir`` (created if needed) or a temporary directory, checked at the start and used as
+a boundary (:mod:`.l3dir`: no file outside it written or followed; a full disk or a removed directory mid-run
+is a :class:`~kvcanary_cupy.sim.l3dir.TierStorageError`); :meth:`TieredStore.close` removes every file the
+store wrote (and the temporary directory).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import tempfile
 from collections import OrderedDict
@@ -36,6 +37,7 @@ import numpy as np
 from ..runtime import CanaryRuntime, OffloadedRecords
 from .engine import Engine
 from .faults import TIER_FAULT_KINDS, CarriedTaint, FaultInjector, FaultTracker
+from .l3dir import TierDir, open_tier_dir
 from .radix import RadixNode
 from .workload import RequestSpec
 
@@ -63,6 +65,7 @@ class TierPage:
     pinned: int = 0  # loads in flight
     carried: CarriedTaint = field(default_factory=CarriedTaint)  # faults' damage to the slots it was copied from
     damaged_by: list[Any] = field(default_factory=list)  # tier faults that damaged its file (every later read)
+    file: str = ""  # its L3 file's name in the tier directory (while tier == "L3")
 
 
 @dataclass
@@ -122,10 +125,17 @@ class TieredStore:
         self.l2_used = 0
         self.l3_bytes = l3_bytes if l3_bytes is not None else L3_BYTES
         self.l3_used = 0
-        self._own_dir = tier_dir is None
-        self.dir = tempfile.mkdtemp(prefix="kvcanary-l3-") if tier_dir is None else tier_dir
+        self._own_dir = "disk" in tiers and tier_dir is None
+        self.dir = tempfile.mkdtemp(prefix="kvcanary-l3-") if self._own_dir else tier_dir
+        self.l3dir: TierDir | None = None
         if "disk" in tiers:
-            os.makedirs(self.dir, exist_ok=True)
+            assert self.dir is not None
+            try:
+                self.l3dir = open_tier_dir(self.dir, self.l3_bytes)  # writable, with room for the cap
+            except ValueError:
+                if self._own_dir:
+                    shutil.rmtree(self.dir, ignore_errors=True)
+                raise
         self.loads: dict[int, Load] = {}
         self.step = 0
         self.stats = dict(written_back=0, written_back_slots=0, l2_hits=0, l3_hits=0, restored_slots=0,
@@ -208,14 +218,10 @@ class TieredStore:
             else:
                 self.stats["l2_evicted"] += 1
 
-    def _path(self, page: TierPage) -> str:
-        return os.path.join(self.dir, f"{page.key}.kv")
-
     def _demote(self, page: TierPage) -> None:
         """Write ``page`` to its L3 file and drop it from host memory."""
-        assert page.blob is not None
-        with open(self._path(page), "wb") as f:
-            f.write(page.blob.tobytes())
+        assert page.blob is not None and self.l3dir is not None
+        page.file = self.l3dir.create(page.key, page.blob.tobytes())
         page.blob, page.tier = None, "L3"
         self.l3[page.key] = page
         self.l3_used += page.nbytes
@@ -230,7 +236,7 @@ class TieredStore:
                 continue
             del self.l3[key]
             self.l3_used -= old.nbytes
-            os.remove(self._path(old))
+            self.l3dir.remove(old.file)
             self.stats["l3_evicted"] += 1
         self.stats["peak_l3_bytes"] = max(self.stats["peak_l3_bytes"], self.l3_used)
 
@@ -239,9 +245,9 @@ class TieredStore:
         as the zeroed staging buffer holds it)."""
         if page.blob is not None:
             return page.blob.copy()
+        assert self.l3dir is not None
         out = np.zeros(page.nbytes, np.uint8)
-        with open(self._path(page), "rb") as f:
-            data = f.read()
+        data = self.l3dir.read(page.file)
         out[: len(data)] = np.frombuffer(data, np.uint8)[: page.nbytes]
         if count:  # a load-back's read (not the fault planner's look)
             self.stats["l3_bytes_read"] += len(data)
@@ -412,20 +418,17 @@ class TieredStore:
         page = load.page
         load.planned = self._plan_fault(load)
         if load.planned == "tier-disk-bit-rot":
-            size = os.path.getsize(self._path(page))
+            assert self.l3dir is not None
+            size = self.l3dir.size(page.file)
             kv_bytes = sum(int(np.prod(s)) * 8 for name, s in page.layout if name.startswith("kv:"))
             at = int(self.rng.integers(min(size, kv_bytes)))
-            with open(self._path(page), "r+b") as f:
-                f.seek(at)
-                byte = f.read(1)[0]
-                f.seek(at)
-                f.write(bytes([byte ^ (1 << int(self.rng.integers(8)))]))
-            self._fault("tier-disk-bit-rot", load, f"bit flipped at byte {at} of {page.key}.kv")
+            self.l3dir.flip_bit(page.file, at, int(self.rng.integers(8)))
+            self._fault("tier-disk-bit-rot", load, f"bit flipped at byte {at} of {page.file}")
         elif load.planned == "tier-torn-write":
             keep = int(page.nbytes * (0.5 + 0.4 * float(self.rng.random()))) // 8 * 8
-            with open(self._path(page), "r+b") as f:
-                f.truncate(keep)
-            self._fault("tier-torn-write", load, f"{page.key}.kv holds {keep} of {page.nbytes} bytes")
+            assert self.l3dir is not None
+            self.l3dir.truncate(page.file, keep)
+            self._fault("tier-torn-write", load, f"{page.file} holds {keep} of {page.nbytes} bytes")
 
     @staticmethod
     def _first_positions(name: str, part: np.ndarray, other: TierPage, page: TierPage) -> np.ndarray:
@@ -487,10 +490,8 @@ class TieredStore:
 
     def close(self) -> None:
         """Remove every L3 file (and the directory when the store made it)."""
-        for page in self.l3.values():
-            path = self._path(page)
-            if os.path.exists(path):
-                os.remove(path)
+        if self.l3dir is not None:
+            self.l3dir.close()  # only the files this run created; never raises
         self.l3.clear()
-        if self._own_dir:
+        if self._own_dir and self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
