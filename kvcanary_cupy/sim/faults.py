@@ -74,7 +74,8 @@ class Fault:
 
 @dataclass(frozen=True)
 class CarriedTaint:
-    """What the faults had charged to the slots of a page when it left the device (a tier's write-back):
+    """What the faults had charged to the slots of a page when it left the device (a tier's write-back), for the
+    faults whose damage lives in the slots' KV and records (:attr:`FaultKind.damages_content`):
     ``(group, index in the page, explaining fault ids, corrupted-content fault ids, chain-descent fault ids)``
     for every page position some fault touched. The page's bytes and records carry that damage with them; on
     its load-back :meth:`FaultTracker.carry` charges it to the slots the page lands in."""
@@ -204,14 +205,15 @@ class FaultTracker:
         """The damage charged to ``slots`` (per group, in that group's slot space; 0 where a position has no slot
         in the group) now, for a page copied out of them (see :class:`CarriedTaint`)."""
         entries = []
+        travels = {f.fid for f in self.faults if ALL_FAULT_KINDS[f.kind].damages_content}
         for group, arr in slots.items():
             taint, sources, chain = self._taint[group], self._sources[group], self._chain[group]
             for i, s in enumerate(self._ints(arr)):
                 if s <= 0:
                     continue
-                explain = tuple(sorted({f.fid for f in taint.get(s, ())}))
-                source = tuple(sorted({f.fid for f in sources.get(s, ())}))
-                descent = tuple(sorted(chain.get(s, ())))
+                explain = tuple(sorted({f.fid for f in taint.get(s, ())} & travels))
+                source = tuple(sorted({f.fid for f in sources.get(s, ())} & travels))
+                descent = tuple(sorted(set(chain.get(s, ())) & travels))
                 if explain or source or descent:
                     entries.append((group, i, explain, source, descent))
         return CarriedTaint(tuple(entries))
@@ -307,6 +309,9 @@ class FaultKind(abc.ABC):
     phase: ClassVar[str]  # "batch", "forward", "after_forward" or "after_step"
     allowed_bits: ClassVar[int]
     needs: ClassVar[str] = ""  # "swa": needs an SWA group
+    # the damage lives in slots' KV bytes or canary records (so it travels with a page copied to a lower tier);
+    # False: it lives in what the plan reads (a slot table entry, the expected-token pool) and stays behind
+    damages_content: ClassVar[bool] = True
     kv_groups: ClassVar[bool] = False  # picks one of the canary groups (FULL, SWA, DRAFT) per injection
 
     def applicable(self, engine: Engine) -> bool:
@@ -407,6 +412,7 @@ class ReqToTokenCorruption(FaultKind):
                "foreign slot, whose stored position, token and chain do not fit.")
     phase = "batch"
     allowed_bits = SLOT_CORRUPTION
+    damages_content = False
 
     def inject(self, ctx: InjectionContext) -> Fault | None:
         if ctx.engine.paged:
@@ -662,6 +668,7 @@ class StaleExpectedTokens(FaultKind):
                "decode step; the verify's token check fails wherever the two histories differ.")
     phase = "batch"
     allowed_bits = int(R.VERIFY_TOKEN_MISMATCH)
+    damages_content = False
 
     def inject(self, ctx: InjectionContext) -> Fault | None:
         batch, eng, rng = ctx.batch, ctx.engine, ctx.rng

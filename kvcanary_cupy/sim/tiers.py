@@ -372,7 +372,7 @@ class TieredStore:
         injected least so far."""
         fits = {"tier-disk-bit-rot": lambda: load.tier == "L3", "tier-torn-write": lambda: load.tier == "L3",
                 "tier-host-page-reused": lambda: load.tier == "L2" and bool(self._others(load)),
-                "tier-wrong-key": lambda: bool(self._others(load)),
+                "tier-wrong-key": lambda: bool(self._others(load, other_tokens=True)),
                 "tier-wrong-slots": lambda: load.page.n >= 2,
                 "tier-stale-copy": lambda: self._stale(load.page) is not None}
         due = [k for k, ok in fits.items() if self._due(k) and ok()]
@@ -400,18 +400,24 @@ class TieredStore:
         if name in ("tier-disk-bit-rot", "tier-torn-write"):
             load.page.damaged_by.append(fault)
 
-    def _others(self, load: Load) -> list[TierPage]:
+    def _others(self, load: Load, *, other_tokens: bool = False) -> list[TierPage]:
         """Pages a confused tier could hand back instead of ``load``'s: as long, of the same parts (those at the
-        same depth when there are any)."""
+        same depth when there are any); ``other_tokens``: only those whose first positions hold other tokens (a
+        page of the same tokens at the same positions is the same KV: no lookup error)."""
         page = load.page
         names = [name for name, _ in page.layout]
+        ours = page.keys[page.depth :]
         options = [p for tier in (self.l2, self.l3) for p in tier.values()
-                   if p is not page and p.n >= page.n and [name for name, _ in p.layout] == names]
+                   if p is not page and p.n >= page.n and [name for name, _ in p.layout] == names
+                   and not (other_tokens and np.array_equal(p.keys[p.depth : p.depth + page.n], ours))]
         same_depth = [p for p in options if p.depth == page.depth]
-        return same_depth or options
+        options = same_depth or options
+        # a page no fault damaged first: what the restore then brings back is this fault's doing alone
+        clean = [p for p in options if not p.carried.entries and not p.damaged_by]
+        return clean or options
 
-    def _other(self, load: Load) -> TierPage | None:
-        options = self._others(load)
+    def _other(self, load: Load, *, other_tokens: bool = False) -> TierPage | None:
+        options = self._others(load, other_tokens=other_tokens)
         return options[int(self.rng.integers(len(options)))] if options else None
 
     def _inject_at_start(self, load: Load) -> None:
@@ -454,8 +460,9 @@ class TieredStore:
                     load.carried.append(other.carried)
                     self._fault("tier-host-page-reused", load, f"its host page was evicted and refilled with "
                                 f"{other.key}'s KV before the copy to the device")
-        if load.planned == "tier-wrong-key":
-            other = self._other(load)
+        if load.planned == "tier-wrong-key" and self.engine.tree.cached_len(page.keys) < page.depth + n:
+            # (a page the prefix cache meanwhile holds in full is dropped as a duplicate: no reader would see it)
+            other = self._other(load, other_tokens=True)
             if other is not None:
                 theirs = _unpack(other.layout, self._read(other))
                 if not np.array_equal(theirs["rec:target:FULL:0"][:n], data["rec:target:FULL:0"]):
