@@ -19,9 +19,9 @@ LAYOUTS = ("token", "block", "csr")
 HOST = pytest.mark.skipif(unavailable_reason("host") is not None, reason=str(unavailable_reason("host")))
 
 
-def _run(tmp_path, preset, layout, seed, kinds, *, backend="numpy", steps=70, requests=24, rate=0.05):
+def _run(tmp_path, preset, layout, seed, kinds, *, backend="numpy", steps=60, requests=24, rate=0.05):
     cfg = SimConfig(preset=preset, layout=layout, seed=seed, steps=steps, requests=requests, backend=backend,
-                    tiers=("host", "disk"), tier_dir=str(tmp_path / f"l3-{seed}"), ring_capacity=1024,
+                    tiers=("host", "disk"), tier_dir=str(tmp_path / f"l3-{seed}"), ring_capacity=512,
                     inject=dict.fromkeys(kinds, rate), warmup_steps=2, cooldown_steps=10)
     sim = Simulation(cfg)
     sim.tiers.l2_slots = 96  # a small host tier: pages reach the disk within a short run
