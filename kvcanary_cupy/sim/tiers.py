@@ -43,7 +43,7 @@ from .workload import RequestSpec
 
 TIER_NAMES = ("host", "disk")
 L2_LATENCY, L3_LATENCY = 1, 2  # steps from the start of a load to its completion
-L2_SLOTS = 512  # host memory holds this many tokens of written-back pages; its LRU pages go to disk
+L2_SLOTS = 1024  # host memory holds this many tokens of written-back pages; its LRU pages go to disk
 L3_BYTES = 4 << 20  # the disk tier's cap; its LRU files are deleted
 DEVICE_CACHE_SLOTS = 32  # a tiered engine keeps this much prefix cache on the device; the rest goes down
 
