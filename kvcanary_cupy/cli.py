@@ -481,6 +481,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _run_synthetic(cfg: Any, out: Output) -> int:
+    from .sim.l3dir import TierStorageError
     from .sim.report import ProgressDisplay, print_report, write_html, write_json
     from .sim.runner import Simulation
 
@@ -489,8 +490,12 @@ def _run_synthetic(cfg: Any, out: Output) -> int:
     except (ValueError, OSError) as exc:
         raise BadArguments(str(exc)) from None
     _check_outputs(out)
-    with ProgressDisplay(cfg.steps, enabled=not out.quiet) as progress:
-        report = sim.run(progress)
+    try:
+        with ProgressDisplay(cfg.steps, enabled=not out.quiet) as progress:
+            report = sim.run(progress)
+    except TierStorageError as exc:  # the L3 directory failed mid-run (full disk, directory removed)
+        print(f"{PROG} simulate: error: the disk tier failed: {exc}", file=sys.stderr)
+        return 1
     human = _emit(out, report, print_report, write_json, write_html)
     if sim.recorder is not None:
         for kind, path in sim.recorder.dumped.items():

@@ -5,6 +5,7 @@ fault kind is caught, with its tier and step in the report, on NumPy and host; t
 from __future__ import annotations
 
 import os
+from collections import defaultdict
 
 import pytest
 
@@ -20,13 +21,29 @@ TIER_KINDS = list(TIER_FAULT_KINDS)
 
 
 def _run(tmp_path, *, backend="numpy", preset="decode", layout="token", steps=60, requests=24, inject=None,
-         l2_slots=None, seed=0):
+         l2_slots=None, seed=0, before_run=None):
     cfg = SimConfig(preset=preset, steps=steps, requests=requests, seed=seed, backend=backend, layout=layout,
                     tiers=("host", "disk"), tier_dir=str(tmp_path / "l3"), inject=inject or {}, ring_capacity=512)
     sim = Simulation(cfg)
     if l2_slots is not None:
         sim.tiers.l2_slots = l2_slots  # a small host tier: pages reach the disk sooner
+    if before_run is not None:
+        before_run(sim)
     return sim, sim.run()
+
+
+def _record_forwards(forwards):
+    """A ``before_run`` hook: the steps at which each request ran a target forward, into ``forwards``."""
+    def install(sim):
+        forward = sim.engine.forward
+
+        def recording(batch, redirect=None):
+            for req in batch.reqs:
+                forwards[req.rid].append(batch.step)
+            return forward(batch, redirect)
+
+        sim.engine.forward = recording
+    return install
 
 
 @pytest.mark.parametrize("layout", ["token", "block", "csr"])
@@ -57,17 +74,24 @@ def test_clean_tiered_run_restores_pages_from_both_tiers_and_stays_silent(tmp_pa
 @pytest.mark.parametrize("kind", TIER_KINDS)
 def test_every_tier_fault_is_caught_with_its_tier_and_step(tmp_path, backend, kind):
     disk = TIER_FAULT_KINDS[kind].needs == "disk"
-    _, report = _run(tmp_path, backend=backend, steps=90, requests=32, inject={kind: 0.05},
-                       l2_slots=128)
+    forwards = defaultdict(list)
+    sim, report = _run(tmp_path, backend=backend, steps=90, requests=32, inject={kind: 0.05}, l2_slots=128,
+                       before_run=_record_forwards(forwards))
     (row,) = report["kinds"]
     assert row["injected"] >= 1 and row["detected"] == row["injected"], row
     assert report["violations"]["false_positives"] == 0
     for fault in report["faults"]:
         tier = "L3" if disk else ("L2" if kind == "tier-host-page-reused" else "L")
         assert fault["detail"].startswith(tier) and f"started at step {fault['step']}" in fault["detail"]
-        # read one step late at the latest: caught by the restore verify (or, for a chain-consistent page of
-        # another prefix at position 0, the first forward's verify) before any forward used the page
-        assert fault["detected"] and fault["latency_steps"] <= fault_ready(fault) + 1
+        assert fault["detected"]
+        if kind != "tier-wrong-key":  # caught by the restore verify, read one step late
+            assert fault["latency_steps"] <= fault_ready(fault) + 1
+    for fault in sim.tracker.faults:
+        # caught before any forward used the page: by the restore verify, or (a chain-consistent page of another
+        # prefix at position 0) by the verify of the request's first forward after the load-back, however late
+        ready = fault.step + (2 if fault.detail.startswith("L3") else 1)
+        first_forward = min(t for t in forwards[fault.request] if t >= ready)
+        assert fault.detection_launch_step is not None and fault.detection_launch_step <= first_forward
 
 
 def fault_ready(fault) -> int:

@@ -72,6 +72,17 @@ class Fault:
         return None if self.detection_read_step is None else self.detection_read_step - self.step
 
 
+@dataclass(frozen=True)
+class CarriedTaint:
+    """What the faults had charged to the slots of a page when it left the device (a tier's write-back), for the
+    faults whose damage lives in the slots' KV and records (:attr:`FaultKind.damages_content`):
+    ``(group, index in the page, explaining fault ids, corrupted-content fault ids, chain-descent fault ids)``
+    for every page position some fault touched. The page's bytes and records carry that damage with them; on
+    its load-back :meth:`FaultTracker.carry` charges it to the slots the page lands in."""
+
+    entries: tuple[tuple[str, int, tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...] = ()
+
+
 class FaultTracker:
     """Every fault of a run, and per canary group three slot indexes:
 
@@ -190,6 +201,41 @@ class FaultTracker:
                 for fault in self._taint["FULL"].get(slot, ()):
                     self.taint(fault, "SWA", [x], source=slot in fault.sources["FULL"])
 
+    def snapshot(self, slots: dict[str, np.ndarray]) -> CarriedTaint:
+        """The damage charged to ``slots`` (per group, in that group's slot space; 0 where a position has no slot
+        in the group) now, for a page copied out of them (see :class:`CarriedTaint`)."""
+        entries = []
+        travels = {f.fid for f in self.faults if ALL_FAULT_KINDS[f.kind].damages_content}
+        for group, arr in slots.items():
+            taint, sources, chain = self._taint[group], self._sources[group], self._chain[group]
+            for i, s in enumerate(self._ints(arr)):
+                if s <= 0:
+                    continue
+                explain = tuple(sorted({f.fid for f in taint.get(s, ())} & travels))
+                source = tuple(sorted({f.fid for f in sources.get(s, ())} & travels))
+                descent = tuple(sorted(set(chain.get(s, ())) & travels))
+                if explain or source or descent:
+                    entries.append((group, i, explain, source, descent))
+        return CarriedTaint(tuple(entries))
+
+    def carry(self, carried: CarriedTaint, slots: dict[str, np.ndarray]) -> None:
+        """A page copied out with ``carried`` landed in ``slots`` (per group, as for :meth:`snapshot`): each
+        fault's damage to a page position is charged to the slot that position lands in. Only damage some fault
+        had already caused travels: a page that left the device clean carries nothing, so a violation at its
+        restored slots stays unexplained unless a fault explains it there."""
+        for group, i, explain, source, descent in carried.entries:
+            if group not in slots or i >= len(slots[group]):
+                continue
+            s = int(slots[group][i])
+            if s <= 0:
+                continue
+            for fid in explain:
+                self.taint(self.faults[fid], group, [s])
+            for fid in source:
+                self.taint(self.faults[fid], group, [s], source=True, explain=False)
+            for fid in descent:
+                self.taint(self.faults[fid], group, [s], chain=True, explain=False)
+
     def on_splice(self, prev: int, first: int) -> None:
         """Engine hook: the prefix cache now holds ``first`` right after ``prev`` (a request's own chain joined
         onto a cached path). If either side's chain descends from a fault, ``first`` fails its chain check."""
@@ -263,6 +309,9 @@ class FaultKind(abc.ABC):
     phase: ClassVar[str]  # "batch", "forward", "after_forward" or "after_step"
     allowed_bits: ClassVar[int]
     needs: ClassVar[str] = ""  # "swa": needs an SWA group
+    # the damage lives in slots' KV bytes or canary records (so it travels with a page copied to a lower tier);
+    # False: it lives in what the plan reads (a slot table entry, the expected-token pool) and stays behind
+    damages_content: ClassVar[bool] = True
     kv_groups: ClassVar[bool] = False  # picks one of the canary groups (FULL, SWA, DRAFT) per injection
 
     def applicable(self, engine: Engine) -> bool:
@@ -363,6 +412,7 @@ class ReqToTokenCorruption(FaultKind):
                "foreign slot, whose stored position, token and chain do not fit.")
     phase = "batch"
     allowed_bits = SLOT_CORRUPTION
+    damages_content = False
 
     def inject(self, ctx: InjectionContext) -> Fault | None:
         if ctx.engine.paged:
@@ -618,6 +668,7 @@ class StaleExpectedTokens(FaultKind):
                "decode step; the verify's token check fails wherever the two histories differ.")
     phase = "batch"
     allowed_bits = int(R.VERIFY_TOKEN_MISMATCH)
+    damages_content = False
 
     def inject(self, ctx: InjectionContext) -> Fault | None:
         batch, eng, rng = ctx.batch, ctx.engine, ctx.rng

@@ -80,6 +80,20 @@ class RadixTree:
         slots = np.concatenate(parts) if parts else np.empty(0, np.int64)
         return slots, node
 
+    def cached_len(self, keys: np.ndarray) -> int:
+        """How many leading ``keys`` the cache holds (what :meth:`insert` would find cached), touching nothing."""
+        node, i = self.root, 0
+        while i < keys.shape[0]:
+            child = node.children.get(self._edge(keys, i))
+            if child is None:
+                break
+            common = self._common_prefix(child.key, keys[i:])
+            i += common
+            if common < child.key.shape[0]:
+                break
+            node = child
+        return i
+
     def insert(self, keys: np.ndarray, slots: np.ndarray, now: int) -> tuple[int, RadixNode]:
         """Add ``keys -> slots``; returns how many leading keys were cached already (their slots in
         ``slots`` are duplicates the caller frees) and the node that ends at the last key. ``keys`` holds whole

@@ -47,7 +47,10 @@ from .workload import make_workload
 __all__ = ["PRESETS", "PhaseTimer", "Preset", "SimConfig", "Simulation", "applicable_kinds", "run_simulation"]
 
 CANARY_LOGGER = "kvcanary_cupy.sim.canary"
-TIERED_FOLLOWUP = 0.5  # --tiers: the share of requests continuing an earlier conversation
+TIERED_FOLLOWUP = 0.8  # --tiers: the share of requests continuing an earlier conversation
+# --tiers: a follow-up continues a conversation at least this many steps old (by then it has finished and left
+# the device's small prefix cache for host memory or disk), so load-backs from both tiers happen on every seed
+TIERED_FOLLOWUP_AGE = 20
 # Every violation row becomes a WARNING record of this logger (the runtime's log mode); the simulation reports
 # them itself, so by default they go nowhere (a handler configured by the caller still sees them).
 logging.getLogger(CANARY_LOGGER).addHandler(logging.NullHandler())
@@ -109,7 +112,8 @@ class Simulation:
         self.backend, self.xp, self.device = resolve_backend(cfg.backend)
         shape = self.preset.shape
         if cfg.tiers:  # KV hierarchies exist for multi-turn reuse: conversations come back after being evicted
-            shape = dataclasses.replace(shape, p_followup=max(shape.p_followup, TIERED_FOLLOWUP))
+            shape = dataclasses.replace(shape, p_followup=max(shape.p_followup, TIERED_FOLLOWUP),
+                                        followup_age=TIERED_FOLLOWUP_AGE)
         self.workload = make_workload(shape, cfg.requests, cfg.steps, np.random.default_rng([cfg.seed, 0]))
         self.engine_cfg = size_engine(self.workload, max_running=self.preset.max_running,
                                       chunk_size=self.preset.chunk_size, page_size=self.preset.page_size,

@@ -6,8 +6,8 @@ travelling with every page.
   engine's ``on_evict`` hook), its KV bytes (every layer, K and V, the full, SWA and draft pools) and the canary
   records of its slots (:meth:`~kvcanary_cupy.runtime.CanaryRuntime.offload`) are copied into one host page
   keyed by the whole prefix it ends. L2 holds at most ``l2_slots`` tokens; its least recently used pages are
-  demoted to L3 as real files (``<tier dir>/<key>.kv``); L3 holds at most ``l3_bytes`` and deletes its least
-  recently used files.
+  demoted to L3 as real files (``<tier dir>/<key>.kv``, created exclusively); L3 holds at most ``l3_bytes``
+  and deletes its least recently used files.
 * **load-back** — when a request arrives whose prompt continues its device match with a page a lower tier
   holds (the engine's ``on_lookup`` hook), the page's device slots are allocated and a load starts; the request
   waits. The load completes one step later from L2, two from L3 (a file read); then the bytes are copied into
@@ -17,14 +17,15 @@ travelling with every page.
 * **faults** — the tier kinds of :mod:`.faults` (``tier-*``) are injected here, at a load-back, the way the real
   bugs strike; each fault names its tier and step.
 
-The L3 directory is ``tier_dir`` (created if needed) or a temporary directory; :meth:`TieredStore.close`
-removes every file the store wrote (and the temporary directory).
+The L3 directory is ``tier_dir`` (created if needed) or a temporary directory, checked at the start and used as
+a boundary (:mod:`.l3dir`: no file outside it written or followed; a full disk or a removed directory mid-run
+is a :class:`~kvcanary_cupy.sim.l3dir.TierStorageError`); :meth:`TieredStore.close` removes every file the
+store wrote (and the temporary directory).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import tempfile
 from collections import OrderedDict
@@ -35,14 +36,15 @@ import numpy as np
 
 from ..runtime import CanaryRuntime, OffloadedRecords
 from .engine import Engine
-from .faults import TIER_FAULT_KINDS, FaultInjector, FaultTracker
+from .faults import TIER_FAULT_KINDS, CarriedTaint, FaultInjector, FaultTracker
+from .l3dir import TierDir, open_tier_dir
 from .radix import RadixNode
 from .workload import RequestSpec
 
 TIER_NAMES = ("host", "disk")
 L2_LATENCY, L3_LATENCY = 1, 2  # steps from the start of a load to its completion
 L2_SLOTS = 1024  # host memory holds this many tokens of written-back pages; its LRU pages go to disk
-L3_BYTES = 512 << 10  # the disk tier's cap; its LRU files are deleted
+L3_BYTES = 4 << 20  # the disk tier's cap; its LRU files are deleted
 DEVICE_CACHE_SLOTS = 32  # a tiered engine keeps this much prefix cache on the device; the rest goes down
 
 
@@ -61,6 +63,9 @@ class TierPage:
     nbytes: int = 0
     tier: str = "L2"
     pinned: int = 0  # loads in flight
+    carried: CarriedTaint = field(default_factory=CarriedTaint)  # faults' damage to the slots it was copied from
+    damaged_by: list[Any] = field(default_factory=list)  # tier faults that damaged its file (every later read)
+    file: str = ""  # its L3 file's name in the tier directory (while tier == "L3")
 
 
 @dataclass
@@ -79,6 +84,7 @@ class Load:
     data: dict[str, np.ndarray] | None = None  # read at the start (L3: the file) or at completion (L2)
     planned: str | None = None  # the tier fault kind this load-back carries, if any
     faults: list[Any] = field(default_factory=list)
+    carried: list[CarriedTaint] = field(default_factory=list)  # damage of the bytes it brings back
 
 
 def _host(a: Any) -> np.ndarray:
@@ -119,10 +125,17 @@ class TieredStore:
         self.l2_used = 0
         self.l3_bytes = l3_bytes if l3_bytes is not None else L3_BYTES
         self.l3_used = 0
-        self._own_dir = tier_dir is None
-        self.dir = tempfile.mkdtemp(prefix="kvcanary-l3-") if tier_dir is None else tier_dir
+        self._own_dir = "disk" in tiers and tier_dir is None
+        self.dir = tempfile.mkdtemp(prefix="kvcanary-l3-") if self._own_dir else tier_dir
+        self.l3dir: TierDir | None = None
         if "disk" in tiers:
-            os.makedirs(self.dir, exist_ok=True)
+            assert self.dir is not None
+            try:
+                self.l3dir = open_tier_dir(self.dir, self.l3_bytes)  # writable, with room for the cap
+            except ValueError:
+                if self._own_dir:
+                    shutil.rmtree(self.dir, ignore_errors=True)
+                raise
         self.loads: dict[int, Load] = {}
         self.step = 0
         self.stats = dict(written_back=0, written_back_slots=0, l2_hits=0, l3_hits=0, restored_slots=0,
@@ -145,6 +158,17 @@ class TieredStore:
                     xp = eng.xp
                     parts[f"kv:{name}:{kind}:{layer}"] = _host(tensor[xp.asarray(page), xp.asarray(row)])
         return parts
+
+    def _group_slots(self, slots: np.ndarray) -> dict[str, np.ndarray]:
+        """``slots`` (full pool) in every canary group's slot space: the SWA group's through the LUT (0 where a
+        position has no SWA slot)."""
+        eng = self.engine
+        out = {"FULL": slots}
+        if eng.cfg.eagle:
+            out["DRAFT"] = slots
+        if eng.swa:
+            out["SWA"] = eng.lut_host[slots]
+        return out
 
     def _record_parts(self, slots: np.ndarray) -> dict[str, np.ndarray]:
         parts = {}
@@ -169,7 +193,8 @@ class TieredStore:
         alive = eng.lut_host[slots] != 0 if eng.swa else np.zeros(n, bool)
         parts = {**self._kv_parts(slots, alive), **self._record_parts(slots)}
         layout, blob = _pack(parts)
-        page = TierPage(key, keys.copy(), int(keys.shape[0]) - n, n, layout, blob, slots, alive, int(blob.nbytes))
+        page = TierPage(key, keys.copy(), int(keys.shape[0]) - n, n, layout, blob, slots, alive, int(blob.nbytes),
+                        carried=self.tracker.snapshot(self._group_slots(slots)))
         self.l2[key] = page
         self.l2_used += n
         self.stats["written_back"] += 1
@@ -193,14 +218,10 @@ class TieredStore:
             else:
                 self.stats["l2_evicted"] += 1
 
-    def _path(self, page: TierPage) -> str:
-        return os.path.join(self.dir, f"{page.key}.kv")
-
     def _demote(self, page: TierPage) -> None:
         """Write ``page`` to its L3 file and drop it from host memory."""
-        assert page.blob is not None
-        with open(self._path(page), "wb") as f:
-            f.write(page.blob.tobytes())
+        assert page.blob is not None and self.l3dir is not None
+        page.file = self.l3dir.create(page.key, page.blob.tobytes())
         page.blob, page.tier = None, "L3"
         self.l3[page.key] = page
         self.l3_used += page.nbytes
@@ -215,20 +236,21 @@ class TieredStore:
                 continue
             del self.l3[key]
             self.l3_used -= old.nbytes
-            os.remove(self._path(old))
+            self.l3dir.remove(old.file)
             self.stats["l3_evicted"] += 1
         self.stats["peak_l3_bytes"] = max(self.stats["peak_l3_bytes"], self.l3_used)
 
-    def _read(self, page: TierPage) -> np.ndarray:
+    def _read(self, page: TierPage, *, count: bool = True) -> np.ndarray:
         """The page's bytes: from host memory, or read back from its file (a short file leaves the missing tail
         as the zeroed staging buffer holds it)."""
         if page.blob is not None:
             return page.blob.copy()
+        assert self.l3dir is not None
         out = np.zeros(page.nbytes, np.uint8)
-        with open(self._path(page), "rb") as f:
-            data = f.read()
+        data = self.l3dir.read(page.file)
         out[: len(data)] = np.frombuffer(data, np.uint8)[: page.nbytes]
-        self.stats["l3_bytes_read"] += len(data)
+        if count:  # a load-back's read (not the fault planner's look)
+            self.stats["l3_bytes_read"] += len(data)
         return out
 
     # -- load-back -------------------------------------------------------------------------------------------
@@ -317,7 +339,15 @@ class TieredStore:
                     if k.startswith(f"rec:{model}:")}
             self.rt.restore(OffloadedRecords(model, n, recs), slots, positions, prevs)
         self.stats["restored_slots"] += n
-        for fault in load.faults:  # what the tier damaged, in every group's slot space
+        # what faults had done to the page before it left the device travels with it to its new slots, and
+        # the join with the resident slot before it fails if either side descends from corrupted content
+        for carried in [page.carried, *load.carried]:
+            self.tracker.carry(carried, self._group_slots(slots))
+        if page.depth:
+            self.tracker.on_splice(int(load.shared[-1]), int(slots[0]))
+        # what the tier damaged, in every group's slot space: this load's faults, and those that damaged the
+        # page's file for good (a rotten or torn file is read back the same way by every later load)
+        for fault in load.faults + [f for f in page.damaged_by if f not in load.faults]:
             self.tracker.taint_full(fault, slots, source=True, chain=True)
         page.pinned -= 1
         # the page joins the prefix cache after its device match (duplicates of what is cached now go back)
@@ -337,16 +367,28 @@ class TieredStore:
         return bool(self.injector.pending.get(name))
 
     def _plan_fault(self, load: Load) -> str | None:
-        """At most one fault per load-back (each is then judged on its own): of the kinds due now that fit this
-        load's tier, the one injected least so far."""
-        fits = {"tier-disk-bit-rot": load.tier == "L3", "tier-torn-write": load.tier == "L3",
-                "tier-host-page-reused": load.tier == "L2", "tier-wrong-key": True,
-                "tier-wrong-slots": load.page.n >= 2, "tier-stale-copy": True}
-        due = [k for k, ok in fits.items() if ok and self._due(k)]
+        """At most one fault per load-back (each is then judged on its own): of the kinds due now that can strike
+        this load (its tier, its size, another page to confuse it with, old slots rewritten since), the one
+        injected least so far."""
+        fits = {"tier-disk-bit-rot": lambda: load.tier == "L3", "tier-torn-write": lambda: load.tier == "L3",
+                "tier-host-page-reused": lambda: load.tier == "L2" and bool(self._others(load)),
+                "tier-wrong-key": lambda: bool(self._others(load, other_tokens=True)),
+                "tier-wrong-slots": lambda: load.page.n >= 2,
+                "tier-stale-copy": lambda: self._stale(load.page) is not None}
+        due = [k for k, ok in fits.items() if self._due(k) and ok()]
         if not due:
             return None
         made = {k: sum(f.kind == k for f in self.tracker.faults) for k in due}
         return min(due, key=lambda k: (made[k], k))
+
+    def _stale(self, page: TierPage) -> dict[str, np.ndarray] | None:
+        """What a lazy copy taken now from the page's old device slots would bring back (their KV where the page
+        had SWA slots, their records), or None while those slots still hold the page (nothing rewritten)."""
+        now = self._record_parts(page.origin)
+        ours = _unpack(page.layout, self._read(page, count=False))["rec:target:FULL:0"]
+        if np.array_equal(now["rec:target:FULL:0"], ours):
+            return None
+        return {**self._kv_parts(page.origin, page.swa_alive), **now}
 
     def _fault(self, name: str, load: Load, detail: str) -> None:
         fault = self.tracker.new(TIER_FAULT_KINDS[name], load.start_step, "FULL",
@@ -355,34 +397,54 @@ class TieredStore:
         fault.request = load.rid
         self.injector.pending[name] -= 1
         load.faults.append(fault)
+        if name in ("tier-disk-bit-rot", "tier-torn-write"):
+            load.page.damaged_by.append(fault)
 
-    def _other(self, load: Load) -> TierPage | None:
+    def _others(self, load: Load, *, other_tokens: bool = False) -> list[TierPage]:
+        """Pages a confused tier could hand back instead of ``load``'s: as long, of the same parts (those at the
+        same depth when there are any); ``other_tokens``: only those whose first positions hold other tokens (a
+        page of the same tokens at the same positions is the same KV: no lookup error)."""
         page = load.page
         names = [name for name, _ in page.layout]
+        ours = page.keys[page.depth :]
         options = [p for tier in (self.l2, self.l3) for p in tier.values()
-                   if p is not page and p.n >= page.n and [name for name, _ in p.layout] == names]
+                   if p is not page and p.n >= page.n and [name for name, _ in p.layout] == names
+                   and not (other_tokens and np.array_equal(p.keys[p.depth : p.depth + page.n], ours))]
         same_depth = [p for p in options if p.depth == page.depth]
         options = same_depth or options
+        # a page no fault damaged first: what the restore then brings back is this fault's doing alone
+        clean = [p for p in options if not p.carried.entries and not p.damaged_by]
+        return clean or options
+
+    def _other(self, load: Load, *, other_tokens: bool = False) -> TierPage | None:
+        options = self._others(load, other_tokens=other_tokens)
         return options[int(self.rng.integers(len(options)))] if options else None
 
     def _inject_at_start(self, load: Load) -> None:
         page = load.page
         load.planned = self._plan_fault(load)
         if load.planned == "tier-disk-bit-rot":
-            size = os.path.getsize(self._path(page))
+            assert self.l3dir is not None
+            size = self.l3dir.size(page.file)
             kv_bytes = sum(int(np.prod(s)) * 8 for name, s in page.layout if name.startswith("kv:"))
             at = int(self.rng.integers(min(size, kv_bytes)))
-            with open(self._path(page), "r+b") as f:
-                f.seek(at)
-                byte = f.read(1)[0]
-                f.seek(at)
-                f.write(bytes([byte ^ (1 << int(self.rng.integers(8)))]))
-            self._fault("tier-disk-bit-rot", load, f"bit flipped at byte {at} of {page.key}.kv")
+            self.l3dir.flip_bit(page.file, at, int(self.rng.integers(8)))
+            self._fault("tier-disk-bit-rot", load, f"bit flipped at byte {at} of {page.file}")
         elif load.planned == "tier-torn-write":
             keep = int(page.nbytes * (0.5 + 0.4 * float(self.rng.random()))) // 8 * 8
-            with open(self._path(page), "r+b") as f:
-                f.truncate(keep)
-            self._fault("tier-torn-write", load, f"{page.key}.kv holds {keep} of {page.nbytes} bytes")
+            assert self.l3dir is not None
+            self.l3dir.truncate(page.file, keep)
+            self._fault("tier-torn-write", load, f"{page.file} holds {keep} of {page.nbytes} bytes")
+
+    @staticmethod
+    def _first_positions(name: str, part: np.ndarray, other: TierPage, page: TierPage) -> np.ndarray:
+        """``other``'s part ``name`` cut to ``page``'s first positions and shape: its SWA KV (stored for the
+        positions that had an SWA slot) placed at ``page``'s SWA positions (zeros where ``other`` had none)."""
+        if not name.startswith("kv:SWA"):
+            return part[: page.n]
+        per_position = np.zeros((other.n, *part.shape[1:]), part.dtype)
+        per_position[other.swa_alive] = part
+        return per_position[: page.n][page.swa_alive]
 
     def _inject_at_finish(self, load: Load, data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         page, n = load.page, load.page.n
@@ -395,17 +457,17 @@ class TieredStore:
                 kv = {k: v[:n] for k, v in theirs.items() if k.startswith("kv:") and not k.startswith("kv:SWA")}
                 if any(not np.array_equal(v, data[k]) for k, v in kv.items()):
                     data = {**data, **kv}
+                    load.carried.append(other.carried)
                     self._fault("tier-host-page-reused", load, f"its host page was evicted and refilled with "
                                 f"{other.key}'s KV before the copy to the device")
-        if load.planned == "tier-wrong-key":
-            other = self._other(load)
+        if load.planned == "tier-wrong-key" and self.engine.tree.cached_len(page.keys) < page.depth + n:
+            # (a page the prefix cache meanwhile holds in full is dropped as a duplicate: no reader would see it)
+            other = self._other(load, other_tokens=True)
             if other is not None:
                 theirs = _unpack(other.layout, self._read(other))
-                swa = {k for k in theirs if k.startswith("kv:SWA")}
-                if not np.array_equal(theirs["rec:target:FULL:0"][:n], data["rec:target:FULL:0"]) and (
-                        not swa or np.array_equal(other.swa_alive[:n], page.swa_alive)):
-                    alive = int(page.swa_alive.sum())
-                    data = {k: (v[:alive] if k in swa else v[:n]) for k, v in theirs.items()}
+                if not np.array_equal(theirs["rec:target:FULL:0"][:n], data["rec:target:FULL:0"]):
+                    data = {k: self._first_positions(k, v, other, page) for k, v in theirs.items()}
+                    load.carried[:] = [other.carried]
                     self._fault("tier-wrong-key", load, f"the lookup answered with {other.key} (positions "
                                 f"{other.depth}..{other.depth + n - 1} of another prefix)")
         if load.planned == "tier-wrong-slots":
@@ -416,16 +478,12 @@ class TieredStore:
             self._fault("tier-wrong-slots", load, f"positions {page.depth + i} and {page.depth + i + 1} were copied "
                         "into each other's device slots")
         if load.planned == "tier-stale-copy":
-            eng = self.engine
-            held = eng.alloc.refs[page.origin // eng.stride if eng.paged else page.origin] > 0
-            if held.all():
-                now = self._record_parts(page.origin)
-                if not np.array_equal(now["rec:target:FULL:0"], data["rec:target:FULL:0"]):
-                    now_alive: np.ndarray = (eng.lut_host[page.origin] != 0) if eng.swa else np.zeros(n, bool)
-                    if np.array_equal(now_alive, page.swa_alive):
-                        data = {**self._kv_parts(page.origin, now_alive), **now}
-                        self._fault("tier-stale-copy", load, "the copy came from its old device slots after they "
-                                    "were given to another request and rewritten")
+            stale = self._stale(page)
+            if stale is not None:
+                data = stale
+                load.carried.append(self.tracker.snapshot(self._group_slots(page.origin)))
+                self._fault("tier-stale-copy", load, "the copy came from its old device slots after they were given "
+                            "to another request and rewritten")
         return data
 
     # -- end -------------------------------------------------------------------------------------------------
@@ -439,10 +497,8 @@ class TieredStore:
 
     def close(self) -> None:
         """Remove every L3 file (and the directory when the store made it)."""
-        for page in self.l3.values():
-            path = self._path(page)
-            if os.path.exists(path):
-                os.remove(path)
+        if self.l3dir is not None:
+            self.l3dir.close()  # only the files this run created; never raises
         self.l3.clear()
-        if self._own_dir:
+        if self._own_dir and self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)

@@ -17,6 +17,9 @@ class WorkloadShape:
     system_len: tuple[int, int] = (16, 64)
     p_system: float = 0.6  # probability that a request starts with a system prompt
     p_followup: float = 0.2  # probability that a request continues an earlier one (multi-turn)
+    # > 0: a follow-up continues a conversation that arrived at least this many steps earlier and leaves room
+    # for its own turn (a user coming back after the engine moved on); 0: any earlier one, dropped if too long
+    followup_age: int = 0
     suffix_len: tuple[int, int] = (8, 96)  # request-specific part of the prompt
     output_len: tuple[int, int] = (8, 64)  # tokens generated
     arrival_fraction: float = 0.6  # requests arrive during the first fraction of the steps
@@ -68,7 +71,12 @@ def make_workload(shape: WorkloadShape, num_requests: int, steps: int, rng: np.r
         output = tokens(max(1, draw(output_len)))
         roll = rng.random()
         head = np.empty(0, np.int64)
-        if specs and roll < shape.p_followup:
+        if specs and roll < shape.p_followup and shape.followup_age:
+            room = shape.max_total_len - suffix.shape[0] - output.shape[0]
+            earlier = [s for s in specs if s.arrival <= arrival - shape.followup_age and s.total_len <= room]
+            if earlier:
+                head = earlier[int(rng.integers(len(earlier)))].tokens
+        elif specs and roll < shape.p_followup:
             head = specs[int(rng.integers(len(specs)))].tokens  # the whole earlier conversation
         elif roll < shape.p_followup + shape.p_system:
             head = systems[int(rng.integers(len(systems)))]
