@@ -25,6 +25,7 @@ from ..._errors import fail
 from ..common.hooks import InstanceOverrides
 from ._version import check_version
 from .canary import CanaryOptions, StepViolation, VllmCanaryState, VllmStep, build_step
+from .support import support_at_install
 
 
 class StepObserver(Protocol):
@@ -58,21 +59,26 @@ class VllmCanary(InstanceOverrides):
     """The canary installed in one vLLM model runner (:func:`install`)."""
 
     def __init__(self, target: Any, options: CanaryOptions | None = None) -> None:
-        check_version()
         super().__init__()
         self.options = CanaryOptions.from_install(options, {})
+        check_version(allow_untested=self.options.allow_untested, logger=self.options.logger)
         if isinstance(target, type):
             fail(f"target must be an in-process vllm.LLM, its engine or a model runner, got the class "
                  f"{target.__name__}")
         self.runner = find_runner(target)
         if getattr(self.runner, "_kvcanary", None) is not None:
             fail("a kv-canary is already installed in this model runner; remove() it first")
+        # What the canary checks here is decided now, before any request: raise mode refuses what it would leave
+        # unchecked; log and off mode log it and check the rest (or nothing: `disabled`, no hook placed).
+        self.support = support_at_install(self.runner, self.options)
+        self.disabled = self.support.disabled
         self.state: VllmCanaryState | None = None
         self.observers: list[StepObserver] = []
         self.in_step = False
         self.preemptions = 0  # requests vLLM preempted while the canary watched (SchedulerOutput)
-        self._set(self.runner, "execute_model", self._wrap_execute(self.runner.execute_model))
-        self._set(self.runner, "_model_forward", self._wrap_forward(self.runner._model_forward))
+        if self.disabled is None:
+            self._set(self.runner, "execute_model", self._wrap_execute(self.runner.execute_model))
+            self._set(self.runner, "_model_forward", self._wrap_forward(self.runner._model_forward))
         self._set(self.runner, "_kvcanary", self)
         self.installed = True
         # Blocks vLLM's prefix cache holds from before the install carry no canary records: a later hit on one
@@ -135,7 +141,7 @@ class VllmCanary(InstanceOverrides):
                 return original(*args, **kwargs)
             if self.state is None:
                 start = time.perf_counter()
-                self.state = VllmCanaryState(self.runner, self.options)
+                self.state = VllmCanaryState(self.runner, self.options, self.support)
                 # once per install (the runtime, its buffers and bound launches): counted, under its own name
                 self.state.seconds["setup"] += time.perf_counter() - start
             st = self.state
@@ -162,7 +168,8 @@ def install(target: Any, options: CanaryOptions | None = None, **option_fields: 
     returned object to take it out again. ``option_fields`` build a :class:`CanaryOptions` when ``options`` is
     not given."""
     canary = VllmCanary(target, CanaryOptions.from_install(options, option_fields))
-    canary.options.log_install(type(canary.runner).__name__, "cpu")
+    if canary.disabled is None:
+        canary.options.log_install(type(canary.runner).__name__, "cpu")
     return canary
 
 
