@@ -59,11 +59,12 @@ RULES: tuple[Rule, ...] = (
          "the groups share vLLM's block pool and alias each other's bytes: a block moves between groups and is "
          "overwritten by the other group's layers, so only blocks a scheduled request reads are verified"),
     # dtypes and the CPU KV layout each one gets
-    Rule("isa-vec", "dtype", "fp32 / fp16 model, `auto` or fp8 KV cache (CPU ISA `vec`)", CHECKED,
-         "the `vec` layout is read in place, byte-exact"),
-    Rule("isa-other", "dtype", "bf16 model (CPU ISA `amx` on AMX machines) or any other CPU ISA", PARTIAL,
-         "that ISA's KV layout (16-token tiles, VNNI pairs) is not implemented: token ids, positions and chain "
-         "hashes are checked, the K/V bytes are not (`real_kv_hash=none` asks for exactly that)"),
+    Rule("isa-vec", "dtype", "layers on CPU ISA `vec`: fp32 and fp16 models, bf16 on a CPU without AMX tiles; "
+                             "`auto` or fp8 KV cache", CHECKED, "the `vec` layout is read in place, byte-exact"),
+    Rule("isa-other", "dtype", "layers on any other CPU ISA: `amx` (bf16 on an AMX CPU), `vec16` (head size a "
+                               "multiple of 16, not 32)", PARTIAL,
+         "that ISA's KV layout (e.g. 16-token tiles with VNNI pairs) is not implemented: token ids, positions and "
+         "chain hashes are checked, the K/V bytes are not (`real_kv_hash=none` asks for exactly that)"),
     # whole-engine features
     Rule("speculative", "speculative decoding", "`speculative_config` set (ngram, draft_model, EAGLE, MTP, ...)",
          DISABLED, "draft positions and the provisional K/V of rejected drafts are not modelled yet; unset "
@@ -102,6 +103,7 @@ class GroupDecision:
     layer_names: tuple[str, ...]
     rule: Rule
     layout: Rule | None = None
+    isa: str = ""  # the layers' CPU attention ISA(s), as vLLM set them
 
     @property
     def name(self) -> str:
@@ -152,7 +154,8 @@ class Support:
         if not g.checked:
             return f"KV cache group {g.name} ({g.spec}; {layers}) is not checked: {g.rule.why}"
         assert g.layout is not None
-        return f"KV cache group {g.name} ({g.spec}; {layers}) is {g.layout.status}: {g.layout.why}"
+        return f"KV cache group {g.name} ({g.spec}; {layers}) is {g.layout.status} (CPU attention ISA {g.isa}): " \
+               f"{g.layout.why}"
 
     def unchecked(self, real_kv_hash: str = "partial") -> list[str]:
         """One line per group or feature not (fully) checked (with ``real_kv_hash="none"`` no group's K/V bytes are
@@ -177,10 +180,11 @@ class Support:
         return None
 
 
-def _layout_rule(forward_context: dict[str, Any], layer_names: tuple[str, ...]) -> Rule:
-    """``isa-vec`` when every layer of the group has CPU attention's ``vec`` layout, else ``isa-other``."""
+def _layout_rule(forward_context: dict[str, Any], layer_names: tuple[str, ...]) -> tuple[Rule, str]:
+    """``isa-vec`` when every layer of the group has CPU attention's ``vec`` layout, else ``isa-other``; and the
+    ISAs seen (``None``: a layer vLLM set none on)."""
     isas = {str(getattr(forward_context.get(name), "isa", None)) for name in layer_names}
-    return RULE["isa-vec"] if isas == {"vec"} else RULE["isa-other"]
+    return (RULE["isa-vec"] if isas == {"vec"} else RULE["isa-other"]), "/".join(sorted(isas))
 
 
 def _group_rule(spec: Any) -> Rule:
@@ -222,8 +226,8 @@ def assess(runner: Any) -> Support:
         spec = group.kv_cache_spec
         names = tuple(group.layer_names)
         rule = _group_rule(spec)
-        layout = _layout_rule(forward_context, names) if rule.status == CHECKED else None
-        groups.append(GroupDecision(index, type(spec).__name__, names, rule, layout))
+        layout, isa = _layout_rule(forward_context, names) if rule.status == CHECKED else (None, "")
+        groups.append(GroupDecision(index, type(spec).__name__, names, rule, layout, isa))
     return Support(runner=cls.__name__, groups=groups, engine=engine)
 
 
