@@ -116,6 +116,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting(f"{VLLM_PREFIX}_SWEEP_INTERVAL", "an integer from 0 (off) to 2147483647", _integer(0, _INT32_MAX)),
     # the range of CanaryConfig.log_rows (runtime/config.py), which checks the value again
     Setting(f"{VLLM_PREFIX}_LOG_ROWS", "an integer from 0 to 1000", _integer(0, 1000)),
+    Setting(f"{VLLM_PREFIX}_ALLOW_UNTESTED", "1 or 0 (or true/false, yes/no)", _choice(_BOOL_WORDS)),
     Setting(f"{VLLM_PREFIX}_FAULT", _FAULT_KINDS_TEXT, _fault),
 )}
 

@@ -1564,6 +1564,7 @@ ENV_DOCUMENTED: dict[str, tuple[int, int] | tuple[str, ...] | None] = {
     "KVCANARY_VLLM_WITH_V": ("1", "0", "true", "false", "yes", "no"),
     "KVCANARY_VLLM_BACKEND": ("auto", "numpy", "host", "cuda"), "KVCANARY_VLLM_RING_CAPACITY": (1, 2147483647),
     "KVCANARY_VLLM_SWEEP_INTERVAL": (0, 2147483647), "KVCANARY_VLLM_LOG_ROWS": (0, 1000),
+    "KVCANARY_VLLM_ALLOW_UNTESTED": ("1", "0", "true", "false", "yes", "no"),
     "KVCANARY_VLLM_FAULT": ("<kind>@<step>",),
 }
 _ENV_PIECES = ["0", "1", "7", "256", "257", "-", "+", ".", "5", "e", "E3", "inf", "nan", "Infinity", " ", "\t", "_",

@@ -38,6 +38,7 @@ CASES: dict[str, tuple[dict[str, object], list[str]]] = {
                                     ["0", "-1", "2147483648", "4096.0", "big"]),
     "KVCANARY_VLLM_SWEEP_INTERVAL": ({"0": 0, "8": 8}, ["-1", "often", "8.5", "2147483648"]),
     "KVCANARY_VLLM_LOG_ROWS": ({"0": 0, "5": 5, "1000": 1000}, ["-1", "1001", "5.0", "few", " 5"]),
+    "KVCANARY_VLLM_ALLOW_UNTESTED": ({"1": True, "0": False, "yes": True, "false": False}, ["maybe", "2", "True"]),
     "KVCANARY_VLLM_FAULT": ({"wrong-token": ("wrong-token", 3), "kv-bitflip@0": ("kv-bitflip", 0),
                              "slot-mapping@60": ("slot-mapping", 60)},
                             ["junk", "wrong-token@x", "wrong-token@", "wrong-token@-1", "@3", "wrong-token@3.5",

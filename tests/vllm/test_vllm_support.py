@@ -1,0 +1,282 @@
+"""The canary never stops the engine: for every model kind and mode vLLM runs on this CPU, what it cannot check is
+decided at install (one logged line each, the rest checked, or the canary disabled with one line), generate with
+the canary in ``log`` mode is token-exact against the same engine without it and raises nothing, and ``raise`` mode
+refuses the configuration at install, before the first request, leaving the runner as it was.
+
+Each model kind runs in a process of its own (``support_run.py``: vLLM keeps process-wide state, one engine per
+process) over a tiny random-weight model saved here; the expectations are the fact sheet's measurements of
+vLLM 0.32's KV cache groups (which spec class each model's layers get)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcanary_cupy.integrations import vllm as kv
+from kvcanary_cupy.integrations.vllm import support
+from kvcanary_cupy.integrations.vllm.workloads import workloads
+
+HERE = Path(__file__).parent
+
+
+def _run(tmp_path_factory: pytest.TempPathFactory, arch: str, config: str) -> dict:
+    model_dir = tmp_path_factory.mktemp(arch) / "model"
+    run = subprocess.run([sys.executable, str(HERE / "support_run.py"), str(model_dir), arch, config],
+                         capture_output=True, text=True, timeout=500)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    result = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert result, run.stderr[-4000:]
+    return json.loads(result[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def mistral_sw(tmp_path_factory):
+    return _run(tmp_path_factory, "mistral-sw", "plain")
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    return _run(tmp_path_factory, "gemma3", "plain")
+
+
+@pytest.fixture(scope="module")
+def deepseek_mla(tmp_path_factory):
+    return _run(tmp_path_factory, "deepseek-mla", "plain")
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    return _run(tmp_path_factory, "qwen3-next", "plain")
+
+
+@pytest.fixture(scope="module")
+def llama_bf16(tmp_path_factory):
+    return _run(tmp_path_factory, "llama", "bf16")
+
+
+@pytest.fixture(scope="module")
+def llama_ngram(tmp_path_factory):
+    return _run(tmp_path_factory, "llama", "ngram")
+
+
+def _warnings(result: dict) -> list[str]:
+    return [text for level, text in result["install_lines"] if level == "WARNING"]
+
+
+def _ours(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "kvcanary_cupy.vllm"]
+
+
+def _token_exact_and_quiet(result: dict) -> None:
+    assert result["exact"] == {"mixed-lengths": True, "shared-prefix": True, "preemption": True}
+    assert result["violations"] == []
+
+
+# -- a model the canary cannot check at all: disabled with one line, no hook, generate untouched ----------------
+
+@pytest.mark.parametrize(("fixture", "spec"), [("mistral_sw", "SlidingWindowSpec"),
+                                              ("deepseek_mla", "MLAAttentionSpec")])
+def test_a_model_with_no_checkable_group_runs_unchecked_with_one_line(request, fixture, spec):
+    result = request.getfixturevalue(fixture)
+    assert [g[:2] for g in result["groups"]] == [[spec, False]]
+    _token_exact_and_quiet(result)
+    lines = _warnings(result)
+    assert len(lines) == 1 and lines[0].startswith("kv-canary disabled in CPUModelRunner, this engine runs unchecked")
+    assert f"KV cache group G0 ({spec};" in lines[0]
+    assert not any("installed" in text for _, text in result["install_lines"])
+    assert result["hooked"] is False and result["steps"] == 0
+    for real_kv_hash in ("partial", "none"):
+        assert result[f"raise_{real_kv_hash}"].startswith(
+            "kv-canary: mode='raise' refuses this engine at install: the canary cannot check this engine")
+        assert spec in result[f"raise_{real_kv_hash}"]
+        assert result[f"raise_{real_kv_hash}_left_runner_as_it_was"]
+
+
+def test_speculative_decoding_disables_the_canary_at_install_and_generate_is_untouched(llama_ngram):
+    assert [g[:2] for g in llama_ngram["groups"]] == [["FullAttentionSpec", True]]
+    _token_exact_and_quiet(llama_ngram)
+    lines = _warnings(llama_ngram)
+    assert len(lines) == 1 and "`speculative_config` set (method=ngram, num_speculative_tokens=3)" in lines[0]
+    assert llama_ngram["hooked"] is False and llama_ngram["steps"] == 0
+    assert "speculative" in llama_ngram["raise_partial"] and "speculative" in llama_ngram["raise_none"]
+
+
+# -- hybrids: the attention group checked, the rest skipped with one line each ------------------------------
+
+def test_gemma3_checks_its_full_attention_group_and_skips_the_sliding_window_group(gemma3):
+    assert gemma3["groups"] == [["SlidingWindowSpec", False, False], ["FullAttentionSpec", True, True]]
+    assert gemma3["canary_groups"] == ["G1"]
+    _token_exact_and_quiet(gemma3)
+    lines = _warnings(gemma3)
+    assert len(lines) == 2
+    assert lines[0].startswith("kv-canary: KV cache group G0 (SlidingWindowSpec; model.layers.0.self_attn.attn, "
+                               "model.layers.2.self_attn.attn) is not checked")
+    assert lines[1].startswith("kv-canary: prefix-cache sweep off (2 KV cache groups)")
+    assert gemma3["sweep_interval"] == 0
+    # the full-attention layers' every token was stamped (each prompt token at least once)
+    assert gemma3["steps"] > 0 and gemma3["write_entries"] >= gemma3["prompt_tokens"]
+    # and what it checks it really checks: a shifted position is caught in the step it happens
+    assert gemma3["fault"] == [2, ["VERIFY_POSITION_MISMATCH", "WRITE_POSITION_MISMATCH"], 2]
+    assert "SlidingWindowSpec" in gemma3["raise_partial"] and "SlidingWindowSpec" in gemma3["raise_none"]
+    assert gemma3["raise_partial_left_runner_as_it_was"] and gemma3["raise_none_left_runner_as_it_was"]
+
+
+def test_qwen3_next_skips_its_gated_delta_net_groups_and_checks_the_attention_group(qwen3_next):
+    kinds = [g[0] for g in qwen3_next["groups"]]
+    assert sorted(set(kinds)) == ["FullAttentionSpec", "MambaSpec"]
+    for (spec, checked, real_kv), isas in zip(qwen3_next["groups"], qwen3_next["isas"], strict=True):
+        # bf16: its K/V bytes are read where vLLM kept CPU attention on the `vec` layout (no AMX tiles)
+        assert (checked, real_kv) == ((True, isas == ["vec"]) if spec == "FullAttentionSpec" else (False, False))
+    _token_exact_and_quiet(qwen3_next)
+    lines = _warnings(qwen3_next)
+    mamba = [line for line in lines if "(MambaSpec;" in line]
+    assert len(mamba) == kinds.count("MambaSpec") and all("per-request recurrent state" in m for m in mamba)
+    partial = [line for line in lines if "(FullAttentionSpec;" in line]
+    assert len(partial) == (0 if qwen3_next["groups"][kinds.index("FullAttentionSpec")][2] else 1)
+    assert all("checked without real-KV hashes" in line for line in partial)
+    assert sum(line.startswith("kv-canary: prefix-cache sweep off") for line in lines) == 1
+    assert len(lines) == len(mamba) + len(partial) + 1
+    assert qwen3_next["steps"] > 0 and qwen3_next["write_entries"] >= qwen3_next["prompt_tokens"]
+    assert qwen3_next["fault"] == [2, ["VERIFY_POSITION_MISMATCH", "WRITE_POSITION_MISMATCH"], 2]
+    assert "MambaSpec" in qwen3_next["raise_partial"] and "MambaSpec" in qwen3_next["raise_none"]
+    assert qwen3_next["raise_partial_left_runner_as_it_was"] and qwen3_next["raise_none_left_runner_as_it_was"]
+
+
+# -- bf16: K/V bytes read where the layout is `vec`; bookkeeping checked where it is not --------------------
+
+def test_a_bf16_model_is_checked_with_its_kv_bytes_where_vllm_gives_it_the_vec_layout(llama_bf16):
+    [[spec, checked, real_kv]], [isas] = llama_bf16["groups"], llama_bf16["isas"]
+    # vLLM's CPU attention takes `amx` for bf16 where the CPU has AMX tiles, `vec` where it has not
+    assert spec == "FullAttentionSpec" and checked and isas in (["amx"], ["vec"]) and real_kv == (isas == ["vec"])
+    _token_exact_and_quiet(llama_bf16)
+    lines = _warnings(llama_bf16)
+    assert llama_bf16["sweep_interval"] == 2 and llama_bf16["write_entries"] >= llama_bf16["prompt_tokens"]
+    assert llama_bf16["fault"] == [2, ["VERIFY_POSITION_MISMATCH", "WRITE_POSITION_MISMATCH"], 2]
+    assert llama_bf16["raise_none"][:3] == ["installed", True, 0] and llama_bf16["raise_none"][3] > 0
+    if real_kv:
+        assert lines == [] and llama_bf16["raise_partial"][:3] == ["installed", True, 0]
+    else:
+        assert len(lines) == 1 and "is checked without real-KV hashes (CPU attention ISA amx)" in lines[0]
+        assert "real_kv_hash=none" in llama_bf16["raise_partial"]
+    assert llama_bf16["raise_partial_left_runner_as_it_was"] and llama_bf16["raise_none_left_runner_as_it_was"]
+
+
+def test_a_layout_the_canary_cannot_read_leaves_kv_bytes_unhashed_and_checks_the_rest(llm, caplog):
+    """The ``amx`` layout vLLM gives bf16 models on AMX machines, read from the layers' ``isa`` at install (set on
+    the layers only while the canary installs: vLLM's kernels read it too, and this fp32 engine runs ``vec``)."""
+    runner = kv.find_runner(llm)
+    layers = [runner.compilation_config.static_forward_context[name]
+              for group in runner.kv_cache_config.kv_cache_groups for name in group.layer_names]
+    before = dict(vars(runner))
+    assert {layer.isa for layer in layers} == {"vec"}
+    want = workloads()["mixed-lengths"]
+    assert llm.reset_prefix_cache()
+    baseline = want.run(llm)
+    try:
+        for layer in layers:
+            layer.isa = "amx"
+        with pytest.raises(ValueError, match=r"^kv-canary: mode='raise' refuses this engine at install: part of "
+                                             r"this engine would go unchecked: KV cache group G0 .*amx.*"
+                                             r"or real_kv_hash=none"):
+            kv.install(llm, mode="raise")
+        assert set(vars(runner)) == set(before)
+        with caplog.at_level(logging.INFO, logger="kvcanary_cupy.vllm"):
+            canary = kv.install(llm, backend="numpy")
+        for layer in layers:
+            layer.isa = "vec"
+        try:
+            got = want.run(llm)
+            canary.finish()
+        finally:
+            canary.remove()
+        for layer in layers:
+            layer.isa = "amx"
+        strict = kv.install(llm, mode="raise", real_kv_hash="none", backend="numpy")
+        strict.remove()
+    finally:
+        for layer in layers:
+            layer.isa = "vec"
+    assert got == baseline and canary.violations == [] and canary.steps > 0
+    assert canary.state is not None and all(not g.k_sources for g in canary.state.rt.pools.groups)
+    assert [r.levelname for r in _ours(caplog)] == ["WARNING", "INFO"]
+    assert "KV cache group G0 (FullAttentionSpec;" in _ours(caplog)[0].getMessage()
+
+
+# -- the in-process llama (fp32): everything checked; the runner's flags read at install ----------------------
+
+def test_a_full_attention_fp32_model_is_checked_whole_and_logs_nothing_unchecked(llm, caplog):
+    with caplog.at_level(logging.INFO, logger="kvcanary_cupy.vllm"):
+        canary = kv.install(llm, backend="numpy")
+    canary.remove()
+    found = canary.support
+    assert [(g.spec, g.checked, g.real_kv) for g in found.groups] == [("FullAttentionSpec", True, True)]
+    assert found.engine == [] and found.disabled is None and found.sweep
+    assert [r.levelname for r in _ours(caplog)] == ["INFO"]
+
+
+def test_async_scheduling_is_read_from_the_runners_flag_at_install(llm, caplog):
+    runner = kv.find_runner(llm)
+    before = dict(vars(runner))
+    assert before["use_async_scheduling"] is False
+    runner.use_async_scheduling = True  # what a GPU engine's runner says (vLLM's CPU platform forces it off)
+    try:
+        with pytest.raises(ValueError, match=r"^kv-canary: mode='raise' refuses this engine at install: .*"
+                                             r"async_scheduling=False"):
+            kv.install(llm, mode="raise")
+        assert set(vars(runner)) == set(before)  # nothing hooked
+        with caplog.at_level(logging.WARNING, logger="kvcanary_cupy.vllm"):
+            canary = kv.install(llm, backend="numpy")
+        try:
+            assert canary.disabled is not None and "--no-async-scheduling" in canary.disabled
+            assert "_model_forward" not in vars(runner) and "execute_model" not in vars(runner)
+            want = workloads()["mixed-lengths"]
+            got = want.run(llm)
+            assert canary.steps == 0 and canary.violations == [] and len(got) == len(want.prompts)
+        finally:
+            canary.remove()
+    finally:
+        runner.use_async_scheduling = before["use_async_scheduling"]
+    assert [r.getMessage().split(",")[0] for r in _ours(caplog)] == ["kv-canary disabled in CPUModelRunner"]
+    assert set(vars(runner)) == set(before) and runner.use_async_scheduling is before["use_async_scheduling"]
+
+
+def test_model_runner_v2_is_recognised_by_its_class_and_left_unchecked():
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    found = support.assess(object.__new__(GPUModelRunner))
+    assert [rule.key for rule, _ in found.engine] == ["runner-v2"]
+    assert found.disabled is not None and "VLLM_USE_V2_MODEL_RUNNER=0" in found.disabled
+
+
+# -- versions: refused by default, an operator's logged override ---------------------------------------------
+
+def test_an_untested_vllm_release_is_refused_unless_the_operator_allows_it(monkeypatch, caplog):
+    monkeypatch.delenv("KVCANARY_VLLM_ALLOW_UNTESTED", raising=False)
+    with pytest.raises(ValueError, match=r"^kv-canary: vllm 0\.33\.0 is not supported.*"
+                                         r"KVCANARY_VLLM_ALLOW_UNTESTED=1 or CanaryOptions\(allow_untested=True\)"):
+        kv.check_version("0.33.0")
+    with caplog.at_level(logging.WARNING, logger="kvcanary_cupy.vllm"):
+        assert kv.check_version("0.33.0", allow_untested=True) == "0.33.0"
+        monkeypatch.setenv("KVCANARY_VLLM_ALLOW_UNTESTED", "1")
+        assert kv.check_version("0.34.1") == "0.34.1"
+    assert [r.getMessage().split(";")[0] for r in _ours(caplog)] == [
+        "kv-canary: vllm 0.33.0 is outside the tested range vllm>=0.32,<0.33",
+        "kv-canary: vllm 0.34.1 is outside the tested range vllm>=0.32,<0.33"]
+    assert kv.CanaryOptions.from_env({"KVCANARY_VLLM": "log", "KVCANARY_VLLM_ALLOW_UNTESTED": "1"}).allow_untested
+
+
+def test_the_override_still_refuses_a_release_whose_hooked_internals_are_gone(monkeypatch):
+    import vllm
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    assert kv.check_version(allow_untested=True) == "0.33.0"
+    monkeypatch.delattr(GPUModelRunner, "_model_forward")
+    with pytest.raises(ValueError, match=r"^kv-canary: vllm 0\.33\.0 is outside the tested range .* do not fit it.*"
+                                         r"GPUModelRunner\._model_forward: missing"):
+        kv.check_version(allow_untested=True)
