@@ -567,6 +567,18 @@ def parse(argv: list[str], parser: argparse.ArgumentParser | None = None) -> arg
     return args
 
 
+def _debug_requested() -> bool:
+    """``KVCANARY_DEBUG=1``: an internal error shows its traceback. Read through the settings module like every
+    variable (``0`` is off; a value outside ``0``/``1`` is said, not taken as on)."""
+    from . import settings
+
+    try:
+        return bool(settings.read("KVCANARY_DEBUG"))
+    except ValueError as exc:
+        print(f"{PROG}: {str(exc).removeprefix('kv-canary: ')}", file=sys.stderr)
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``) and return the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -592,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        if os.environ.get("KVCANARY_DEBUG"):
+        if _debug_requested():
             raise
         print(f"{PROG} {args.command}: internal error: {type(exc).__name__}: {exc} "
               "(set KVCANARY_DEBUG=1 for the traceback)", file=sys.stderr)

@@ -140,3 +140,23 @@ def test_unknown_plugin_variables_are_listed():
     assert [p for p in settings.problems(env)] == [
         f"kv-canary: KVCANARY_VLLM_BACKNED is not a variable of the vLLM plugin (known: "
         f"{', '.join(n for n in settings.SETTINGS if n.startswith('KVCANARY_VLLM'))})"]
+
+
+@pytest.mark.parametrize(("value", "traceback"), [("0", False), ("", False), ("1", True), ("yes", False)])
+def test_kvcanary_debug_0_keeps_an_internal_error_short_and_1_shows_its_traceback(monkeypatch, capsys, value,
+                                                                                   traceback):
+    import kvcanary_cupy.cli as cli
+
+    def broken(args):
+        raise RuntimeError("a planted internal error")
+
+    monkeypatch.setattr(cli, "_cmd_info", broken)
+    monkeypatch.setenv("KVCANARY_DEBUG", value)
+    if traceback:
+        with pytest.raises(RuntimeError, match="a planted internal error"):
+            main(["info"])
+        return
+    assert main(["info"]) == 3
+    err = capsys.readouterr().err
+    assert "internal error: RuntimeError: a planted internal error" in err
+    assert ("KVCANARY_DEBUG must be" in err) == (value == "yes")  # junk is said, not taken as on

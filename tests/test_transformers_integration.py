@@ -356,6 +356,18 @@ def test_raise_mode_stops_the_engine_loop_with_the_violation(models):
     assert "reasons=verify_real_kv_hash" in errors[0]
 
 
+def test_a_backend_the_models_device_cannot_run_is_refused_at_install_with_nothing_hooked(models):
+    model = models["llama"]
+    w = WORKLOADS["mixed-lengths"]
+    reference = generate(model, w)
+    hooks_before = (dict(model._forward_pre_hooks), dict(model._forward_hooks))
+    with pytest.raises(CanaryArgumentError, match=r"^kv-canary: backend='cuda': .*on cpu"):
+        install(model, CanaryOptions(backend="cuda"))
+    assert "_kvcanary" not in vars(model) and "init_continuous_batching" not in vars(model)
+    assert (dict(model._forward_pre_hooks), dict(model._forward_hooks)) == hooks_before
+    assert generate(model, w) == reference  # the engine runs as before
+
+
 def test_remove_restores_the_engine_methods(models):
     model = models["llama"]
     w = WORKLOADS["mixed-lengths"]

@@ -29,6 +29,7 @@ import numpy as np
 
 from ..._errors import fail
 from ..common.hooks import InstanceOverrides
+from ..common.options import backend_refusal
 from ..common.state import HostViews
 from ._version import check_version
 from .batch import StepBatch, build_step_batch
@@ -76,6 +77,11 @@ class TransformersCanary(InstanceOverrides):
                  f"got {type(target).__name__}")
         if getattr(self.model, "_kvcanary", None) is not None:
             fail("a kv-canary is already installed in this model; remove() it first")
+        # the backend against the device the model (and so its paged KV cache) lives on, before anything is hooked
+        device = getattr(getattr(self.model, "device", None), "type", "cpu")
+        refusal = backend_refusal(self.options.backend, device)
+        if refusal is not None:
+            fail(f"backend={self.options.backend!r}: {refusal}")
         self.states: dict[int, TransformersCanaryState] = {}
         self.observers: list[StepObserver] = []
         self._current: tuple[TransformersCanaryState, StepBatch] | None = None
