@@ -88,18 +88,29 @@ def test_install_refuses_a_backend_the_engines_device_cannot_run_and_the_engine_
     assert LOAD.run(llm) == want
 
 
-def test_install_refuses_an_engine_with_async_scheduling_before_touching_it(llm):
+def test_an_engine_with_async_scheduling_is_refused_in_raise_mode_and_left_unchecked_in_log_mode(llm):
     """The runner's own flag is read at install (vLLM's CPU platform turns async scheduling off, so the flag is set by
-    hand here): the refusal says what to set, and nothing is hooked."""
+    hand here): raise mode refuses with what to set and touches nothing; log mode hooks no step, says so in one
+    line, and the engine generates as without the canary."""
+    want = baseline(llm)
     runner = kv.find_runner(llm)
     assert runner.use_async_scheduling is False
     runner.use_async_scheduling = True
     try:
         before = dict(vars(runner))
-        with pytest.raises(ValueError, match=r"^kv-canary: this engine runs with async scheduling.*"
-                                             r"async_scheduling=False \(--no-async-scheduling\)$"):
-            kv.install(llm, backend="numpy")
+        with pytest.raises(ValueError, match=r"^kv-canary: mode='raise' refuses this engine at install: .*"
+                                             r"async_scheduling=False"):
+            kv.install(llm, mode="raise", backend="numpy")
         assert vars(runner) == before
+        canary = kv.install(llm, mode="log", backend="numpy")
+        try:
+            assert canary.disabled is not None and "async scheduling" in canary.disabled
+            assert "execute_model" not in vars(runner) and "_model_forward" not in vars(runner)
+            assert LOAD.run(llm) == want
+        finally:
+            canary.remove()
+        # every name the canary set is gone (the generate above renewed vLLM's own async copy stream)
+        assert set(vars(runner)) == set(before) and "_kvcanary" not in vars(runner)
     finally:
         runner.use_async_scheduling = False
 
