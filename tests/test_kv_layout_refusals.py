@@ -87,7 +87,7 @@ CACHE = np.zeros((2, 1, 4, 16), np.float32)
     (lambda: vllm(CACHE[:0]), "kv_cache must not be empty, got shape (0, 1, 4, 16)"),
     (lambda: vllm(CACHE, d=4), "kv_cache must have shape [num_blocks, num_kv_heads=1, block_size=4, 2 * "
                                "head_size=8], got (2, 1, 4, 16)"),
-    (lambda: vllm(CACHE[::-1]), "kv_cache has a negative stride (-64, 64, 16, 1); only non-negative strides are "
+    (lambda: vllm(CACHE[::-1]), "kv_cache has a negative stride (-256, 256, 64, 4); only non-negative strides are "
                                 "read in place"),
     (lambda: vllm(np.ndarray((2, 1, 4, 16), np.float32, buffer=bytearray(4096), strides=(1026, 256, 64, 4))),
      "kv_cache has strides (1026, 256, 64, 4) that are not whole elements"),
@@ -102,7 +102,7 @@ CACHE = np.zeros((2, 1, 4, 16), np.float32)
     (lambda: flash_attn_source(np.zeros((2, 2, 16, 8), np.float32), which="k", read_bytes=16),
      "kv_cache must be 5-D [2, num_blocks, block_size, num_kv_heads, head_size], got shape (2, 2, 16, 8)"),
     (lambda: flash_attn_source(np.zeros((2, 2, 16, 1, 8), np.float32)[:, ::-1], which="k", read_bytes=16),
-     "kv_cache has a negative stride (256, -128, 8, 8, 1); only non-negative strides are read in place"),
+     "kv_cache has a negative stride (1024, -512, 32, 32, 4); only non-negative strides are read in place"),
     (lambda: flashinfer_hnd_source(np.zeros((2, 2, 1, 16, 8), np.float32), which="", read_bytes=16),
      "which must be 'k' or 'v', got ''"),
     (lambda: flashinfer_hnd_source("cache", which="k", read_bytes=16),
@@ -110,7 +110,7 @@ CACHE = np.zeros((2, 1, 4, 16), np.float32)
     (lambda: flashinfer_hnd_source(np.zeros((2, 2, 1, 16), np.float32), which="k", read_bytes=16),
      "kv_cache must be 5-D [num_blocks, 2, num_kv_heads, block_size, head_size], got shape (2, 2, 1, 16)"),
     (lambda: flashinfer_hnd_source(np.zeros((2, 2, 1, 16, 8), np.float32)[::-1], which="k", read_bytes=16),
-     "kv_cache has a negative stride (-256, 128, 128, 8, 1); only non-negative strides are read in place"),
+     "kv_cache has a negative stride (-1024, 512, 512, 32, 4); only non-negative strides are read in place"),
 ], ids=["isa", "block_size-type", "block_size-0", "heads-type", "heads-0", "head_size-type", "head_size-0",
         "vllm-not-array", "vllm-rank", "vllm-empty", "vllm-shape", "vllm-negative-stride", "vllm-partial-element",
         "vllm-padded-plane", "flash-which", "flash-not-array", "flash-rank", "flash-negative-stride",
