@@ -24,7 +24,7 @@ import numpy as np
 from ..._errors import fail
 from ..common.hooks import InstanceOverrides
 from ._version import check_version
-from .canary import CanaryOptions, StepViolation, VllmCanaryState, VllmStep, build_step
+from .canary import CanaryOptions, StepViolation, VllmCanaryState, VllmStep
 
 
 class StepObserver(Protocol):
@@ -142,7 +142,7 @@ class VllmCanary(InstanceOverrides):
             for obs in self.observers:
                 obs.before_forward(self, st.steps, kwargs, metadata)
             start = time.perf_counter()
-            batch = build_step(st.steps, self.runner, kwargs, metadata, st.geos, st.max_tokens)
+            batch = st.read_step(kwargs, metadata)
             st.seconds["batch"] += time.perf_counter() - start
             st.before_forward(batch)
             out = original(*args, **kwargs)
