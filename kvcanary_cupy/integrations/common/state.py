@@ -42,8 +42,10 @@ class EngineStep(Protocol):
     positions: np.ndarray
     expected_input_ids: np.ndarray
     expected_positions: np.ndarray
-    expected_pool: np.ndarray
     valid_lens: np.ndarray
+
+    @property
+    def expected_pool(self) -> np.ndarray: ...  # int32 [B+1, width]: row i+1 holds row i's history
 
     @property
     def size(self) -> int: ...
@@ -81,14 +83,18 @@ class EngineCanaryState:
 
         return torch.from_numpy(arr).to(self.device)
 
-    def _step_batches(self, batch: EngineStep, out_cache_locs: Sequence[np.ndarray]) -> list[StepBatch]:
+    def _step_batches(self, batch: EngineStep, out_cache_locs: Sequence[np.ndarray],
+                      history: np.ndarray | None = None) -> list[StepBatch]:
         """The runtime's :class:`StepBatch` of each group of one engine step (``out_cache_locs``: the group's write
-        slots); the expected-token history goes with the first group only (the pool is shared: one scatter)."""
+        slots); the expected-token history (``history``: the rows' histories one after the other, int64; by
+        default read from ``batch.expected_pool``) goes with the first group only (the pool is shared: one
+        scatter)."""
         b = batch.size
-        # rows 1..B of the pool, each up to its valid length, one after the other (a row-major mask)
-        pool = batch.expected_pool
-        history = (pool[1 : b + 1][np.arange(pool.shape[1])[None, :] < np.asarray(batch.valid_lens)[:, None]]
-                   .astype(np.int64) if b else np.zeros(0, np.int64))
+        if history is None:
+            # rows 1..B of the pool, each up to its valid length, one after the other (a row-major mask)
+            pool = batch.expected_pool
+            history = (pool[1 : b + 1][np.arange(pool.shape[1])[None, :] < np.asarray(batch.valid_lens)[:, None]]
+                       .astype(np.int64) if b else np.zeros(0, np.int64))
         offsets = np.zeros(b + 1, np.int64)
         np.cumsum(batch.valid_lens, out=offsets[1:])
         dev = self._dev

@@ -209,7 +209,7 @@ class VllmCanaryState(EngineCanaryState):
         if b > self.max_requests:
             fail(f"vLLM scheduled {b} requests in one step, more than the {self.max_requests} the canary was "
                  "sized for (max_num_seqs)")
-        steps = self._step_batches(batch, [batch.slot_mappings[geo.index] for geo in self.geos])
+        steps = self._step_batches(batch, [batch.slot_mappings[geo.index] for geo in self.geos], batch.history_ids)
         for geo, step in zip(self.geos, steps, strict=True):
             self._fill_table(geo, batch)
             self.rt.prepare(step, model=geo.name)

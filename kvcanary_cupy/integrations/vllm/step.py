@@ -37,7 +37,7 @@ class VllmStep:
     positions: np.ndarray  # int64 [T]
     expected_input_ids: np.ndarray  # int64 [T]
     expected_positions: np.ndarray  # int64 [T]
-    expected_pool: np.ndarray  # int32 [B+1, width]
+    history_ids: np.ndarray  # int64 [sum(valid_lens)]: each row's expected history, one after the other
     valid_lens: np.ndarray  # int64 [B]
     block_tables: dict[int, np.ndarray]  # group index -> int32 [B, max_blocks] (copy of the metadata's)
     slot_mappings: dict[int, np.ndarray]  # group index -> int64 [T']: the canary's out_cache_loc
@@ -59,6 +59,15 @@ class VllmStep:
     @property
     def size(self) -> int:
         return len(self.request_ids)
+
+    @property
+    def expected_pool(self) -> np.ndarray:
+        """int32 ``[B+1, width]``: row ``i + 1`` holds row ``i``'s history (row 0 the padding sentinel)."""
+        b = self.size
+        width = max(int(self.valid_lens.max()) if b else 0, 1)
+        pool = np.zeros((b + 1, width), np.int32)
+        pool[1:][np.arange(width)[None, :] < self.valid_lens[:, None]] = self.history_ids
+        return pool
 
     def slot(self, geo: GroupGeometry, i: int, position: int) -> int:
         """The slot of ``position`` of batch row ``i`` in group ``geo`` (from this step's block table)."""
@@ -129,6 +138,15 @@ class RequestHistories:
                 del self._kept[rid]
 
 
+def _host(tensor: Any) -> np.ndarray:
+    """A CPU tensor of the runner as a NumPy view (one torch call; the runner is refused at install unless its
+    caches are on the CPU), anything else through :func:`host_array`."""
+    try:
+        return tensor.numpy()
+    except (RuntimeError, TypeError):
+        return host_array(tensor)
+
+
 def _row_of_token(extend: np.ndarray, t: int) -> np.ndarray:
     """The batch row of each of the step's ``t`` tokens (rows are request-major runs of ``extend`` tokens)."""
     return np.repeat(np.arange(extend.shape[0], dtype=np.int64), extend) if t else np.zeros(0, np.int64)
@@ -144,11 +162,11 @@ def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[st
     b = int(batch.num_reqs)
     ids = list(batch.req_ids[:b])
     first = metadata[geos[0].layer_names[0]]
-    cu = host_array(first.query_start_loc)[: b + 1].astype(np.int64)
-    seq = host_array(first.seq_lens)[:b].astype(np.int64)
+    cu = _host(first.query_start_loc)[: b + 1].astype(np.int64)
+    seq = _host(first.seq_lens)[:b].astype(np.int64)
     t = int(cu[b])
-    input_ids = host_array(kwargs["input_ids"]).reshape(-1)[:t].astype(np.int64)
-    positions = host_array(kwargs["positions"]).reshape(-1)[:t].astype(np.int64)
+    input_ids = _host(kwargs["input_ids"]).reshape(-1)[:t].astype(np.int64)
+    positions = _host(kwargs["positions"]).reshape(-1)[:t].astype(np.int64)
     extend = cu[1:] - cu[:-1]
     prefix = seq - extend
     ends = prefix + extend
@@ -162,14 +180,11 @@ def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[st
     row = _row_of_token(extend, t)
     want_pos = np.arange(t, dtype=np.int64) - cu[row] + prefix[row]
     want_ids = flat[starts[row] + want_pos]
-    width = max(int(ends.max()) if b else 0, 1)
-    pool = np.zeros((b + 1, width), np.int32)
-    pool[1:][np.arange(width)[None, :] < ends[:, None]] = flat
     tables, forward_slots = {}, {}
     for geo in geos:
         md = metadata[geo.layer_names[0]]
-        tables[geo.index] = np.array(host_array(md.block_table)[:b], np.int32)
-        forward_slots[geo.index] = np.array(host_array(md.slot_mapping)[:t], np.int64)
+        tables[geo.index] = np.array(_host(md.block_table)[:b], np.int32)
+        forward_slots[geo.index] = np.array(_host(md.slot_mapping)[:t], np.int64)
     # A same-step prefix hit: vLLM caches a block when it allocates it, so a row scheduled next to the row that
     # writes the block (a parallel-sampling sibling, an identical prompt) starts past it although nothing is
     # written yet; attention is right (every layer writes all rows' K/V before it attends) but the canary's
@@ -188,7 +203,7 @@ def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[st
                      + last % geo0.block_size)
         tail_rows = np.flatnonzero((prefix > 0) & np.isin(last_slot, written_now))
     common = dict(step=step, request_ids=ids, rows=np.arange(1, b + 1, dtype=np.int64), input_ids=input_ids,
-                  positions=positions, expected_pool=pool, valid_lens=ends, block_tables=tables)
+                  positions=positions, history_ids=flat, valid_lens=ends, block_tables=tables)
     if not tail_rows.size:
         return VllmStep(**common, prefix_lens=prefix, extend_lens=extend, expected_input_ids=want_ids,
                         expected_positions=want_pos, slot_mappings=forward_slots,
