@@ -243,6 +243,41 @@ def scaling(run: Any, vocab: int) -> list[dict[str, Any]]:
     return rows
 
 
+PARTS = ["build step", "slot table", "step batches", "stage + scatter", "plan + HEAD", "TAIL", "block index",
+         "ring read + sweep", "fresh blocks", "observers"]
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The result's tables: the end-to-end share per workload, the per-step breakdown, the scaling."""
+    lines = ["| workload | pairs | share, median | middle half | spread (min..max) | canary timers | hook less "
+             "forward | without (median) | with (median) |", "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for name, w in result["workloads"].items():
+        q = w["quartiles"]
+        lines.append(f"| {name} | {w['pairs']} | {w['median_share']:+.1%} | {q[0]:+.1%} .. {q[1]:+.1%} | "
+                     f"{w['min_share']:+.1%} .. {w['max_share']:+.1%} | {w['timer_share']:.1%} | "
+                     f"{w['hook_share'] - w['per_step_ms']['forward'] * w['steps'] / 1e3 / w['median_on_s']:.1%} | "
+                     f"{w['median_off_s']:.2f} s | {w['median_on_s']:.2f} s |")
+    names = list(result["workloads"])
+    lines += ["", "| per step (ms) | " + " | ".join(names) + " |", "|---|" + "--:|" * len(names)]
+    rows = [("vLLM forward, without the canary", lambda w: w["forward_without_per_step_ms"]),
+            ("vLLM forward, with the canary", lambda w: w["per_step_ms"]["forward"])]
+    rows += [(part, lambda w, part=part: w["per_step_ms"].get(part, 0.0)) for part in PARTS]
+    rows += [("the hook's own Python (rest)", lambda w: w["per_step_ms"]["hook"] - w["per_step_ms"]["forward"]
+              - sum(w["per_step_ms"].get(p, 0.0) for p in PARTS)),
+             ("canary in the hook, total", lambda w: w["per_step_ms"]["hook"] - w["per_step_ms"]["forward"])]
+    rows += [(f"timer: {k}", lambda w, k=k: w["timers_per_step_ms"].get(k, 0.0))
+             for k in sorted({k for w in result["workloads"].values() for k in w["timers_per_step_ms"]})]
+    for label, get in rows:
+        lines.append(f"| {label} | " + " | ".join(f"{get(result['workloads'][n]):.3f}" for n in names) + " |")
+    if result.get("scaling"):
+        lines += ["", "| requests x context | decode steps | vLLM forward | canary | canary / forward |",
+                  "|---|--:|--:|--:|--:|"]
+        for r in result["scaling"]:
+            lines.append(f"| {r['requests']} x {r['context']} | {r['decode_steps']} | {r['forward_ms']:.2f} ms | "
+                         f"{r['canary_ms']:.2f} ms | {r['canary_ms'] / r['forward_ms']:.1%} |")
+    return "\n".join(lines)
+
+
 def run_subprocess(tiny: bool, pairs: int | None = None, backend: str = "host") -> dict[str, Any]:
     """The measurement in a fresh process (vLLM: one engine per process); its JSON result."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
@@ -277,7 +312,12 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=None)
     parser.add_argument("--backend", default="host")
     parser.add_argument("--no-profile", action="store_true", help="no wall clocks around the canary's parts")
+    parser.add_argument("--markdown", metavar="JSON", help="print the tables of a saved result and exit")
     args = parser.parse_args()
+    if args.markdown:
+        text = Path(args.markdown).read_text()
+        print(markdown(json.loads(text[text.find("{"):])))
+        return
     spec = dict(TINY if args.tiny else FULL)
     if args.pairs:
         spec["pairs"] = args.pairs

@@ -167,7 +167,7 @@ class VllmCanaryState(EngineCanaryState):
         self.max_len = int(runner.max_model_len) + 1
         rows = self.max_requests + 1
         self.tables = {geo.index: np.zeros((rows, self.max_len), np.int32) for geo in self.geos}
-        layouts = {geo.name: TokenTable(torch.from_numpy(self.tables[geo.index])) for geo in self.geos}
+        layouts = {geo.name: TokenTable(self.tables[geo.index]) for geo in self.geos}
         groups = [KvGroup(name=g.name, num_slots=g.num_slots, k_sources=g.k_sources, v_sources=g.v_sources,
                           model=g.model, layout=layouts[g.model]) for g in groups]
         self.group_names = [g.name for g in groups]
@@ -187,7 +187,7 @@ class VllmCanaryState(EngineCanaryState):
         # each running request's token history, kept between steps (a step copies what its state gained)
         self.histories = RequestHistories()
         self.rt = CanaryRuntime.create(opts.config(), KvPools(tuple(groups), layout=None), caps, device="cpu",
-                                       framework="torch", timer=self._timer, sweep_source=self._cached_slots)
+                                       framework="numpy", timer=self._timer, sweep_source=self._cached_slots)
         # The runner's own dummy/profile forwards never reach the canary (only execute_model's do), so the
         # write's chain-position assert goes on at once.
         self.rt.mark_init_finished()
