@@ -28,6 +28,11 @@ BS = 4  # tokens per block
 LAYER = "model.layers.0.self_attn.attn"
 
 
+def indexed_blocks(state: VllmCanaryState) -> dict[tuple[int, int], int]:
+    """The sweep's block index as ``{(group, block): index in its sequence}``."""
+    return {(g, b): int(state.block_index.where[g][b]) for g, b in state.block_index}
+
+
 @dataclass
 class Row:
     """One scheduled request of a step: its token history, what is computed (``prefix`` tokens already in the
@@ -273,12 +278,16 @@ def test_blocks_the_scheduler_lists_to_zero_leave_the_sweeps_index(seed):
     canary.state = VllmCanaryState(runner, opts)
     _q, (a, c), _ = sibling_steps(seed)
     run_step(canary.state, runner, [a, c], seed)
-    assert canary.state.block_index == {(0, 1): 0, (0, 2): 1, (0, 6): 0}
+    assert indexed_blocks(canary.state) == {(0, 1): 0, (0, 2): 1, (0, 6): 0}
     out = SchedulerOutput.make_empty()
     out.new_block_ids_to_zero = [2, 6, 9]  # block 9 was never indexed
     runner.execute_model(out)
     assert runner.executed == [out]  # the runner's own method ran, with the same output
-    assert canary.state.block_index == {(0, 1): 0}
+    assert indexed_blocks(canary.state) == {(0, 1): 0}
+    # an unrelated request D in the next step (the sweep leaves out the blocks the last step's rows hold: that
+    # step's verify has just covered them), so the sweep reaches block 1
+    run_step(canary.state, runner, [Row("D", tokens(seed + 2000, 4), 0, 4, [7])], seed)
+    assert indexed_blocks(canary.state) == {(0, 1): 0, (0, 7): 0}
     swept = canary.state.rt.sweep()
     canary.state.flush()
     assert canary.state.violations == []
@@ -299,23 +308,23 @@ def test_the_block_index_keeps_complete_blocks_and_drops_reused_and_unstamped_on
     runner = Runner(max_num_tokens=20)
     state = canary_state(runner)
     run_step(state, runner, [Row("Z", tokens(seed, 8), 0, 8, [10, 11]), Row("Y", tokens(seed + 1, 6), 0, 6, [12, 13])])
-    assert state.block_index == {(0, 10): 0, (0, 11): 1, (0, 12): 0}
+    assert indexed_blocks(state) == {(0, 10): 0, (0, 11): 1, (0, 12): 0}
     run_step(state, runner, [Row("W", tokens(seed + 2, 2), 0, 2, [13])])
-    assert state.block_index == {(0, 10): 0, (0, 11): 1, (0, 12): 0}
+    assert indexed_blocks(state) == {(0, 10): 0, (0, 11): 1, (0, 12): 0}
     _, rows = many_siblings(seed, 8)
     rows[6].blocks, rows[7].blocks = [1, 2, 3, 10], [1, 2, 3, 11]
     batch = run_step(state, runner, rows)
     assert batch.deferred == {"S7": 0, "S8": 0}
-    assert state.block_index == {(0, 1): 0, (0, 2): 1, (0, 3): 2, (0, 12): 0}
+    assert indexed_blocks(state) == {(0, 1): 0, (0, 2): 1, (0, 3): 2, (0, 12): 0}
 
 
 def test_a_block_a_new_request_only_partly_fills_leaves_the_index():
     runner = Runner()
     state = canary_state(runner)
     run_step(state, runner, [Row("Z", tokens(7, 8), 0, 8, [10, 11])])
-    assert state.block_index == {(0, 10): 0, (0, 11): 1}
+    assert indexed_blocks(state) == {(0, 10): 0, (0, 11): 1}
     run_step(state, runner, [Row("V", tokens(8, 7), 0, 7, [11, 10])])  # 11 refilled whole, 10 with 3 tokens
-    assert state.block_index == {(0, 11): 0}
+    assert indexed_blocks(state) == {(0, 11): 0}
 
 
 def test_the_forward_token_is_what_the_write_checks_even_for_the_first_token_of_the_step():

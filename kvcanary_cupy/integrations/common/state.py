@@ -11,10 +11,9 @@ an engine's cache maps onto runtime groups and how its step is read stay in the 
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -44,11 +43,30 @@ class EngineStep(Protocol):
     positions: np.ndarray
     expected_input_ids: np.ndarray
     expected_positions: np.ndarray
-    expected_pool: np.ndarray
     valid_lens: np.ndarray
 
     @property
+    def expected_pool(self) -> np.ndarray: ...  # int32 [B+1, width]: row i+1 holds row i's history
+
+    @property
     def size(self) -> int: ...
+
+
+class PhaseClock:
+    """Adds the wall time of a ``with`` block to ``seconds[phase]``. A plain class, not a generator context
+    manager: the runtime times every launch (about 20 a step), and entering a generator-based one costs
+    several times more."""
+
+    __slots__ = ("phase", "seconds", "start")
+
+    def __init__(self, seconds: dict[str, float], phase: str) -> None:
+        self.seconds, self.phase, self.start = seconds, phase, 0.0
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds[self.phase] += time.perf_counter() - self.start
 
 
 class EngineCanaryState:
@@ -68,13 +86,8 @@ class EngineCanaryState:
         # the same Prometheus series from every engine: the engine's name is its state class's
         self.metrics = StepMetrics(type(self).__name__.removesuffix("CanaryState").lower() or "engine")
 
-    @contextlib.contextmanager
-    def _timer(self, phase: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[phase] += time.perf_counter() - start
+    def _timer(self, phase: str) -> PhaseClock:
+        return PhaseClock(self.seconds, phase)
 
     def _dev(self, arr: np.ndarray) -> Any:
         """A host array on the cache's device: on a CPU cache the array itself (the runtime takes NumPy arrays
@@ -85,12 +98,18 @@ class EngineCanaryState:
 
         return torch.from_numpy(arr).to(self.device)
 
-    def _step_batches(self, batch: EngineStep, out_cache_locs: Sequence[np.ndarray]) -> list[StepBatch]:
+    def _step_batches(self, batch: EngineStep, out_cache_locs: Sequence[np.ndarray],
+                      history: np.ndarray | None = None) -> list[StepBatch]:
         """The runtime's :class:`StepBatch` of each group of one engine step (``out_cache_locs``: the group's write
-        slots); the expected-token history goes with the first group only (the pool is shared: one scatter)."""
+        slots); the expected-token history (``history``: the rows' histories one after the other, int64; by
+        default read from ``batch.expected_pool``) goes with the first group only (the pool is shared: one
+        scatter)."""
         b = batch.size
-        history = np.concatenate([batch.expected_pool[i + 1, : int(n)] for i, n in enumerate(batch.valid_lens)]
-                                 ).astype(np.int64) if b else np.zeros(0, np.int64)
+        if history is None:
+            # rows 1..B of the pool, each up to its valid length, one after the other (a row-major mask)
+            pool = batch.expected_pool
+            history = (pool[1 : b + 1][np.arange(pool.shape[1])[None, :] < np.asarray(batch.valid_lens)[:, None]]
+                       .astype(np.int64) if b else np.zeros(0, np.int64))
         offsets = np.zeros(b + 1, np.int64)
         np.cumsum(batch.valid_lens, out=offsets[1:])
         dev = self._dev
@@ -190,19 +209,21 @@ def expected_pool(histories: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.nd
 def cached_block_slots(blocks: Iterable[tuple[int, int]], page_size: int, stride: int
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The sweep source over cached blocks, each given as ``(block id, its index in the sequence that wrote it)``:
+    :func:`block_slots` of those blocks."""
+    pairs = np.array(list(blocks), np.int64).reshape(-1, 2)
+    return block_slots(pairs[:, 0], pairs[:, 1], page_size, stride)
+
+
+def block_slots(blocks: np.ndarray, indices: np.ndarray, page_size: int, stride: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The sweep source over cached blocks (``blocks``, each at index ``indices`` of the sequence that wrote it):
     every slot (``block * stride + offset``) with its position and its predecessor, inside a block only (a cached
     block's parent may be gone: prev 0 skips that one chain check, a block at the start of a sequence anchors
-    at -1)."""
-    offsets = np.arange(page_size, dtype=np.int64)
-    slots, positions, prevs = [], [], []
-    for block, k in blocks:
-        first = block * stride
-        slots.append(first + offsets)
-        positions.append(k * page_size + offsets)
-        prev = first + offsets - 1
-        prev[0] = -1 if k == 0 else 0
-        prevs.append(prev)
-    if not slots:
-        empty = np.zeros(0, np.int64)
-        return empty, empty, empty
-    return np.concatenate(slots), np.concatenate(positions), np.concatenate(prevs)
+    at -1). Block-major, offsets ascending."""
+    blocks = np.asarray(blocks, np.int64).reshape(-1, 1)
+    indices = np.asarray(indices, np.int64).reshape(-1, 1)
+    offsets = np.arange(page_size, dtype=np.int64)[None, :]
+    slots = blocks * stride + offsets
+    prevs = slots - 1
+    prevs[:, 0] = np.where(indices[:, 0] == 0, -1, 0)
+    return slots.reshape(-1), (indices * page_size + offsets).reshape(-1), prevs.reshape(-1)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -36,11 +36,13 @@ from ...kv_layouts import vllm_cpu_source
 from ...layouts import TokenTable
 from ...runtime import CanaryConfig, CanaryRuntime, Capacities, KvGroup, KvPools
 from ..common.options import EngineCanaryOptions
-from ..common.state import EngineCanaryState, StepViolation, cached_block_slots, expected_pool, host_array
+from ..common.state import EngineCanaryState, StepViolation
+from .blocks import BlockIndex
+from .step import RequestHistories, VllmStep, build_step
 from .support import Support, assess
 
 __all__ = ["ENV_PREFIX", "CanaryOptions", "GroupGeometry", "StepViolation", "VllmCanaryState", "VllmStep",
-           "build_step"]
+           "build_step", "sweep_blocks"]
 
 ENV_PREFIX = "KVCANARY_VLLM"
 
@@ -180,7 +182,7 @@ class VllmCanaryState(EngineCanaryState):
         self.max_len = int(runner.max_model_len) + 1
         rows = self.max_requests + 1
         self.tables = {geo.index: np.zeros((rows, self.max_len), np.int32) for geo in self.geos}
-        layouts = {geo.name: TokenTable(torch.from_numpy(self.tables[geo.index])) for geo in self.geos}
+        layouts = {geo.name: TokenTable(self.tables[geo.index]) for geo in self.geos}
         groups = [KvGroup(name=g.name, num_slots=g.num_slots, k_sources=g.k_sources, v_sources=g.v_sources,
                           model=g.model, layout=layouts[g.model]) for g in groups]
         self.group_names = [g.name for g in groups]
@@ -193,13 +195,19 @@ class VllmCanaryState(EngineCanaryState):
                           max_context_len=self.max_len, pool_rows=rows,
                           max_history_tokens=self.max_requests * self.max_len)
         # Where each complete block sits in the sequence that wrote it (the sweep needs positions, which the
-        # runner does not keep); a block vLLM hands out fresh is dropped.
-        self.block_index: dict[tuple[int, int], int] = {}
+        # runner does not keep); a block vLLM hands out fresh is dropped. One sweep verifies at most as many
+        # slots as one step may write (its cost per step is bounded by a step's own write).
+        self.block_index = BlockIndex([geo.num_blocks for geo in self.geos], [geo.block_size for geo in self.geos],
+                                      blocks_per_sweep=sweep_blocks(int(runner.max_num_tokens),
+                                                                    self.geos[0].block_size),
+                                      group_ids=[geo.index for geo in self.geos])
+        # each running request's token history, kept between steps (a step copies what its state gained)
+        self.histories = RequestHistories()
         # Per request, the first position a step left unstamped (more same-step re-stamps than the step's
         # capacity, see build_step): a later step of that request re-stamps from there before it verifies.
         self.unstamped: dict[str, int] = {}
         self.rt = CanaryRuntime.create(opts.config(), KvPools(tuple(groups), layout=None), caps, device="cpu",
-                                       framework="torch", timer=self._timer, sweep_source=self._cached_slots)
+                                       framework="numpy", timer=self._timer, sweep_source=self._cached_slots)
         # The runner's own dummy/profile forwards never reach the canary (only execute_model's do), so the
         # write's chain-position assert goes on at once.
         self.rt.mark_init_finished()
@@ -208,9 +216,13 @@ class VllmCanaryState(EngineCanaryState):
 
     def forget_blocks(self, block_ids: list[int] | None) -> None:
         """vLLM handed these blocks out fresh (and zeroed them): they hold nothing the sweep may check."""
-        for block in block_ids or ():
-            for geo in self.geos:
-                self.block_index.pop((geo.index, int(block)), None)
+        if block_ids:
+            self.block_index.forget(block_ids)
+
+    def read_step(self, kwargs: dict[str, Any], metadata: dict[str, Any]) -> VllmStep:
+        """This step's plan inputs (:func:`.step.build_step`, with the token histories kept from the last step)."""
+        return build_step(self.steps, self.runner, kwargs, metadata, self.geos, self.max_tokens, self.unstamped,
+                          self.histories)
 
     def before_forward(self, batch: VllmStep) -> None:
         """Phases 1 and 2 of every group: stage the batch, then plan, HEAD verify and HEAD write."""
@@ -218,7 +230,7 @@ class VllmCanaryState(EngineCanaryState):
         if b > self.max_requests:
             fail(f"vLLM scheduled {b} requests in one step, more than the {self.max_requests} the canary was "
                  "sized for (max_num_seqs)")
-        steps = self._step_batches(batch, [batch.slot_mappings[geo.index] for geo in self.geos])
+        steps = self._step_batches(batch, [batch.slot_mappings[geo.index] for geo in self.geos], batch.history_ids)
         for geo, step in zip(self.geos, steps, strict=True):
             self._fill_table(geo, batch)
             self.rt.prepare(step, model=geo.name)
@@ -256,172 +268,23 @@ class VllmCanaryState(EngineCanaryState):
         """Index every block a request of this step writes: complete ones at their place in the sequence, a
         block still being filled dropped (vLLM may have handed it out again since it was last complete; it does
         not zero reused blocks here, so the runner's own tables are the only record of reuse)."""
+        totals = batch.prefix_lens + batch.extend_lens
         for geo in self.geos:
-            table = batch.block_tables[geo.index]
-            stamped = set((batch.slot_mappings[geo.index] // geo.block_size).tolist())
-            for i in range(batch.size):
-                total = int(batch.prefix_lens[i] + batch.extend_lens[i])
-                complete = total // geo.block_size
-                unstamped_from = batch.deferred.get(batch.request_ids[i])
-                if unstamped_from is not None:  # the forward wrote past what the canary stamped
-                    complete = unstamped_from // geo.block_size
-                    total = int(batch.valid_lens[i])
-                for k in range(-(-total // geo.block_size)):
-                    block = int(table[i, k])
-                    if block <= 0 or (k >= complete and unstamped_from is not None and block in stamped):
-                        continue  # a block another row stamps in this step is that row's to index
-                    if k < complete:
-                        self.block_index[(geo.index, block)] = k
-                    else:
-                        self.block_index.pop((geo.index, block), None)
+            # a row the step left partly unstamped (``deferred``): the forward wrote up to its history's end;
+            # its blocks past the stamped ones are dropped, unless another row stamps them in this step
+            stamped = batch.slot_mappings[geo.index] // geo.block_size if batch.deferred else None
+            self.block_index.note_step(geo.index, batch.block_tables[geo.index], totals, batch.valid_lens, stamped)
 
     def _cached_slots(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The sweep source: every slot of every complete block still indexed, with its position; predecessors
-        inside a block, none across blocks (prev 0 skips that one chain check, a first block anchors at -1)."""
+        """The sweep source: the slots of the next round-robin share of the complete blocks still indexed, with
+        their positions; predecessors inside a block, none across blocks (prev 0 skips that one chain check, a
+        first block anchors at -1)."""
         geo = self.geos[0]
-        blocks = ((block, k) for (gi, block), k in self.block_index.items() if gi == geo.index)
-        return cached_block_slots(blocks, geo.block_size, geo.block_size)
+        return self.block_index.sweep_entries(geo.index, geo.block_size, geo.block_size)
 
 
-@dataclass
-class VllmStep:
-    """One runner step as the canary's plan inputs (copied out of vLLM's reused buffers before the forward)."""
-
-    step: int
-    request_ids: list[str]
-    rows: np.ndarray  # int64 [B]: 1..B
-    prefix_lens: np.ndarray  # int64 [B]
-    extend_lens: np.ndarray  # int64 [B]
-    input_ids: np.ndarray  # int64 [T]
-    positions: np.ndarray  # int64 [T]
-    expected_input_ids: np.ndarray  # int64 [T]
-    expected_positions: np.ndarray  # int64 [T]
-    expected_pool: np.ndarray  # int32 [B+1, width]
-    valid_lens: np.ndarray  # int64 [B]
-    block_tables: dict[int, np.ndarray]  # group index -> int32 [B, max_blocks] (copy of the metadata's)
-    slot_mappings: dict[int, np.ndarray]  # group index -> int64 [T']: the canary's out_cache_loc
-    source_index: np.ndarray  # int64 [T']: the forward's token behind each canary token, -1 for a re-stamp
-    forward_len: int = 0  # tokens the forward received (the metadata's slot mapping is read up to here)
-    deferred: dict[str, int] = field(default_factory=dict)  # request -> first position left unstamped
-
-    @property
-    def forward_tokens(self) -> int:
-        """Tokens of the forward the canary stamps this step (all but those of deferred rows)."""
-        return int((self.source_index >= 0).sum())
-
-    def canary_tokens(self, forward_values: np.ndarray, restamp_values: np.ndarray) -> np.ndarray:
-        """A per-token array of the forward (``[T]``) in the canary's token order, re-stamped tokens taken from
-        ``restamp_values`` (``[T']``)."""
-        out = restamp_values.copy()
-        real = self.source_index >= 0
-        out[real] = forward_values[self.source_index[real]]
-        return out
-
-    @property
-    def size(self) -> int:
-        return len(self.request_ids)
-
-    def slot(self, geo: GroupGeometry, i: int, position: int) -> int:
-        """The slot of ``position`` of batch row ``i`` in group ``geo`` (from this step's block table)."""
-        block = int(self.block_tables[geo.index][i, position // geo.block_size])
-        return block * geo.block_size + position % geo.block_size
-
-
-def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[str, Any],
-               geos: list[GroupGeometry], max_tokens: int, pending: dict[str, int] | None = None) -> VllmStep:
-    """Read one step from the forward's arguments, the attention metadata and the runner's request state
-    (``pending``: per request, the first position an earlier step left unstamped)."""
-    batch = runner.input_batch
-    b = int(batch.num_reqs)
-    ids = list(batch.req_ids[:b])
-    first = metadata[geos[0].layer_names[0]]
-    cu = host_array(first.query_start_loc)[: b + 1].astype(np.int64)
-    seq = host_array(first.seq_lens)[:b].astype(np.int64)
-    t = int(cu[b])
-    input_ids = host_array(kwargs["input_ids"]).reshape(-1)[:t].astype(np.int64)
-    positions = host_array(kwargs["positions"]).reshape(-1)[:t].astype(np.int64)
-    extend = cu[1:] - cu[:-1]
-    prefix = seq - extend
-    want_ids = np.empty(t, np.int64)
-    want_pos = np.empty(t, np.int64)
-    histories = []
-    for i, rid in enumerate(ids):
-        state = runner.requests[rid]
-        if state.prompt_token_ids is None:
-            fail(f"request {rid} has no prompt token ids (prompt embeddings are not supported)")
-        history = list(state.prompt_token_ids) + list(state.output_token_ids)
-        end = int(prefix[i] + extend[i])
-        if len(history) < end:
-            fail(f"request {rid} schedules positions up to {end} but its state holds {len(history)} tokens "
-                 "(async scheduling is not supported: use async_scheduling=False)")
-        histories.append(history[:end])
-        want_ids[cu[i]: cu[i + 1]] = history[int(prefix[i]): end]
-        want_pos[cu[i]: cu[i + 1]] = np.arange(prefix[i], end)
-    pool, valid = expected_pool(histories)
-    tables, forward_slots = {}, {}
-    for geo in geos:
-        md = metadata[geo.layer_names[0]]
-        tables[geo.index] = host_array(md.block_table)[:b].astype(np.int32).copy()
-        forward_slots[geo.index] = host_array(md.slot_mapping)[:t].astype(np.int64).copy()
-    # A same-step prefix hit: vLLM caches a block when it allocates it, so a row scheduled next to the row that
-    # writes the block (a parallel-sampling sibling, an identical prompt) starts past it although nothing is
-    # written yet; attention is right (every layer writes all rows' K/V before it attends) but the canary's
-    # verify and the write's seed would run before the stamp. The canary sees such a row as writing from the
-    # first same-step position on: those tokens (the same ids, positions and slots the other row writes) are
-    # stamped twice with identical records, and only what was really cached before the step is verified.
-    geo0 = geos[0]
-    written_now = forward_slots[geo0.index]
-    new_prefix = prefix.copy()
-    parts_slots: dict[int, list[np.ndarray]] = {g.index: [] for g in geos}
-    parts_src: list[np.ndarray] = []
-    parts_ids: list[np.ndarray] = []
-    parts_pos: list[np.ndarray] = []
-    budget = max_tokens - t  # re-stamped tokens the runtime's capacity still takes this step
-    written_set = set(written_now.tolist())
-    pending = pending or {}
-    deferred: dict[str, int] = {}
-    new_extend = np.zeros_like(extend)
-    for i in range(b):
-        past = int(prefix[i])
-        run = 0
-        # Only a row whose last prefix slot is written in this very step can have such a tail (most steps: none,
-        # so one slot is looked up instead of the whole prefix).
-        if past and int(geo0.slots_of(tables[geo0.index][i], past, past - 1)[0]) in written_set:
-            # only the tail of the prefix that is written in this very step (a block table pointing elsewhere
-            # is a fault the verify must see, not a dependency to re-stamp)
-            now = np.isin(geo0.slots_of(tables[geo0.index][i], past), written_now)
-            run = past - int(np.flatnonzero(~now)[-1]) - 1 if not now.all() else past
-        # positions an earlier step left unstamped (below) are re-stamped with the tail
-        run = max(run, past - min(pending.get(ids[i], past), past))
-        lo, hi = int(cu[i]), int(cu[i + 1])
-        if run > budget:
-            # More re-stamps than the runtime takes this step: the row verifies only what was stamped before
-            # and stamps nothing; the positions from there on are re-stamped by a later step (from the history,
-            # where the block table says), unchecked in between. Never a verify of a slot not yet stamped.
-            new_prefix[i] = past - run
-            deferred[ids[i]] = past - run
-            continue
-        budget -= run
-        start = past - run
-        new_prefix[i] = start
-        parts_src += [np.full(past - start, -1, np.int64), np.arange(lo, hi, dtype=np.int64)]
-        parts_ids += [np.asarray(histories[i][start:past], np.int64), want_ids[lo:hi]]
-        parts_pos += [np.arange(start, past, dtype=np.int64), want_pos[lo:hi]]
-        for geo in geos:
-            slots = geo.slots_of(tables[geo.index][i], past, start)
-            parts_slots[geo.index] += [slots, forward_slots[geo.index][lo:hi]]
-        new_extend[i] = hi - lo + run
-    source = np.concatenate(parts_src) if parts_src else np.zeros(0, np.int64)
-    restamp_ids = np.concatenate(parts_ids) if parts_ids else np.zeros(0, np.int64)
-    restamp_pos = np.concatenate(parts_pos) if parts_pos else np.zeros(0, np.int64)
-    slot_mappings = {g: np.concatenate(p) if p else np.zeros(0, np.int64) for g, p in parts_slots.items()}
-    step_batch = VllmStep(step=step, request_ids=ids, rows=np.arange(1, b + 1, dtype=np.int64),
-                          prefix_lens=new_prefix, extend_lens=new_extend,
-                          input_ids=input_ids, positions=positions, expected_input_ids=restamp_ids,
-                          expected_positions=restamp_pos, expected_pool=pool, valid_lens=valid,
-                          block_tables=tables, slot_mappings=slot_mappings, source_index=source,
-                          forward_len=t, deferred=deferred)
-    # what the forward received, in the canary's order (a re-stamped token is what the other row received)
-    step_batch.input_ids = step_batch.canary_tokens(input_ids, restamp_ids)
-    step_batch.positions = step_batch.canary_tokens(positions, restamp_pos)
-    return step_batch
+def sweep_blocks(max_num_tokens: int, block_size: int) -> int:
+    """Blocks one sweep verifies: as many slots as one step may write (``max_num_batched_tokens``), whole
+    blocks, at least one. Its cost per step, amortised over the sweep interval, is at most that of one full
+    step's write divided by the interval."""
+    return max(1, max_num_tokens // block_size)

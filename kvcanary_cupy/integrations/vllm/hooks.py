@@ -30,7 +30,7 @@ from ...runtime import CanaryViolationError
 from ..common.hooks import InstanceOverrides
 from ..common.options import backend_refusal
 from ._version import check_version
-from .canary import CanaryOptions, StepViolation, VllmCanaryState, VllmStep, build_step
+from .canary import CanaryOptions, StepViolation, VllmCanaryState, VllmStep
 from .support import support_at_install
 
 
@@ -212,7 +212,7 @@ class VllmCanary(InstanceOverrides):
                 for obs in self.observers:
                     obs.before_forward(self, st.steps, kwargs, metadata)
                 start = time.perf_counter()
-                batch = build_step(st.steps, self.runner, kwargs, metadata, st.geos, st.max_tokens, st.unstamped)
+                batch = st.read_step(kwargs, metadata)
                 st.seconds["batch"] += time.perf_counter() - start
                 st.before_forward(batch)
             except BaseException as exc:
