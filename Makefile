@@ -26,28 +26,26 @@ demo: $(VENV)/.base
 	$(BIN)/kvcanary simulate --preset mixed --inject all --steps 200 --requests 48 --seed 7 --backend numpy \
 		--json report/demo.json --html report/demo.html --dump-failures report/dumps
 
-# The HTML report's headless-browser test needs Debian's chromium. CI runs as root with apt: install it there
-# (once; a machine that has it skips this in a few milliseconds). Elsewhere say why the test will skip.
-chromium:
-	@command -v chromium >/dev/null 2>&1 || { \
+# $(call debian_tool,COMMAND,PACKAGE,TEST): a test needs COMMAND from Debian's PACKAGE. CI runs as root with apt:
+# install it there (once; a machine that has it skips this in a few milliseconds). Elsewhere say why TEST will skip.
+define debian_tool
+	@command -v $(1) >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing Debian's chromium for the browser test"; \
+	    echo "installing Debian's $(2) ($(1)) for $(3)"; \
 	    DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
-	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(2) >/dev/null; \
 	  else \
-	    echo "chromium is missing and this is not a root shell with apt-get: the browser test will skip" >&2; \
+	    echo "$(1) is missing and this is not a root shell with apt-get: $(3) will skip" >&2; \
 	  fi; }
+endef
 
-# The alerting rules' test runs promtool (Debian's prometheus package): installed the same way, else it skips.
+# The HTML report's headless-browser test renders the report in Debian's chromium.
+chromium:
+	$(call debian_tool,chromium,chromium,the browser test)
+
+# The alerting rules' test runs promtool (Debian's prometheus package).
 promtool:
-	@command -v promtool >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing Debian's prometheus (promtool) for the alerting rules' test"; \
-	    DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
-	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
-	  else \
-	    echo "promtool is missing and this is not a root shell with apt-get: the alerting rules' test will skip" >&2; \
-	  fi; }
+	$(call debian_tool,promtool,prometheus,the alerting rules' test)
 
 test: $(VENV)/.test chromium promtool
 	$(BIN)/ruff check kvcanary_cupy tests bench examples setup.py
