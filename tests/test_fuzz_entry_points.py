@@ -786,6 +786,7 @@ BAD_RUNTIME_PARTS: dict[str, dict[str, list[Any]]] = {
         "write_input_assert": [1, "yes", None, np.array([True])],
         "health_check": [0, "no", None],
         "stats_interval": [-1, 1.5, None, 2**64],
+        "log_rows": [-1, 1001, 1.5, True, "5", None, np.array([5])],
         "backend": ["gpu", None, 3, ["numpy"], "NUMPY", *(["cuda"] if unavailable_reason("cuda") else [])],
         "logger": ["", None, 3],
     },
@@ -1042,6 +1043,7 @@ BAD_CANARY_OPTIONS: dict[str, list[Any]] = {
     "backend": ["gpu", "", None, 3, ["numpy"], np.array(["numpy"])],
     "ring_capacity": [0, -1, 2**31, 1.5, True, "8", None, np.array([4]), [4]],
     "sweep_interval": [-1, 1.5, True, False, "2", None, np.array([8]), 2**64],
+    "log_rows": [-1, 1001, 1.5, True, "5", None, np.array([5]), [5]],
     "logger": ["", None, 3, np.array(["x"]), ["x"]],
 }
 
