@@ -83,9 +83,12 @@ KVC_DEVICE u64 slot_hash(const i64* canary, i64 stride_words, i64 slot) {
 
 // Real-KV sources arrive as plain scalar kernel parameters (graph-safe: baked at capture), declared by
 // KVC_REAL_KV_PARAMS and gathered into this struct by KVC_REAL_KV_SOURCES. A source describes where slot
-// s's logical bytes lie (kvcanary_cupy/kv_layouts.py, KvByteLayout): for each head h, for each element e,
-// the element_bytes bytes at (s / page_size) * page_stride + (s % page_size) * token_stride + h * head_stride
-// + e * element_stride from `base`. A contiguous source is one head of 16-byte elements.
+// s's logical bytes lie (kvcanary_cupy/kv_bytes.py, KvByteLayout): for each head h, for each element e,
+// the element_bytes bytes at (s / page_size) * page_stride + token_term(s % page_size) + h * head_stride
+// + element_term(e) from `base`, where token_term(o) = o * token_stride unless tokens_per_tile > 0 splits o
+// into (o / tokens_per_tile) * tile_stride + (o % tokens_per_tile) * token_stride, and element_term likewise
+// with elements_per_group, group_stride and element_stride (tiled and paired layouts such as CPU attention's
+// AMX cache). A contiguous source is one head of 16-byte elements, nothing split.
 enum { kAccessTokenRun = 0, kAccessHeadRuns = 1, kAccessElements = 2 };
 
 struct RealKvSource {
@@ -99,6 +102,10 @@ struct RealKvSource {
   i64 element_bytes;  // 1, 2, 4, 8 or 16; every stride is a multiple of it
   i64 read_bytes;     // multiple of 16
   i64 access;         // kAccess*: the widest loads the host found the layout's alignment to allow
+  i64 tokens_per_tile;     // 0: token offsets not split
+  i64 tile_stride;
+  i64 elements_per_group;  // 0: element indices not split; > 0 only with kAccessElements
+  i64 group_stride;
 };
 
 struct RealKvSources {
@@ -111,13 +118,15 @@ struct RealKvSources {
   const unsigned char *kv_base##k, long long kv_page_stride##k, long long kv_page_size##k,                \
       long long kv_token_stride##k, long long kv_head_stride##k, long long kv_element_stride##k,          \
       long long kv_elements_per_head##k, long long kv_element_bytes##k, long long kv_read_bytes##k,       \
-      long long kv_access##k
+      long long kv_access##k, long long kv_tokens_per_tile##k, long long kv_tile_stride##k,               \
+      long long kv_elements_per_group##k, long long kv_group_stride##k
 #define KVC_REAL_KV_PARAMS \
   KVC_REAL_KV_PARAM(0), KVC_REAL_KV_PARAM(1), KVC_REAL_KV_PARAM(2), KVC_REAL_KV_PARAM(3), int kv_count, int kv_mode
 #define KVC_REAL_KV_SOURCE(k)                                                                          \
   kvc::RealKvSource {                                                                                   \
     kv_base##k, kv_page_stride##k, kv_page_size##k, kv_token_stride##k, kv_head_stride##k,              \
-        kv_element_stride##k, kv_elements_per_head##k, kv_element_bytes##k, kv_read_bytes##k, kv_access##k \
+        kv_element_stride##k, kv_elements_per_head##k, kv_element_bytes##k, kv_read_bytes##k, kv_access##k, \
+        kv_tokens_per_tile##k, kv_tile_stride##k, kv_elements_per_group##k, kv_group_stride##k             \
   }
 #define KVC_REAL_KV_SOURCES                                                                           \
   kvc::RealKvSources {                                                                                 \
@@ -125,10 +134,26 @@ struct RealKvSources {
         kv_mode                                                                                        \
   }
 
+// An index split into the digits (index / radix, index % radix), each times its stride; radix 0 splits nothing.
+KVC_DEVICE i64 digit_term(i64 index, i64 radix, i64 high_stride, i64 low_stride) {
+  if (radix == 0) return index * low_stride;
+  const i64 high = index / radix;
+  return high * high_stride + (index - high * radix) * low_stride;
+}
+
+// First byte of `slot`'s token (its element 0 of head 0 sits at element_term(0) = 0 from here).
+KVC_DEVICE const unsigned char* token_address(const RealKvSource& src, i64 slot) {
+  const i64 page = slot / src.page_size;
+  return src.base + page * src.page_stride +
+         digit_term(slot - page * src.page_size, src.tokens_per_tile, src.tile_stride, src.token_stride);
+}
+
 // First byte of logical element `element` of a token whose first byte is `token`.
 KVC_DEVICE const unsigned char* element_address(const RealKvSource& src, const unsigned char* token, i64 element) {
   const i64 head = element / src.elements_per_head;
-  return token + head * src.head_stride + (element - head * src.elements_per_head) * src.element_stride;
+  return token + head * src.head_stride +
+         digit_term(element - head * src.elements_per_head, src.elements_per_group, src.group_stride,
+                    src.element_stride);
 }
 
 // The little-endian u64 at logical byte `offset` (a multiple of 8) of a token's stream, element by element.
@@ -159,8 +184,7 @@ KVC_DEVICE u64 fold_pair(u64 acc, const unsigned char* bytes) {
 // One source's fold of the leading `length` logical bytes of `slot`: u64 words in stream order through
 // splitmix64. The access kind only picks the loads; the words, hence the hash, are the same for all three.
 KVC_DEVICE u64 real_kv_fold_source(const RealKvSource& src, i64 slot, i64 length) {
-  const unsigned char* token =
-      src.base + (slot / src.page_size) * src.page_stride + (slot % src.page_size) * src.token_stride;
+  const unsigned char* token = token_address(src, slot);
   u64 acc = 0;
   if (src.access == kAccessTokenRun) {  // the contiguous case: 16-byte aligned runs from the token start
     for (i64 offset = 0; offset < length; offset += 16) acc = fold_pair(acc, token + offset);
@@ -213,7 +237,7 @@ KVC_DEVICE void prefetch_entry(const i64* canary, i64 stride_words, i64 num_slot
   if (sources.mode == kHashNone) return;
   for (int k = 0; k < kMaxRealKvSources && k < sources.count; ++k) {
     const RealKvSource& src = sources.src[k];
-    __builtin_prefetch(src.base + (slot / src.page_size) * src.page_stride + (slot % src.page_size) * src.token_stride);
+    __builtin_prefetch(token_address(src, slot));
   }
 #else
   (void)canary, (void)stride_words, (void)num_slots, (void)sources, (void)slots, (void)prev_slots, (void)index,

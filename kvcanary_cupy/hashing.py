@@ -107,6 +107,15 @@ def _slot_words(data: np.ndarray, page_size: int, bytes_per_token: int, nbytes: 
     return np.ascontiguousarray(words[slots // page_size, slots % page_size, : nbytes // 8].T)
 
 
+def _digit_terms(index: np.ndarray, radix: int, high_stride: int, low_stride: int) -> np.ndarray:
+    """Byte offsets of ``index`` split into the digits (``index // radix``, ``index % radix``) of a
+    :class:`KvByteLayout` (``radix`` 0: not split)."""
+    if radix == 0:
+        return index * low_stride
+    high, low = np.divmod(index, radix)
+    return high * high_stride + low * low_stride
+
+
 def _layout_words(data: np.ndarray, page_size: int, layout: KvByteLayout, nbytes: int,
                   slots: np.ndarray) -> np.ndarray:
     """The leading ``nbytes`` of each slot's logical stream under ``layout`` as little-endian uint64 words,
@@ -118,8 +127,8 @@ def _layout_words(data: np.ndarray, page_size: int, layout: KvByteLayout, nbytes
     units, indexed by byte offset // unit.
     """
     eb = layout.element_bytes
-    runs = layout.element_stride == eb and layout.head_bytes % 8 == 0 and not (
-        (layout.page_stride | layout.token_stride | layout.head_stride) % 8)
+    runs = layout.element_stride == eb and not layout.elements_per_group and layout.head_bytes % 8 == 0 and not (
+        (layout.page_stride | layout.token_stride | layout.tile_stride | layout.head_stride) % 8)
     unit = 8 if runs else min(eb, 8)
     logical = np.arange(0, nbytes, unit, dtype=np.int64)
     if runs:  # each head's elements are one run of whole aligned words: gather words, not elements
@@ -128,9 +137,11 @@ def _layout_words(data: np.ndarray, page_size: int, layout: KvByteLayout, nbytes
     else:
         element, within = np.divmod(logical, eb)
         head, index = np.divmod(element, layout.elements_per_head)
-        intra = head * layout.head_stride + index * layout.element_stride + within  # [units]
+        intra = head * layout.head_stride + _digit_terms(index, layout.elements_per_group, layout.group_stride,
+                                                         layout.element_stride) + within  # [units]
     page, offset = np.divmod(slots.astype(np.int64), page_size)
-    token = page * layout.page_stride + offset * layout.token_stride  # [n]
+    token = page * layout.page_stride + _digit_terms(offset, layout.tokens_per_tile, layout.tile_stride,
+                                                     layout.token_stride)  # [n]
     span = data.reshape(-1)  # a layout's source is one row: every byte from the tensor's first to its last
     units = np.lib.stride_tricks.as_strided(span[:unit].view(np.dtype(f"<u{unit}")), shape=(span.shape[0] // unit,),
                                             strides=(unit,), writeable=False)

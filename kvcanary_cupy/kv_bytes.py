@@ -14,7 +14,7 @@ build sources over engines' KV tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ._errors import fail
 from ._validate import int_arg
@@ -37,9 +37,18 @@ class KvByteLayout:
 
     Slot ``s``'s logical byte stream is: for each head ``h`` in ``range(num_heads)``, for each element ``e``
     in ``range(elements_per_head)``, the ``element_bytes`` bytes at ``(s // page_size) * page_stride +
-    (s % page_size) * token_stride + h * head_stride + e * element_stride``. Strides are non-negative
-    multiples of ``element_bytes`` (so every element is naturally aligned when the tensor starts 16-byte
-    aligned); ``element_bytes`` is 1, 2, 4, 8 or 16.
+    token_term(s % page_size) + h * head_stride + element_term(e)``, where ``token_term(o) = o * token_stride``
+    and ``element_term(e) = e * element_stride``.
+
+    A layout that tiles tokens or groups elements (CPU attention's AMX layout: 16-token tiles, elements in VNNI
+    pairs) splits the index into two digits, each with its own stride: with ``tokens_per_tile > 0``,
+    ``token_term(o) = (o // tokens_per_tile) * tile_stride + (o % tokens_per_tile) * token_stride``; with
+    ``elements_per_group > 0``, ``element_term(e) = (e // elements_per_group) * group_stride + (e %
+    elements_per_group) * element_stride``. ``0`` (the default) splits nothing, and the split's stride must then
+    be 0.
+
+    Strides are non-negative multiples of ``element_bytes`` (so every element is naturally aligned when the
+    tensor starts 16-byte aligned); ``element_bytes`` is 1, 2, 4, 8 or 16.
     """
 
     page_stride: int
@@ -49,6 +58,10 @@ class KvByteLayout:
     num_heads: int
     elements_per_head: int
     element_bytes: int
+    tokens_per_tile: int = 0
+    tile_stride: int = 0
+    elements_per_group: int = 0
+    group_stride: int = 0
 
     def __post_init__(self) -> None:
         eb = int_arg(self.element_bytes, "KvByteLayout.element_bytes")
@@ -56,14 +69,23 @@ class KvByteLayout:
             fail(f"KvByteLayout.element_bytes must be one of {', '.join(map(str, ELEMENT_BYTES))}, got {eb}")
         int_arg(self.num_heads, "KvByteLayout.num_heads", minimum=1, maximum=1 << 31)
         int_arg(self.elements_per_head, "KvByteLayout.elements_per_head", minimum=1, maximum=1 << 31)
-        for name in ("page_stride", "token_stride", "head_stride", "element_stride"):
+        for name in _STRIDES:
             stride = int_arg(getattr(self, name), f"KvByteLayout.{name}", minimum=0, maximum=1 << 48)
             if stride % eb:
                 fail(f"KvByteLayout.{name} must be a multiple of element_bytes={eb} (elements are loaded "
                      f"naturally aligned), got {stride}")
-        for name in ("page_stride", "token_stride", "head_stride", "element_stride", "num_heads",
-                     "elements_per_head", "element_bytes"):
-            object.__setattr__(self, name, int(getattr(self, name)))
+        for digits, stride in _SPLITS:
+            if not int_arg(getattr(self, digits), f"KvByteLayout.{digits}", minimum=0, maximum=1 << 31) \
+                    and getattr(self, stride):
+                fail(f"KvByteLayout.{stride} must be 0 when {digits} is 0 (nothing is split), got "
+                     f"{getattr(self, stride)}")
+        for f in fields(self):
+            object.__setattr__(self, f.name, int(getattr(self, f.name)))
+
+    def __repr__(self) -> str:  # the splits only where a layout has them, so plain strided layouts read as before
+        shown = [f for f in fields(self) if f.name not in _SPLIT_FIELDS or any(
+            getattr(self, digits) for digits, stride in _SPLITS if f.name in (digits, stride))]
+        return f"KvByteLayout({', '.join(f'{f.name}={getattr(self, f.name)}' for f in shown)})"
 
     @property
     def bytes_per_token(self) -> int:
@@ -74,10 +96,19 @@ class KvByteLayout:
     def head_bytes(self) -> int:
         return self.elements_per_head * self.element_bytes
 
+    def token_term(self, offset: int) -> int:
+        """Byte offset of token ``offset`` of a page from the page's first byte."""
+        return _digit_term(offset, self.tokens_per_tile, self.tile_stride, self.token_stride)
+
+    def element_term(self, element: int) -> int:
+        """Byte offset of element ``element`` of a head from the head's first byte."""
+        return _digit_term(element, self.elements_per_group, self.group_stride, self.element_stride)
+
     def last_byte_in_token(self) -> int:
         """Offset, from a token's first byte, of the last byte any of its elements occupies."""
-        return ((self.num_heads - 1) * self.head_stride + (self.elements_per_head - 1) * self.element_stride
-                + self.element_bytes - 1)
+        return ((self.num_heads - 1) * self.head_stride
+                + _largest_term(self.elements_per_head, self.elements_per_group, self.group_stride,
+                                self.element_stride) + self.element_bytes - 1)
 
     def check_extent(self, span_bytes: int, tensor_name: str, layout_name: str) -> None:
         """Refuse this layout over a tensor of ``span_bytes`` bytes (named ``tensor_name``; the layout is
@@ -93,31 +124,63 @@ class KvByteLayout:
     def slots_covered(self, page_size: int, span_bytes: int) -> int:
         """How many leading slots (0, 1, ... N-1) have every byte inside a tensor of ``span_bytes`` bytes."""
         last = self.last_byte_in_token()
-        ps, ts = self.page_stride, self.token_stride
+        ps = self.page_stride
 
-        def fitting_offsets(page_start: int) -> int:  # slots of one page that fit (monotonic in the offset)
+        def largest(count: int) -> int:  # the largest token term of offsets 0 .. count - 1 (count >= 1)
+            return _largest_term(count, self.tokens_per_tile, self.tile_stride, self.token_stride)
+
+        def fitting_offsets(page_start: int) -> int:  # leading slots of one page that fit
             room = span_bytes - 1 - last - page_start
             if room < 0:
                 return 0
-            return page_size if ts == 0 else min(page_size, room // ts + 1)
+            lo, hi = 1, page_size  # largest(count) grows with count: the longest run of offsets that fits
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if largest(mid) <= room else (lo, mid - 1)
+            return lo
 
         if fitting_offsets(0) < page_size:
             return fitting_offsets(0)
         if ps == 0:
             return UNBOUNDED_SLOTS
-        full_pages = (span_bytes - 1 - last - (page_size - 1) * ts) // ps + 1
+        full_pages = (span_bytes - 1 - last - largest(page_size)) // ps + 1
         return min(UNBOUNDED_SLOTS, full_pages * page_size + fitting_offsets(full_pages * ps))
 
     def access_kind(self) -> int:
         """The kernels' walk for this layout (``ACCESS_*``): the widest loads its alignment allows."""
         eb, align = self.element_bytes, REAL_KV_ALIGN_BYTES
-        if self.element_stride != eb or self.page_stride % align or self.token_stride % align:
+        if self.element_stride != eb or self.elements_per_group or self.page_stride % align \
+                or self.token_stride % align or self.tile_stride % align:
             return ACCESS_ELEMENTS
         if self.num_heads == 1 or self.head_stride == self.head_bytes:
             return ACCESS_TOKEN_RUN if self.bytes_per_token % align == 0 else ACCESS_ELEMENTS
         if self.head_bytes % align == 0 and self.head_stride % align == 0:
             return ACCESS_HEAD_RUNS
         return ACCESS_ELEMENTS
+
+
+_STRIDES = ("page_stride", "token_stride", "head_stride", "element_stride", "tile_stride", "group_stride")
+_SPLITS = (("tokens_per_tile", "tile_stride"), ("elements_per_group", "group_stride"))
+_SPLIT_FIELDS = frozenset(name for split in _SPLITS for name in split)
+
+
+def _digit_term(index: int, radix: int, high_stride: int, low_stride: int) -> int:
+    """``index`` split into (``index // radix``, ``index % radix``), each digit times its stride (``radix`` 0:
+    not split)."""
+    if radix == 0:
+        return index * low_stride
+    return (index // radix) * high_stride + (index % radix) * low_stride
+
+
+def _largest_term(count: int, radix: int, high_stride: int, low_stride: int) -> int:
+    """The largest :func:`_digit_term` of the indices ``0 .. count - 1`` (``count >= 1``). Strides are
+    non-negative, so within a digit group the last index is the largest: the candidates are the last index and,
+    when it is not in the first group, the last index of the group before its own."""
+    last = count - 1
+    largest = _digit_term(last, radix, high_stride, low_stride)
+    if radix and last >= radix:
+        largest = max(largest, _digit_term((last // radix) * radix - 1, radix, high_stride, low_stride))
+    return largest
 
 
 def contiguous_layout(page_stride: int, bytes_per_token: int) -> KvByteLayout:

@@ -101,18 +101,38 @@ def _source(kv_cache: Any, view: Any, which: str, page_size: int, layout: KvByte
     return also_guarding(source, [("kv_cache", kv_cache)])
 
 
+# vLLM's CPU attention ISAs whose KV layout is read (vllm/v1/attention/backends/cpu_attn.py, _get_attn_isa): `vec16`
+# runs the `vec` kernels with 16-token steps and writes the cache exactly as `vec` does.
+VLLM_CPU_ISAS = ("vec", "vec16", "amx")
+# CPU attention's AMX layout: K in tiles of 16 tokens (AMX tile rows), elements in pairs (one 32-bit VNNI word);
+# V in chunks of 16 elements (a tile's 16 columns), tokens in pairs.
+_AMX_TILE_TOKENS = 16
+_AMX_PAIR = 2
+_AMX_V_CHUNK = 16
+_AMX_ALIGN = 32  # vLLM picks `amx` for block sizes that are multiples of 32, head sizes too (else `vec16`)
+
+
 def vllm_cpu_source(kv_cache: Any, *, block_size: int, num_kv_heads: int, head_size: int, which: str,
                     read_bytes: int, isa: str) -> RealKvSource:
     """K or V of one layer of vLLM's CPU attention cache, read in place.
 
     ``kv_cache`` is ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (the layer's ``kv_cache``);
-    ``isa`` is the layer's ``isa``. For ``"vec"``, each (block, head) holds K column-major ``[head_size,
-    block_size]`` and then V row-major ``[block_size, head_size]``. Other ISAs store other layouts and are
-    refused. Canary slot ``block * block_size + offset`` is token ``offset`` of block ``block``.
+    ``isa`` is the layer's ``isa``. Each (block, head) plane holds K in its first ``block_size * head_size``
+    elements and V in the rest, in the ISA's order (``o`` a token of the block, ``d`` an element of the head,
+    offsets in elements from K's or V's first):
+
+    - ``"vec"`` and ``"vec16"``: K column-major ``[head_size, block_size]`` (``d * block_size + o``), V row-major
+      ``[block_size, head_size]`` (``o * head_size + d``);
+    - ``"amx"`` (bf16 or fp8 cache): K in 16-token tiles with elements in pairs, ``(o // 16) * 16 * head_size +
+      (d // 2) * 32 + (o % 16) * 2 + d % 2``; V in 16-element chunks with tokens in pairs, ``(d // 16) *
+      block_size * 16 + (o // 2) * 32 + (d % 16) * 2 + o % 2``.
+
+    Other ISAs store other layouts and are refused. Canary slot ``block * block_size + offset`` is token ``offset``
+    of block ``block``.
     """
-    if isa != "vec":
-        fail(f"isa={isa!r}: the vLLM CPU KV layout of that ISA is not implemented (only 'vec' is); it is "
-             "refused rather than fingerprinted wrongly")
+    if isa not in VLLM_CPU_ISAS:
+        fail(f"isa={isa!r}: the vLLM CPU KV layout of that ISA is not implemented (only "
+             f"{', '.join(map(repr, VLLM_CPU_ISAS))} are); it is refused rather than fingerprinted wrongly")
     kv = _which(which, "which")
     bs = int_arg(block_size, "block_size", minimum=1)
     heads = int_arg(num_kv_heads, "num_kv_heads", minimum=1)
@@ -127,6 +147,12 @@ def vllm_cpu_source(kv_cache: Any, *, block_size: int, num_kv_heads: int, head_s
     if (bs > 1 and strides[2] != 2 * d) or strides[3] != 1:
         fail(f"kv_cache must be contiguous within each (block, head) plane of block_size * 2 * head_size "
              f"elements, got strides {strides} (in elements)")
+    if isa == "amx":
+        if item not in (1, 2):
+            fail(f"isa='amx' stores 2-byte (bf16) or 1-byte (fp8) elements; kv_cache has {item}-byte elements")
+        if bs % _AMX_ALIGN or d % _AMX_ALIGN:
+            fail(f"isa='amx' needs block_size and head_size multiples of {_AMX_ALIGN} (vLLM picks another ISA "
+                 f"otherwise), got block_size={bs}, head_size={d}")
     # Each (block, head) plane is one run of 2 * block_size * head_size elements: K's half, then V's. A view
     # starting at the first byte of K or V is what the layout's strides are relative to: with an even
     # block_size, half the plane's rows (a plain slice); otherwise the planes viewed flat (no copy either:
@@ -135,12 +161,21 @@ def vllm_cpu_source(kv_cache: Any, *, block_size: int, num_kv_heads: int, head_s
         half = kv_cache[:, :, kv * (bs // 2):(kv + 1) * (bs // 2)]
     else:
         half = kv_cache.reshape(shape[0], heads, 2 * bs * d)[:, :, kv * bs * d:(kv + 1) * bs * d]
-    if kv == 0:  # column-major [head_size, block_size]: consecutive tokens are adjacent elements
+    splits: dict[str, int] = {}
+    if isa == "amx" and kv == 0:  # 16-token tiles of head_size pairs; a pair is two adjacent elements
+        token_stride, element_stride = _AMX_PAIR * item, item
+        splits = dict(tokens_per_tile=_AMX_TILE_TOKENS, tile_stride=_AMX_TILE_TOKENS * d * item,
+                      elements_per_group=_AMX_PAIR, group_stride=_AMX_PAIR * _AMX_TILE_TOKENS * item)
+    elif isa == "amx":  # 16-element chunks of block_size tokens, tokens in pairs of adjacent elements
+        token_stride, element_stride = item, _AMX_PAIR * item
+        splits = dict(tokens_per_tile=_AMX_PAIR, tile_stride=_AMX_PAIR * _AMX_V_CHUNK * item,
+                      elements_per_group=_AMX_V_CHUNK, group_stride=bs * _AMX_V_CHUNK * item)
+    elif kv == 0:  # column-major [head_size, block_size]: consecutive tokens are adjacent elements
         token_stride, element_stride = item, bs * item
     else:  # row-major [block_size, head_size]
         token_stride, element_stride = d * item, item
     layout = _layout(item, page_stride=strides[0] * item, token_stride=token_stride, head_stride=strides[1] * item,
-                     element_stride=element_stride, num_heads=heads, elements_per_head=d)
+                     element_stride=element_stride, num_heads=heads, elements_per_head=d, **splits)
     return _source(given, half, which, bs, layout, read_bytes)
 
 
@@ -180,5 +215,5 @@ def flashinfer_hnd_source(kv_cache: Any, *, which: str, read_bytes: int) -> Real
 
 __all__ = [
     "ACCESS_ELEMENTS", "ACCESS_HEAD_RUNS", "ACCESS_TOKEN_RUN", "ELEMENT_BYTES", "UNBOUNDED_SLOTS", "KvByteLayout",
-    "contiguous_layout", "flash_attn_source", "flashinfer_hnd_source", "vllm_cpu_source",
+    "VLLM_CPU_ISAS", "contiguous_layout", "flash_attn_source", "flashinfer_hnd_source", "vllm_cpu_source",
 ]

@@ -57,7 +57,10 @@ class StridedSource:
 
     ``data`` holds every byte from the tensor's first onward. Slot ``s``'s logical bytes are, for each head
     ``h`` and element ``e`` in order, the ``element_bytes`` bytes at ``(s // page_size) * page_stride +
-    (s % page_size) * token_stride + h * head_stride + e * element_stride``.
+    (s % page_size) * token_stride + h * head_stride + e * element_stride``. A nonzero ``tokens_per_tile``
+    replaces the token's term with ``(o // tokens_per_tile) * tile_stride + (o % tokens_per_tile) *
+    token_stride`` (``o = s % page_size``), a nonzero ``elements_per_group`` the element's with ``(e //
+    elements_per_group) * group_stride + (e % elements_per_group) * element_stride``.
     """
 
     data: bytes
@@ -70,14 +73,28 @@ class StridedSource:
     elements_per_head: int
     element_bytes: int
     read_bytes: int
+    tokens_per_tile: int = 0
+    tile_stride: int = 0
+    elements_per_group: int = 0
+    group_stride: int = 0
 
     def logical_bytes(self, slot: int, nbytes: int) -> bytes:
         """The first ``nbytes`` of ``slot``'s logical stream, byte by byte."""
         out = bytearray()
-        token = (slot // self.page_size) * self.page_stride + (slot % self.page_size) * self.token_stride
+        o = slot % self.page_size
+        if self.tokens_per_tile:
+            token_term = (o // self.tokens_per_tile) * self.tile_stride + (o % self.tokens_per_tile) * self.token_stride
+        else:
+            token_term = o * self.token_stride
+        token = (slot // self.page_size) * self.page_stride + token_term
         for h in range(self.num_heads):
             for e in range(self.elements_per_head):
-                start = token + h * self.head_stride + e * self.element_stride
+                if self.elements_per_group:
+                    element_term = ((e // self.elements_per_group) * self.group_stride
+                                    + (e % self.elements_per_group) * self.element_stride)
+                else:
+                    element_term = e * self.element_stride
+                start = token + h * self.head_stride + element_term
                 for b in range(self.element_bytes):
                     if len(out) == nbytes:
                         return bytes(out)

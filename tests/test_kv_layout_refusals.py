@@ -72,8 +72,8 @@ CACHE = np.zeros((2, 1, 4, 16), np.float32)
 
 
 @pytest.mark.parametrize(("call", "message"), [
-    (lambda: vllm(CACHE, isa="amx"), "isa='amx': the vLLM CPU KV layout of that ISA is not implemented (only "
-                                     "'vec' is); it is refused rather than fingerprinted wrongly"),
+    (lambda: vllm(CACHE, isa="neon"), "isa='neon': the vLLM CPU KV layout of that ISA is not implemented (only "
+                                      "'vec', 'vec16', 'amx' are); it is refused rather than fingerprinted wrongly"),
     (lambda: vllm(CACHE, bs=4.0), "block_size must be an int, got float"),
     (lambda: vllm(CACHE, bs=0), "block_size must be >= 1, got 0"),
     (lambda: vllm(CACHE, heads=1.0), "num_kv_heads must be an int, got float"),

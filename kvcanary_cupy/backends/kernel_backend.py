@@ -75,6 +75,9 @@ class LaunchShape:
     blocks_per_thread: int = 0
 
 
+_NO_SPLITS = (_I64(0), _I64(0), _I64(0), _I64(0))  # tokens_per_tile, tile_stride, elements_per_group, group_stride
+
+
 def _real_kv_args(ctx: Any) -> tuple[Any, ...]:
     """Each source's pointer and layout (kernels/canary_common.cuh, KVC_REAL_KV_PARAM): a contiguous source
     goes as its rows' own layout with 16-byte loads per token, exactly the walk it always had."""
@@ -87,15 +90,17 @@ def _real_kv_args(ctx: Any) -> tuple[Any, ...]:
             if source.contiguous:  # the rows' stride as launched (a device copy may have packed the rows)
                 stride = int(rows.strides[0]) if rows.shape[0] > 1 else int(rows.shape[1])
                 args += [rows, _I64(stride), _I64(page_size), _I64(per_token), _I64(0), _I64(16),
-                         _I64(per_token // 16), _I64(16), _I64(read_bytes), _I64(ACCESS_TOKEN_RUN)]
+                         _I64(per_token // 16), _I64(16), _I64(read_bytes), _I64(ACCESS_TOKEN_RUN), *_NO_SPLITS]
             else:
                 lay = source.layout
                 args += [rows, _I64(lay.page_stride), _I64(page_size), _I64(lay.token_stride),
                          _I64(lay.head_stride), _I64(lay.element_stride), _I64(lay.elements_per_head),
-                         _I64(lay.element_bytes), _I64(read_bytes), _I64(lay.access_kind())]
+                         _I64(lay.element_bytes), _I64(read_bytes), _I64(lay.access_kind()),
+                         _I64(lay.tokens_per_tile), _I64(lay.tile_stride), _I64(lay.elements_per_group),
+                         _I64(lay.group_stride)]
         else:  # unused ABI slot: never dereferenced (the kernels stop at kv_count)
             args += [None, _I64(0), _I64(1), _I64(16), _I64(0), _I64(16), _I64(1), _I64(16), _I64(16),
-                     _I64(ACCESS_TOKEN_RUN)]
+                     _I64(ACCESS_TOKEN_RUN), *_NO_SPLITS]
     args += [_I32(len(ctx.sources)), _I32(ctx.mode)]
     return tuple(args)
 
