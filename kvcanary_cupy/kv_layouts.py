@@ -214,6 +214,6 @@ def flashinfer_hnd_source(kv_cache: Any, *, which: str, read_bytes: int) -> Real
 
 
 __all__ = [
-    "ACCESS_ELEMENTS", "ACCESS_HEAD_RUNS", "ACCESS_TOKEN_RUN", "ELEMENT_BYTES", "UNBOUNDED_SLOTS", "KvByteLayout",
-    "VLLM_CPU_ISAS", "contiguous_layout", "flash_attn_source", "flashinfer_hnd_source", "vllm_cpu_source",
+    "ACCESS_ELEMENTS", "ACCESS_HEAD_RUNS", "ACCESS_TOKEN_RUN", "ELEMENT_BYTES", "UNBOUNDED_SLOTS", "VLLM_CPU_ISAS",
+    "KvByteLayout", "contiguous_layout", "flash_attn_source", "flashinfer_hnd_source", "vllm_cpu_source",
 ]

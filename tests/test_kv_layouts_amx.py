@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from chain_helpers import context, fields, rows, verify, write
-from oracle import MODE_ALL, StridedSource, to_i64
+from oracle import MODE_ALL, StridedSource
 
 import kvcanary_cupy as kc
 from kvcanary_cupy.backends import unavailable_reason
