@@ -745,9 +745,16 @@ def _strided_source(draw: st.DrawFn, rng: np.random.Generator, num_slots: int) -
     token_stride = draw(st.sampled_from([heads * head_bytes, -(-token_extent // 16) * 16, eb, 0]))
     page_size = draw(st.sampled_from([1, 2, 4, 16]))
     page_stride = draw(st.sampled_from([page_size * max(token_stride, token_extent), 0, 16 * eb]))
+    # digit splits (tiled tokens, grouped elements, as in vLLM's CPU amx layout), or none
+    tiles = draw(st.sampled_from([0, 0, 2, 3, 16]))
+    tile_stride = draw(st.sampled_from([tiles * token_stride, 16 * eb, 0, eb])) if tiles else 0
+    groups = draw(st.sampled_from([0, 0, 2, 3]))
+    group_stride = draw(st.sampled_from([groups * element_stride, 32 * eb, 0])) if groups else 0
     layout = KvByteLayout(page_stride=page_stride, token_stride=token_stride, head_stride=head_stride,
-                          element_stride=element_stride, num_heads=heads, elements_per_head=per_head, element_bytes=eb)
-    last = max((s // page_size) * page_stride + (s % page_size) * token_stride for s in range(num_slots))
+                          element_stride=element_stride, num_heads=heads, elements_per_head=per_head, element_bytes=eb,
+                          tokens_per_tile=tiles, tile_stride=tile_stride, elements_per_group=groups,
+                          group_stride=group_stride)
+    last = max((s // page_size) * page_stride + layout.token_term(s % page_size) for s in range(num_slots))
     per_token = layout.bytes_per_token
     # at least one token's stream long (a source refuses a stream longer than its tensor), overlaps included
     span = max(last + layout.last_byte_in_token() + 1, per_token) + draw(st.sampled_from([0, 1, 16, 40]))

@@ -10,13 +10,16 @@ token (the source without a layout, pinned by published vectors elsewhere).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from chain_helpers import context, fields, rows, verify, write
-from oracle import MODE_ALL, StridedSource
+from oracle import MODE_ALL, StridedSource, real_kv_hash
 
 import kvcanary_cupy as kc
 from kvcanary_cupy.backends import unavailable_reason
+from kvcanary_cupy.hashing import fold_real_kv
 from kvcanary_cupy.kv_layouts import ACCESS_ELEMENTS, vllm_cpu_source
 
 CPU_BACKENDS = [
@@ -214,8 +217,6 @@ def test_vec16_is_read_with_the_vec_layout(backend, dtype, bs, d):
 
 
 def refused(message: str):
-    import re
-
     return pytest.raises(kc.CanaryArgumentError, match="^" + re.escape("kv-canary: " + message) + "$")
 
 
@@ -255,3 +256,105 @@ def test_amx_layouts_are_the_digit_splits_written_out():
                                        num_heads=2, elements_per_head=128, element_bytes=2, tokens_per_tile=2,
                                        tile_stride=64, elements_per_group=16, group_stride=64 * 16 * 2)
     assert np.asarray(v.byte_rows).ctypes.data - np.asarray(k.byte_rows).ctypes.data == 64 * 128 * 2
+
+
+# --- the descriptor's digit splits ----------------------------------------------------------------------------
+
+BASE = dict(page_stride=0, token_stride=0, head_stride=0, element_stride=2, num_heads=1, elements_per_head=8,
+            element_bytes=2)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    (dict(tokens_per_tile=-1), "KvByteLayout.tokens_per_tile must be >= 0, got -1"),
+    (dict(tokens_per_tile=(1 << 31) + 1), "KvByteLayout.tokens_per_tile must be <= 2147483648, got 2147483649"),
+    (dict(elements_per_group=1.0), "KvByteLayout.elements_per_group must be an int, got float"),
+    (dict(elements_per_group=-3), "KvByteLayout.elements_per_group must be >= 0, got -3"),
+    (dict(tokens_per_tile=16, tile_stride=3),
+     "KvByteLayout.tile_stride must be a multiple of element_bytes=2 (elements are loaded naturally aligned), got 3"),
+    (dict(elements_per_group=2, group_stride=(1 << 48) + 2),
+     "KvByteLayout.group_stride must be <= 281474976710656, got 281474976710658"),
+    (dict(elements_per_group=2, group_stride=-2), "KvByteLayout.group_stride must be >= 0, got -2"),
+    (dict(tile_stride=64), "KvByteLayout.tile_stride must be 0 when tokens_per_tile is 0 (nothing is split), got 64"),
+    (dict(group_stride=2), "KvByteLayout.group_stride must be 0 when elements_per_group is 0 (nothing is split), "
+                           "got 2"),
+], ids=["tiles-negative", "tiles-big", "group-float", "group-negative", "tile-stride-odd", "group-stride-big",
+        "group-stride-negative", "tile-stride-unsplit", "group-stride-unsplit"])
+def test_layout_refuses_each_split_field_past_its_bound_with_the_exact_message(changes, message):
+    with refused(message):
+        kc.KvByteLayout(**{**BASE, **changes})
+
+
+def test_layout_accepts_each_split_field_at_its_bound():
+    lay = kc.KvByteLayout(**{**BASE, "tokens_per_tile": 1 << 31, "tile_stride": 1 << 48,
+                             "elements_per_group": 1 << 31, "group_stride": 1 << 48})
+    assert (lay.tokens_per_tile, lay.tile_stride, lay.elements_per_group, lay.group_stride) == (
+        1 << 31, 1 << 48, 1 << 31, 1 << 48)
+
+
+def test_layout_repr_names_a_split_only_where_the_layout_has_it():
+    assert repr(kc.KvByteLayout(**BASE)) == ("KvByteLayout(page_stride=0, token_stride=0, head_stride=0, "
+                                             "element_stride=2, num_heads=1, elements_per_head=8, element_bytes=2)")
+    assert repr(kc.KvByteLayout(**BASE, elements_per_group=2, group_stride=64)) == (
+        "KvByteLayout(page_stride=0, token_stride=0, head_stride=0, element_stride=2, num_heads=1, "
+        "elements_per_head=8, element_bytes=2, elements_per_group=2, group_stride=64)")
+
+
+def _term(index: int, radix: int, high: int, low: int) -> int:
+    return index * low if radix == 0 else (index // radix) * high + (index % radix) * low
+
+
+def _random_split_layout(rng: np.random.Generator) -> kc.KvByteLayout:
+    eb = int(rng.choice([1, 2, 4, 8, 16]))
+    heads, per_head = int(rng.integers(1, 4)), int(rng.integers(1, 9))
+    while (heads * per_head * eb) % 16:
+        per_head += 1
+    tiles, groups = int(rng.choice([0, 1, 2, 3, 16])), int(rng.choice([0, 1, 2, 3, 4]))
+    stride = lambda: eb * int(rng.choice([0, 1, 2, 3, 7, 32]))  # noqa: E731
+    return kc.KvByteLayout(page_stride=stride() * 4, token_stride=stride(), head_stride=stride(),
+                           element_stride=stride(), num_heads=heads, elements_per_head=per_head, element_bytes=eb,
+                           tokens_per_tile=tiles, tile_stride=stride() if tiles else 0, elements_per_group=groups,
+                           group_stride=stride() if groups else 0)
+
+
+def test_extent_and_coverage_of_split_layouts_match_a_byte_by_byte_walk():
+    """last_byte_in_token and slots_covered, against every element of every slot walked by the definition."""
+    rng = np.random.default_rng(11)
+    for _ in range(400):
+        lay = _random_split_layout(rng)
+        page_size, span = int(rng.integers(1, 40)), int(rng.integers(1, 3000))
+
+        def ends(s, lay=lay, page_size=page_size):  # the last byte of each element of slot s
+            token = (s // page_size) * lay.page_stride + _term(s % page_size, lay.tokens_per_tile, lay.tile_stride,
+                                                               lay.token_stride)
+            return [token + h * lay.head_stride + _term(e, lay.elements_per_group, lay.group_stride,
+                                                        lay.element_stride) + lay.element_bytes - 1
+                    for h in range(lay.num_heads) for e in range(lay.elements_per_head)]
+
+        assert lay.last_byte_in_token() == max(ends(0))
+        got = lay.slots_covered(page_size, span)
+        fits = lambda s, span=span: max(ends(s)) < span  # noqa: E731
+        if got == kc.kv_layouts.UNBOUNDED_SLOTS:
+            assert lay.page_stride == 0 and all(fits(s) for s in range(3 * page_size))
+        else:
+            assert all(fits(s) for s in range(got)) and not fits(got), (lay, page_size, span, got)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reference_matches_the_oracle_on_random_split_layouts(mode):
+    rng = np.random.default_rng(99 + int(mode))
+    checked = 0
+    for _ in range(150):
+        lay = _random_split_layout(rng)
+        extent = max(lay.last_byte_in_token() + 1, lay.bytes_per_token)
+        data = rng.integers(0, 256, size=extent + int(rng.integers(0, 600)), dtype=np.uint8)
+        read = 16 * int(rng.integers(1, lay.bytes_per_token // 16 + 1))
+        source = kc.RealKvSource(data, page_size=int(rng.integers(1, 20)), num_bytes_per_token=lay.bytes_per_token,
+                                 read_bytes=read, layout=lay)
+        covered = min(source.slots_covered, 60)
+        if covered == 0:
+            continue
+        slots = rng.integers(0, covered, size=10)
+        got = fold_real_kv(slots.astype(np.int64), [source.view()], int(mode)).tolist()
+        assert got == [real_kv_hash(int(s), [oracle_view(source)], int(mode)) for s in slots], lay
+        checked += 1
+    assert checked > 100
