@@ -1154,7 +1154,7 @@ def test_the_compat_layer_refuses_sparse_meta_big_endian_and_lying_arrays_and_wr
 # ---- strided real-KV layouts (KvByteLayout, the vLLM presets) ------------------------------------------------
 
 _LAYOUT_FIELDS = ("page_stride", "token_stride", "head_stride", "element_stride", "num_heads", "elements_per_head",
-                  "element_bytes")
+                  "element_bytes", "tokens_per_tile", "tile_stride", "elements_per_group", "group_stride")
 
 
 def _valid_layout_args() -> dict[str, Any]:
@@ -1170,7 +1170,9 @@ def _strided_case(rng: random.Random) -> tuple[Callable[[], Any], Any, str]:
     if kind == 0:  # the descriptor itself
         args = _valid_layout_args()
         key = rng.choice(_LAYOUT_FIELDS)
-        invalid = {"num_heads": [0, -2], "elements_per_head": [0, -2], "element_bytes": [0, 3, 5, 32, -2]}
+        invalid = {"num_heads": [0, -2], "elements_per_head": [0, -2], "element_bytes": [0, 3, 5, 32, -2],
+                   "tokens_per_tile": [-1, -16, (1 << 31) + 1], "elements_per_group": [-1, -2, (1 << 31) + 1],
+                   "tile_stride": [-2, 3, 7, 64], "group_stride": [-2, 3, 7, 64]}  # 64: a stride of no split
         args[key] = rng.choice([*invalid.get(key, [-2, 3, 7]), *BAD_SCALARS])  # strides: odd, not whole elements
         return lambda: kc.KvByteLayout(**args), args, f"KvByteLayout {key}={args[key]!r}"
     if kind == 1:  # a source with a layout

@@ -181,6 +181,28 @@ def test_a_dump_whose_sources_carry_a_kv_byte_layout_replays_the_same_rows(dumps
         load_case(_forge(case, tmp_path, "bad.npz", meta=meta, **arrays))
 
 
+@pytest.mark.parametrize("backend", ["numpy", pytest.param("host", marks=needs_host)])
+def test_a_dump_whose_layouts_split_tokens_and_elements_replays_the_same_rows(dumps, tmp_path, backend):
+    # The recorded rows as strided sources whose token offsets are split into tiles of 2 and element indices
+    # into pairs, each digit strided so that the address is unchanged: same fingerprints, same rows.
+    case = load_case(dumps["kv-bitflip"])
+    meta, arrays = _meta(case), {}
+    for i, source in enumerate(meta["sources"]):
+        rows = case.arrays[f"source_{i}"]
+        arrays[f"source_{i}"] = np.ascontiguousarray(rows).reshape(1, -1)
+        per_token = source["num_bytes_per_token"]
+        source["layout"] = {"page_stride": int(rows.shape[1]), "token_stride": per_token, "head_stride": 0,
+                            "element_stride": 4, "num_heads": 1, "elements_per_head": per_token // 4,
+                            "element_bytes": 4, "tokens_per_tile": 2, "tile_stride": 2 * per_token,
+                            "elements_per_group": 2, "group_stride": 8}
+    outcome = replay_case(load_case(_forge(case, tmp_path, meta=meta, **arrays)), backend)
+    assert outcome.reproduced
+    assert sorted(outcome.rows) == sorted(map(tuple, case.arrays["expected_rows"].tolist()))
+    meta["sources"][0]["layout"]["tiles"] = 2
+    with pytest.raises(ValueError, match=r"meta\.sources\[0\]\.layout must have exactly the keys"):
+        load_case(_forge(case, tmp_path, "bad.npz", meta=meta, **arrays))
+
+
 def test_replay_refuses_a_malformed_write_dump(dumps, tmp_path):
     case = load_case(dumps["wrong-token"])
     if case.meta["op"] != "write":
