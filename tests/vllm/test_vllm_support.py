@@ -130,8 +130,9 @@ def test_qwen3_next_skips_its_gated_delta_net_groups_and_checks_the_attention_gr
     kinds = [g[0] for g in qwen3_next["groups"]]
     assert sorted(set(kinds)) == ["FullAttentionSpec", "MambaSpec"]
     for (spec, checked, real_kv), isas in zip(qwen3_next["groups"], qwen3_next["isas"], strict=True):
-        # bf16: its K/V bytes are read where vLLM kept CPU attention on the `vec` layout (no AMX tiles)
-        assert (checked, real_kv) == ((True, isas == ["vec"]) if spec == "FullAttentionSpec" else (False, False))
+        # bf16: its K/V bytes are read on the `amx` layout (AMX tiles) and on `vec` (none) alike
+        assert isas in (["amx"], ["vec"]) or spec != "FullAttentionSpec"
+        assert (checked, real_kv) == ((True, True) if spec == "FullAttentionSpec" else (False, False))
     _token_exact_and_quiet(qwen3_next)
     lines = _warnings(qwen3_next)
     mamba = [line for line in lines if "(MambaSpec;" in line]
@@ -147,28 +148,24 @@ def test_qwen3_next_skips_its_gated_delta_net_groups_and_checks_the_attention_gr
     assert qwen3_next["raise_partial_left_runner_as_it_was"] and qwen3_next["raise_none_left_runner_as_it_was"]
 
 
-# -- bf16: K/V bytes read where the layout is `vec`; bookkeeping checked where it is not --------------------
+# -- bf16: K/V bytes read on the `amx` and `vec` layouts; bookkeeping checked where the layout is not read -------
 
-def test_a_bf16_model_is_checked_with_its_kv_bytes_where_vllm_gives_it_the_vec_layout(llama_bf16):
+def test_a_bf16_model_is_checked_with_its_kv_bytes_on_either_layout_vllm_gives_it(llama_bf16):
     [[spec, checked, real_kv]], [isas] = llama_bf16["groups"], llama_bf16["isas"]
-    # vLLM's CPU attention takes `amx` for bf16 where the CPU has AMX tiles, `vec` where it has not
-    assert spec == "FullAttentionSpec" and checked and isas in (["amx"], ["vec"]) and real_kv == (isas == ["vec"])
+    # vLLM's CPU attention takes `amx` for bf16 where the CPU has AMX tiles, `vec` where it has not: both read
+    assert spec == "FullAttentionSpec" and checked and isas in (["amx"], ["vec"]) and real_kv
     _token_exact_and_quiet(llama_bf16)
     lines = _warnings(llama_bf16)
     assert llama_bf16["sweep_interval"] == 2 and llama_bf16["write_entries"] >= llama_bf16["prompt_tokens"]
     assert llama_bf16["fault"] == [2, ["VERIFY_POSITION_MISMATCH", "WRITE_POSITION_MISMATCH"], 2]
     assert llama_bf16["raise_none"][:3] == ["installed", True, 0] and llama_bf16["raise_none"][3] > 0
-    if real_kv:
-        assert lines == [] and llama_bf16["raise_partial"][:3] == ["installed", True, 0]
-    else:
-        assert len(lines) == 1 and "is checked without real-KV hashes (CPU attention ISA amx)" in lines[0]
-        assert "real_kv_hash=none" in llama_bf16["raise_partial"]
+    assert lines == [] and llama_bf16["raise_partial"][:3] == ["installed", True, 0]
     assert llama_bf16["raise_partial_left_runner_as_it_was"] and llama_bf16["raise_none_left_runner_as_it_was"]
 
 
 def test_a_layout_the_canary_cannot_read_leaves_kv_bytes_unhashed_and_checks_the_rest(llm, caplog):
-    """The ``amx`` layout vLLM gives bf16 models on AMX machines, read from the layers' ``isa`` at install (set on
-    the layers only while the canary installs: vLLM's kernels read it too, and this fp32 engine runs ``vec``)."""
+    """The ``neon`` layout vLLM gives models on ARM CPUs, read from the layers' ``isa`` at install (set on the
+    layers only while the canary installs: vLLM's kernels read it too, and this engine runs ``vec``)."""
     runner = kv.find_runner(llm)
     layers = [runner.compilation_config.static_forward_context[name]
               for group in runner.kv_cache_config.kv_cache_groups for name in group.layer_names]
@@ -179,9 +176,9 @@ def test_a_layout_the_canary_cannot_read_leaves_kv_bytes_unhashed_and_checks_the
     baseline = want.run(llm)
     try:
         for layer in layers:
-            layer.isa = "amx"
+            layer.isa = "neon"
         with pytest.raises(ValueError, match=r"^kv-canary: mode='raise' refuses this engine at install: part of "
-                                             r"this engine would go unchecked: KV cache group G0 .*amx.*"
+                                             r"this engine would go unchecked: KV cache group G0 .*neon.*"
                                              r"or real_kv_hash=none"):
             kv.install(llm, mode="raise")
         assert set(vars(runner)) == set(before)
@@ -195,7 +192,7 @@ def test_a_layout_the_canary_cannot_read_leaves_kv_bytes_unhashed_and_checks_the
         finally:
             canary.remove()
         for layer in layers:
-            layer.isa = "amx"
+            layer.isa = "neon"
         strict = kv.install(llm, mode="raise", real_kv_hash="none", backend="numpy")
         strict.remove()
     finally:
@@ -205,6 +202,25 @@ def test_a_layout_the_canary_cannot_read_leaves_kv_bytes_unhashed_and_checks_the
     assert canary.state is not None and all(not g.k_sources for g in canary.state.rt.pools.groups)
     assert [r.levelname for r in _ours(caplog)] == ["WARNING", "INFO"]
     assert "KV cache group G0 (FullAttentionSpec;" in _ours(caplog)[0].getMessage()
+
+
+def test_the_layer_isa_decides_whether_kv_bytes_are_read_at_install(llm):
+    """`vec16` writes the `vec` layout and `amx` is read for the caches vLLM gives it (bf16, fp8); an `amx` layer
+    over this fp32 cache is no layout vLLM writes, and is not read rather than refused mid-install."""
+    runner = kv.find_runner(llm)
+    layers = [runner.compilation_config.static_forward_context[name]
+              for group in runner.kv_cache_config.kv_cache_groups for name in group.layer_names]
+    found = {}
+    try:
+        for isa in ("vec16", "amx", "neon"):
+            for layer in layers:
+                layer.isa = isa
+            found[isa] = [(g.layout.key, g.real_kv, g.isa) for g in support.assess(runner).groups if g.layout]
+    finally:
+        for layer in layers:
+            layer.isa = "vec"
+    assert found == {"vec16": [("isa-vec", True, "vec16")], "amx": [("isa-other", False, "amx")],
+                     "neon": [("isa-other", False, "neon")]}
 
 
 # -- the in-process llama (fp32): everything checked; the runner's flags read at install ----------------------

@@ -59,12 +59,16 @@ RULES: tuple[Rule, ...] = (
          "the groups share vLLM's block pool and alias each other's bytes: a block moves between groups and is "
          "overwritten by the other group's layers, so only blocks a scheduled request reads are verified"),
     # dtypes and the CPU KV layout each one gets
-    Rule("isa-vec", "dtype", "layers on CPU ISA `vec`: fp32 and fp16 models, bf16 on a CPU without AMX tiles; "
-                             "`auto` or fp8 KV cache", CHECKED, "the `vec` layout is read in place, byte-exact"),
-    Rule("isa-other", "dtype", "layers on any other CPU ISA: `amx` (bf16 on an AMX CPU), `vec16` (head size a "
-                               "multiple of 16, not 32)", PARTIAL,
-         "that ISA's KV layout (e.g. 16-token tiles with VNNI pairs) is not implemented: token ids, positions and "
-         "chain hashes are checked, the K/V bytes are not (`real_kv_hash=none` asks for exactly that)"),
+    Rule("isa-vec", "dtype", "layers on CPU ISA `vec` or `vec16`: fp32 and fp16 models, bf16 on a CPU without AMX "
+                             "tiles, head sizes a multiple of 16 but not 32; `auto` or fp8 KV cache", CHECKED,
+         "the `vec` layout (`vec16` writes the same) is read in place, byte-exact"),
+    Rule("isa-amx", "dtype", "layers on CPU ISA `amx`: bf16 models on a CPU with AMX tiles (block and head sizes "
+                             "multiples of 32); bf16 or fp8 KV cache", CHECKED,
+         "the `amx` layout (K in 16-token tiles with elements in VNNI pairs, V in 16-element chunks with tokens in "
+         "pairs) is read in place, byte-exact"),
+    Rule("isa-other", "dtype", "layers on any other CPU ISA (`neon`, `vsx`, `vxe`, `rvv`: other CPU architectures)",
+         PARTIAL, "that ISA's KV layout is not implemented: token ids, positions and chain hashes are checked, the "
+                  "K/V bytes are not (`real_kv_hash=none` asks for exactly that)"),
     # whole-engine features
     Rule("speculative", "speculative decoding", "`speculative_config` set (ngram, draft_model, EAGLE, MTP, ...)",
          DISABLED, "draft positions and the provisional K/V of rejected drafts are not modelled yet; unset "
@@ -181,10 +185,25 @@ class Support:
 
 
 def _layout_rule(forward_context: dict[str, Any], layer_names: tuple[str, ...]) -> tuple[Rule, str]:
-    """``isa-vec`` when every layer of the group has CPU attention's ``vec`` layout, else ``isa-other``; and the
-    ISAs seen (``None``: a layer vLLM set none on)."""
-    isas = {str(getattr(forward_context.get(name), "isa", None)) for name in layer_names}
-    return (RULE["isa-vec"] if isas == {"vec"} else RULE["isa-other"]), "/".join(sorted(isas))
+    """``isa-vec`` when every layer of the group has CPU attention's ``vec`` layout (``vec16`` writes the same),
+    ``isa-amx`` when they have ``amx`` layouts (a cache of 2- or 1-byte elements, as vLLM gives only bf16 models
+    and fp8 caches ``amx``), else ``isa-other``; and the ISAs seen (``None``: a layer vLLM set none on)."""
+    layers = [forward_context.get(name) for name in layer_names]
+    isas = {str(getattr(layer, "isa", None)) for layer in layers}
+    seen = "/".join(sorted(isas))
+    if isas <= {"vec", "vec16"}:
+        return RULE["isa-vec"], seen
+    amx_readable = all(getattr(layer, "isa", None) != "amx" or _element_size(layer) in (1, 2) for layer in layers)
+    return (RULE["isa-amx"] if isas <= {"vec", "vec16", "amx"} and amx_readable else RULE["isa-other"]), seen
+
+
+def _element_size(layer: Any) -> int | None:
+    """The element size of a layer's KV cache tensor (None: it has none yet)."""
+    cache = getattr(layer, "kv_cache", None)
+    if isinstance(cache, (list, tuple)):  # vLLM keeps one tensor per virtual engine on some versions
+        cache = cache[0] if cache else None
+    size = getattr(cache, "element_size", None)
+    return int(size()) if callable(size) else None
 
 
 def _group_rule(spec: Any) -> Rule:
