@@ -74,17 +74,17 @@ class KvByteLayout:
             if stride % eb:
                 fail(f"KvByteLayout.{name} must be a multiple of element_bytes={eb} (elements are loaded "
                      f"naturally aligned), got {stride}")
-        for digits, stride in _SPLITS:
+        for digits, split_stride in _SPLITS:
             if not int_arg(getattr(self, digits), f"KvByteLayout.{digits}", minimum=0, maximum=1 << 31) \
-                    and getattr(self, stride):
-                fail(f"KvByteLayout.{stride} must be 0 when {digits} is 0 (nothing is split), got "
-                     f"{getattr(self, stride)}")
+                    and getattr(self, split_stride):
+                fail(f"KvByteLayout.{split_stride} must be 0 when {digits} is 0 (nothing is split), got "
+                     f"{getattr(self, split_stride)}")
         for f in fields(self):
             object.__setattr__(self, f.name, int(getattr(self, f.name)))
 
     def __repr__(self) -> str:  # the splits only where a layout has them, so plain strided layouts read as before
         shown = [f for f in fields(self) if f.name not in _SPLIT_FIELDS or any(
-            getattr(self, digits) for digits, stride in _SPLITS if f.name in (digits, stride))]
+            getattr(self, digits) for digits, split_stride in _SPLITS if f.name in (digits, split_stride))]
         return f"KvByteLayout({', '.join(f'{f.name}={getattr(self, f.name)}' for f in shown)})"
 
     @property
