@@ -14,8 +14,8 @@ runtime group per 4 layers (same slots and plan inputs).
 
 Real-KV sources read the cache in place. On this CPU build the cache of a layer is ``[num_blocks, heads,
 block_size, 2 * head_size]`` and, per (block, head), K is stored column-major ``[head_size, block_size]`` and V
-row-major ``[block_size, head_size]`` (``layer.isa == "vec"``); the sources are
-:func:`kvcanary_cupy.kv_layouts.vllm_cpu_source` views (no copy).
+row-major ``[block_size, head_size]`` (``layer.isa`` ``"vec"`` or ``"vec16"``), or in AMX tiles (``"amx"``); the
+sources are :func:`kvcanary_cupy.kv_layouts.vllm_cpu_source` views (no copy).
 """
 
 from __future__ import annotations
