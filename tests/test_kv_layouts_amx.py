@@ -358,3 +358,23 @@ def test_reference_matches_the_oracle_on_random_split_layouts(mode):
         assert got == [real_kv_hash(int(s), [oracle_view(source)], int(mode)) for s in slots], lay
         checked += 1
     assert checked > 100
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_launch_past_what_a_split_layout_covers_is_refused_before_anything_is_written(backend):
+    """A bf16 amx-style K layout (tiles of 16 tokens, element pairs) over a tensor that ends one byte before the
+    last byte of page 1's token 16 (the first token of its second tile, 1024 + 15 * 64 + 2 + 1 bytes into the
+    page): it covers 48 slots, and a canary buffer of 49 slots is refused, every buffer unchanged."""
+    d, bs = 32, 32
+    lay = kc.KvByteLayout(page_stride=2 * bs * d * 2, token_stride=4, head_stride=0, element_stride=2, num_heads=1,
+                          elements_per_head=d, element_bytes=2, tokens_per_tile=16, tile_stride=16 * d * 2,
+                          elements_per_group=2, group_stride=64)
+    data = np.zeros(2 * bs * d * 2 + 1024 + 15 * 64 + 2 + 1, np.uint8)
+    source = kc.RealKvSource(data, page_size=bs, num_bytes_per_token=2 * d, read_bytes=2 * d, layout=lay)
+    assert source.slots_covered == bs + 16
+    ctx = context(num_slots=bs + 17, real_kv_sources=(source,), real_kv_hash_mode=kc.RealKvHashMode.ALL)
+    before = ctx.canary_buf.copy(), ctx.status.copy(), ctx.violation_ring.copy()
+    with pytest.raises(kc.CanaryArgumentError, match=rf"^kv-canary: .*real_kv_sources\[0\] covers {bs + 16} slots"):
+        write(ctx, [1], [-1], [0], [5], [0], backend=backend)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(before, (ctx.canary_buf, ctx.status, ctx.violation_ring),
+                                                          strict=True))

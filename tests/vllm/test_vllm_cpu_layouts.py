@@ -95,17 +95,18 @@ def test_the_preset_fingerprints_what_vllm_wrote_like_the_kv_it_was_given(backen
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
-def test_an_fp8_amx_cache_fingerprints_like_the_same_tokens_in_the_vec_layout(backend, kv_cache_dtype):
+@pytest.mark.parametrize(("isa", "bs"), [("amx", 32), ("amx", 64)])  # vLLM writes fp8 with amx and vec only
+def test_an_fp8_cache_fingerprints_like_the_same_tokens_in_the_vec_layout(backend, kv_cache_dtype, isa, bs):
     """fp8 caches of a bf16 model: vLLM converts while it stores, so the expectation is the same tokens stored by
     vLLM's `vec` writer (whose layout is checked against the K/V given, above and in the fact sheet)."""
-    bs, heads, d, blocks = 32, 2, 64, 2
-    amx, *_, slots = _fill("amx", torch.uint8, torch.bfloat16, bs, heads, d, blocks, 3, kv_cache_dtype)
+    heads, d, blocks = 2, 64, 2
+    cache, *_, slots = _fill(isa, torch.uint8, torch.bfloat16, bs, heads, d, blocks, 3, kv_cache_dtype)
     vec, *_, same = _fill("vec", torch.uint8, torch.bfloat16, bs, heads, d, blocks, 3, kv_cache_dtype)
     assert np.array_equal(slots, same)
     where = [s for s in slots.tolist() if s >= 0]
     for which in ("k", "v"):
-        got = vllm_cpu_source(amx, block_size=bs, num_kv_heads=heads, head_size=d, which=which,
-                              read_bytes=heads * d, isa="amx")
+        got = vllm_cpu_source(cache, block_size=bs, num_kv_heads=heads, head_size=d, which=which,
+                              read_bytes=heads * d, isa=isa)
         want = vllm_cpu_source(vec, block_size=bs, num_kv_heads=heads, head_size=d, which=which,
                                read_bytes=heads * d, isa="vec")
         assert _stamps(got, where, backend, blocks * bs) == _stamps(want, where, "numpy", blocks * bs), which
