@@ -1193,7 +1193,7 @@ def _strided_case(rng: random.Random) -> tuple[Callable[[], Any], Any, str]:
         return lambda: kc.RealKvSource(**args), args, f"RealKvSource with a layout: {change}"
     if kind == 2:  # the presets
         preset = rng.choice(["cpu", "flash", "hnd"])
-        shapes = {"cpu": (2, 2, 32, 16), "flash": (2, 2, 32, 2, 8), "hnd": (2, 2, 2, 32, 8)}
+        shapes = {"cpu": (2, 2, 32, 16), "flash": (2, 2, 32, 16), "hnd": (2, 2, 32, 16)}
         cache: Any = np.zeros(shapes[preset], np.float32)
         kwargs: dict[str, Any] = {"which": "k", "read_bytes": 32}
         if preset == "cpu":
@@ -1410,7 +1410,7 @@ def test_runtime_restore_and_select_refuse_random_broken_records_by_name_and_wri
 
 # ---- the presets over engines' KV caches, and layout extents -----------------------------------------------------
 
-PRESET_SHAPES = {"cpu": (2, 2, 32, 16), "flash": (2, 2, 32, 2, 8), "hnd": (2, 2, 2, 32, 8)}
+PRESET_SHAPES = {"cpu": (2, 2, 32, 16), "flash": (2, 2, 32, 16), "hnd": (2, 2, 32, 16)}
 
 
 def _preset_call(preset: str) -> tuple[Callable[..., Any], dict[str, Any]]:
@@ -1438,7 +1438,7 @@ def _bad_cache(preset: str, rng: random.Random) -> tuple[Any, str]:
     if kind == "reversed":
         return np.zeros(shape, np.float32)[::-1], kind
     if kind == "token bytes":  # two 2-byte elements per head and one head: 4 bytes per token
-        small = {"cpu": (2, 2, 32, 4), "flash": (2, 2, 32, 1, 2), "hnd": (2, 2, 1, 32, 2)}[preset]
+        small = {"cpu": (2, 2, 32, 4), "flash": (2, 1, 32, 4), "hnd": (2, 1, 32, 4)}[preset]
         return np.zeros(small, np.float16), kind
     if kind == "dtype":
         return np.zeros(shape, rng.choice([np.clongdouble, object, "V3", "V6"])), kind
