@@ -9,6 +9,11 @@ torch indexing (``cache[b, h, n, :head_size]`` for each head), copied into one c
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from chain_helpers import context, fields, rows, verify, write
@@ -211,3 +216,29 @@ def test_refusals_name_the_callers_argument(call, words):
     cache = torch.zeros((2, 2, 16, 16))
     with pytest.raises(kc.CanaryArgumentError, match=f"^kv-canary: {words}"):
         call(cache)
+
+
+def test_host_backend_reads_every_packed_layout_under_address_sanitizer_with_zero_reports():
+    """This file's host-backend cases again, the kernels built with AddressSanitizer + UBSan (each report a hard
+    error): no layout makes the kernels read outside the caches."""
+    reason = unavailable_reason("host")
+    if reason is not None:
+        pytest.skip(f"host backend: {reason}")
+    from kvcanary_cupy.hostcuda import sanitizer_preload
+
+    preload = sanitizer_preload()
+    if not Path(preload).is_file():
+        pytest.skip(f"g++ has no AddressSanitizer runtime ({preload})")
+    env = {**os.environ, "LD_PRELOAD": preload, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1",
+           "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1", "KVCANARY_HOST_SANITIZE": "1",
+           "PYTHONFAULTHANDLER": "1"}
+    tests_dir = Path(__file__).parent
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:benchmark", str(Path(__file__)),
+         "-k", "host and not sanitizer", "--rootdir", str(tests_dir.parent)],
+        env=env, cwd=tests_dir.parent, capture_output=True, text=True, timeout=900,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert "AddressSanitizer" not in output and "runtime error" not in output, output[-6000:]
+    assert " passed" in output and "skipped" not in output, output[-2000:]
