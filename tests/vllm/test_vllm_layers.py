@@ -69,7 +69,7 @@ def test_packed_layouts_vllm_allocates_fingerprint_byte_exact(backend_name, layo
 def test_a_layer_stored_in_another_layout_than_the_resolved_one_is_refused():
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16)
     (cache, _) = vllm_views(spec, KVCacheLayout.LBNHC, num_blocks=2, layers=2, seed=1)
-    with pytest.raises(kc.CanaryArgumentError, match="^kv-canary: kv_cache has shape .* kv_cache_layout='LBHNC'"):
+    with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: kv_cache has shape .* kv_cache_layout='LBHNC'"):
         layer_sources(backend("FLASH_ATTN"), cache, spec, "k", kv_cache_layout=KVCacheLayout.LBHNC)
 
 
@@ -96,7 +96,7 @@ def test_cpu_attention_layers_take_the_cpu_layout_and_their_isa():
     slots = list(range(0, 64, 3))
     assert stamped(k, 64, slots) == oracle(values, slots)
     layer.isa = "amx"
-    with pytest.raises(kc.CanaryArgumentError, match="^kv-canary: isa='amx'"):
+    with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: isa='amx'"):
         layer_sources(layer, cache, spec, "v")
 
 
