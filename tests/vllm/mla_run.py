@@ -68,8 +68,10 @@ def main() -> None:
 
     model_dir, seeds = Path(sys.argv[1]), [int(seed) for seed in sys.argv[2].split(",")]
     save_arch(model_dir, "deepseek-mla")
-    llm = LLM(model=str(model_dir), **{**ENGINE_ARGS, "kv_cache_memory_bytes": 4 << 20,
-                                      **arch_engine_args("deepseek-mla")})
+    # 48 blocks of 16 tokens (two layers of 576 fp32 per token): the 768-token budget the preemption workload is
+    # sized for (vLLM's CPU_MLA forces chunked prefill and prefix caching off, so the other workloads run whole)
+    llm = LLM(model=str(model_dir), **{**ENGINE_ARGS, **arch_engine_args("deepseek-mla"),
+                                      "kv_cache_memory_bytes": 48 * 16 * 2 * 576 * 4})
     loads = workloads()
     names = ["mixed-lengths", "shared-prefix", "preemption"]
     want = {}

@@ -112,3 +112,28 @@ def test_mla_layers_fingerprint_their_latent_rows_and_have_no_v(dtype):
         values = cache.reshape(48, 576).contiguous().view(torch.uint8).numpy()
         assert stamped(k, 48, slots) == oracle(values, slots)
         assert layer_sources(backend("CPU_MLA"), cache, spec, "v") == []
+
+
+@pytest.mark.parametrize("context", [None, [0, 48]])
+@pytest.mark.parametrize("decodes", [0, 2])
+def test_mla_metadata_is_read_as_one_batch_decodes_first(decodes, context):
+    """MLA metadata splits the batch into decode rows, then prefill rows (whose cached context, on backends that
+    keep prefix caching on, is in ``chunked_context``): the step read gets the whole block table and each row's
+    sequence length (a prefill's: its query plus its cached context). vLLM's CPU_MLA turns prefix caching off, so
+    the context case is built here by hand."""
+    from kvcanary_cupy.integrations.vllm.layers import attention_metadata
+
+    table = torch.arange(4 * 6, dtype=torch.int32).reshape(4, 6)  # rows: requests in the batch's order
+    decode = None if decodes == 0 else SimpleNamespace(block_table=table[:decodes], seq_lens=torch.tensor([17, 40]))
+    queries = torch.tensor([30, 5]) if decodes else torch.tensor([9, 1, 30, 5])
+    chunked = None if context is None else SimpleNamespace(context_lens_list=(context if decodes else [0, 0, *context]))
+    prefill = SimpleNamespace(block_table=table[decodes:], query_lens_cpu=queries, chunked_context=chunked)
+    md = SimpleNamespace(query_start_loc=torch.tensor([0]), slot_mapping=torch.tensor([1]), decode=decode,
+                         prefill=prefill)
+    got = attention_metadata(md)
+    assert torch.equal(got.block_table, table)
+    want = ([17, 40] if decodes else [9, 1]) + [30 + (context or [0, 0])[0], 5 + (context or [0, 0])[1]]
+    assert got.seq_lens.tolist() == want
+    assert got.query_start_loc is md.query_start_loc and got.slot_mapping is md.slot_mapping
+    plain = SimpleNamespace(query_start_loc=1, seq_lens=2, block_table=3, slot_mapping=4)
+    assert attention_metadata(plain) is plain

@@ -66,8 +66,8 @@ RULES: tuple[Rule, ...] = (
                                "multiple of 16, not 32)", PARTIAL,
          "that ISA's KV layout (e.g. 16-token tiles with VNNI pairs) is not implemented: token ids, positions and "
          "chain hashes are checked, the K/V bytes are not (`real_kv_hash=none` asks for exactly that)"),
-    Rule("mla-latent", "dtype", "MLA layers on vLLM's `CPU_MLA` backend (fp32, fp16, bf16 with "
-                                "`attention_backend=CPU_MLA`)", CHECKED,
+    Rule("mla-latent", "dtype", "MLA layers on vLLM's `CPU_MLA` backend (`attention_backend=CPU_MLA`; tested with "
+                                "an fp32 model)", CHECKED,
          "the latent rows are read in place, byte-exact"),
     Rule("mla-other", "dtype", "MLA layers on any other MLA backend (`AMX_MLA`, vLLM's bf16 default on an AMX CPU; "
                                "the GPU MLA backends)", PARTIAL,
