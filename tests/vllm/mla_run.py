@@ -2,10 +2,10 @@
 latent cache, then flip one bit of a finished token's latent row, and print what happened as JSON on a line
 starting with "RESULT " (one engine per process: vLLM keeps process-wide state).
 
-``python mla_run.py MODEL_DIR SEED,SEED,...``: the clean workloads without the canary, then with it (``log``
-mode, ``real_kv_hash="all"``, backend numpy); then, per seed, the ``mixed-lengths`` workload again with one bit
-flipped after a forward at step ``2 + SEED % 5``, in the latent row of an earlier token of a decoding request, in
-a layer, byte and bit drawn from SEED."""
+``python mla_run.py MODEL_DIR SEED,SEED,... [DTYPE]`` (DTYPE float32 by default; vLLM's CPU_MLA backend): the
+clean workloads without the canary, then with it (``log`` mode, ``real_kv_hash="all"``, backend numpy); then, per
+seed, the ``mixed-lengths`` workload again with one bit flipped after a forward at step ``2 + SEED % 5``, in the
+latent row of an earlier token of a decoding request, in a layer, byte and bit drawn from SEED."""
 
 from __future__ import annotations
 
@@ -67,11 +67,12 @@ def main() -> None:
     from kvcanary_cupy.integrations.vllm.workloads import ENGINE_ARGS, arch_engine_args, save_arch, workloads
 
     model_dir, seeds = Path(sys.argv[1]), [int(seed) for seed in sys.argv[2].split(",")]
+    dtype = sys.argv[3] if len(sys.argv) > 3 else "float32"
     save_arch(model_dir, "deepseek-mla")
     # 48 blocks of 16 tokens (two layers of 576 fp32 per token): the 768-token budget the preemption workload is
     # sized for (vLLM's CPU_MLA forces chunked prefill and prefix caching off, so the other workloads run whole)
     llm = LLM(model=str(model_dir), **{**ENGINE_ARGS, **arch_engine_args("deepseek-mla"),
-                                      "kv_cache_memory_bytes": 48 * 16 * 2 * 576 * 4})
+                                      "dtype": dtype, "kv_cache_memory_bytes": 48 * 16 * 2 * 576 * 4})
     loads = workloads()
     names = ["mixed-lengths", "shared-prefix", "preemption"]
     want = {}

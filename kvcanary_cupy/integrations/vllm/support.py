@@ -67,7 +67,7 @@ RULES: tuple[Rule, ...] = (
          "that ISA's KV layout (e.g. 16-token tiles with VNNI pairs) is not implemented: token ids, positions and "
          "chain hashes are checked, the K/V bytes are not (`real_kv_hash=none` asks for exactly that)"),
     Rule("mla-latent", "dtype", "MLA layers on vLLM's `CPU_MLA` backend (`attention_backend=CPU_MLA`; tested with "
-                                "an fp32 model)", CHECKED,
+                                "fp32 and bf16 models)", CHECKED,
          "the latent rows are read in place, byte-exact"),
     Rule("mla-other", "dtype", "MLA layers on any other MLA backend (`AMX_MLA`, vLLM's bf16 default on an AMX CPU; "
                                "the GPU MLA backends)", PARTIAL,
