@@ -179,41 +179,143 @@ def vllm_cpu_source(kv_cache: Any, *, block_size: int, num_kv_heads: int, head_s
     return _source(given, half, which, bs, layout, read_bytes)
 
 
-def flash_attn_source(kv_cache: Any, *, which: str, read_bytes: int) -> RealKvSource:
-    """K or V of a flash-attention KV cache ``[2, num_blocks, block_size, num_kv_heads, head_size]``, read in
-    place with the tensor's own strides (so a permuted allocation is read correctly too)."""
+# vLLM's KVCacheLayout (vllm/v1/kv_cache_layout.py): the physical order, outermost first, of the logical axes
+# [L, B, H, N, C] (layers, blocks, KV heads, tokens of a block, content) of the buffer a group's layers share.
+VLLM_KV_CACHE_LAYOUTS: dict[str, tuple[int, ...]] = {
+    "LBHNC": (0, 1, 2, 3, 4),
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
+}
+_AXIS_NAMES = "BHNC"
+
+
+def _layer_view_order(kv_cache_layout: Any) -> tuple[str, tuple[int, ...]]:
+    """The layout's name and the physical order, outermost first, of one layer's ``[B, H, N, C]`` axes; refused by
+    the argument's name when it is not one of vLLM's layouts (a name, or vLLM's ``KVCacheLayout`` member)."""
+    name = kv_cache_layout if isinstance(kv_cache_layout, str) else getattr(kv_cache_layout, "name", None)
+    if not isinstance(name, str) or name not in VLLM_KV_CACHE_LAYOUTS:
+        fail(f"kv_cache_layout must be one of vLLM's KV cache layouts ({', '.join(VLLM_KV_CACHE_LAYOUTS)}), given "
+             f"by name or as a KVCacheLayout, got {kv_cache_layout!r}")
+    return name, tuple(axis - 1 for axis in VLLM_KV_CACHE_LAYOUTS[name] if axis != 0)
+
+
+def _check_order(shape: tuple[int, ...], strides: tuple[int, ...], order: tuple[int, ...], what: str) -> None:
+    """Refuse strides that do not nest the axes in ``order`` (outermost first): each axis of more than one entry
+    must step over every entry of each axis inside it. Padding between entries is allowed; an axis of one entry,
+    or a broadcast one (stride 0), has no order."""
+    ordered = [axis for axis in order if shape[axis] > 1 and strides[axis] > 0]
+    for i, outer in enumerate(ordered):
+        for inner in ordered[i + 1:]:
+            if strides[outer] < strides[inner] * shape[inner]:
+                fail(f"kv_cache has shape {shape} and strides {strides} (in elements), which do not store it in "
+                     f"the order {what} names ({', '.join(_AXIS_NAMES[a] for a in order)} outermost first, "
+                     f"for [B, H, N, C] = [num_blocks, num_kv_heads, block_size, content])")
+
+
+def _packed_source(kv_cache: Any, head_size: Any, which: Any, read_bytes: Any, order: tuple[int, ...] | None,
+                   what: str) -> RealKvSource:
+    """K or V of a packed ``[num_blocks, num_kv_heads, block_size, head_size + head_size_v]`` cache, in place."""
     kv = _which(which, "which")
     given = kv_cache
     kv_cache, shape, strides, item = _in_place(kv_cache, "kv_cache")
-    _check_shape(shape, 5, "kv_cache", "[2, num_blocks, block_size, num_kv_heads, head_size]")
-    if shape[0] != 2:
-        fail(f"kv_cache must have 2 on axis 0 (K, V), got shape {shape}")
+    _check_shape(shape, 4, "kv_cache", "[num_blocks, num_kv_heads, block_size, head_size + head_size_v]")
     _check_strides(strides, "kv_cache")
-    _, _, bs, heads, d = shape
-    layout = _layout(item, page_stride=strides[1] * item, token_stride=strides[2] * item,
-                     head_stride=strides[3] * item, element_stride=strides[4] * item, num_heads=heads,
-                     elements_per_head=d)
-    return _source(given, kv_cache[kv], which, bs, layout, read_bytes)
+    content = shape[3]
+    d = int_arg(head_size, "head_size", minimum=1)
+    if d > content:
+        fail(f"head_size={d} is more than the {content} elements of kv_cache's last axis (head_size + head_size_v)")
+    if kv == 1 and d == content:
+        fail(f"which='v': kv_cache's last axis holds head_size={d} elements of K and no V")
+    if order is not None:
+        _check_order(shape, strides, order, what)
+    _, heads, bs, _ = shape
+    part = kv_cache[..., :d] if kv == 0 else kv_cache[..., d:]
+    layout = _layout(item, page_stride=strides[0] * item, token_stride=strides[2] * item,
+                     head_stride=strides[1] * item, element_stride=strides[3] * item, num_heads=heads,
+                     elements_per_head=d if kv == 0 else content - d)
+    return _source(given, part, which, bs, layout, read_bytes)
+
+
+def vllm_attention_source(kv_cache: Any, *, head_size: int, which: str, read_bytes: int,
+                          kv_cache_layout: Any = None) -> RealKvSource:
+    """K or V of one layer of vLLM's attention cache as vLLM 0.32 allocates it for every attention backend, read
+    in place.
+
+    ``kv_cache`` is the layer's ``[num_blocks, num_kv_heads, block_size, head_size + head_size_v]`` view: K and V
+    are packed in the last axis of each (block, head, token), K first (``head_size`` elements), V after it. The
+    physical order of the axes is the resolved ``KVCacheLayout``'s, and the tensor's strides say it; the source
+    reads those strides, so every layout (LBNHC, LBHNC, LHBNC and the block-outermost BL**/BHLNC, whose block
+    stride steps over every layer's page) is read where it lies. ``kv_cache_layout`` (the layout's name or vLLM's
+    ``KVCacheLayout``), when given, is checked against the strides, and a cache stored in another order is
+    refused. Canary slot ``block * block_size + offset`` is token ``offset`` of block ``block``, with
+    ``block_size`` the tensor's third axis (with kernel block splitting, the kernel block: the slot numbers are
+    the same).
+    """
+    if kv_cache_layout is None:
+        return _packed_source(kv_cache, head_size, which, read_bytes, None, "")
+    name, order = _layer_view_order(kv_cache_layout)
+    return _packed_source(kv_cache, head_size, which, read_bytes, order, f"kv_cache_layout={name!r}")
+
+
+def _equal_halves(kv_cache: Any) -> int:
+    """head_size of a packed cache whose K and V have the same head size (half its last axis)."""
+    _, shape, _, _ = _in_place(kv_cache, "kv_cache")
+    _check_shape(shape, 4, "kv_cache", "[num_blocks, num_kv_heads, block_size, 2 * head_size]")
+    if shape[3] % 2:
+        fail(f"kv_cache's last axis ({shape[3]} elements) is not 2 * head_size: K and V are its two halves")
+    return shape[3] // 2
+
+
+def flash_attn_source(kv_cache: Any, *, which: str, read_bytes: int) -> RealKvSource:
+    """K or V of one layer of vLLM 0.32's FlashAttention (or Triton) cache, read in place.
+
+    ``kv_cache`` is ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, K and V the two halves of the last
+    axis; FlashAttention views it as ``kv_cache.transpose(1, 2).split(head_size, -1)``. It accepts any
+    ``KVCacheLayout`` (vLLM's default for it is LBNHC: a block's tokens outside its heads); the source reads the
+    order from the tensor's strides. :func:`vllm_attention_source` is the same for unequal K and V head sizes.
+    """
+    _which(which, "which")
+    return _packed_source(kv_cache, _equal_halves(kv_cache), which, read_bytes, None, "")
 
 
 def flashinfer_hnd_source(kv_cache: Any, *, which: str, read_bytes: int) -> RealKvSource:
-    """K or V of a FlashInfer HND KV cache ``[num_blocks, 2, num_kv_heads, block_size, head_size]`` (heads
-    before tokens), read in place with the tensor's own strides."""
-    kv = _which(which, "which")
+    """K or V of one layer of vLLM 0.32's FlashInfer cache in its HND layouts (LBHNC, BLHNC, BHLNC: a block's
+    heads outside its tokens), read in place.
+
+    ``kv_cache`` is ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, K and V the two halves of the last
+    axis of each (block, head, token). Strides that put tokens outside heads (the NHD layouts) are refused: read
+    those with :func:`flash_attn_source` or :func:`vllm_attention_source`.
+    """
+    _which(which, "which")
+    return _packed_source(kv_cache, _equal_halves(kv_cache), which, read_bytes, (0, 1, 2, 3),
+                          "FlashInfer's HND")
+
+
+def vllm_mla_source(kv_cache: Any, *, which: str, read_bytes: int) -> RealKvSource:
+    """The latent row of each token of one layer of vLLM's MLA cache, read in place.
+
+    ``kv_cache`` is the MLA layer's ``[num_blocks, block_size, row]`` cache (``kv_lora_rank + qk_rope_head_dim``
+    elements per token, 576 for DeepSeek: the compressed KV then the rotary part of K), one row per token, no
+    heads. MLA stores no V: K is the whole row, and ``which="v"`` is refused. Canary slot ``block * block_size +
+    offset`` is row ``offset`` of block ``block``.
+    """
+    _which(which, "which")
+    if which == "v":
+        fail("which='v': an MLA cache holds one latent row per token and no V; only which='k' has a source")
     given = kv_cache
     kv_cache, shape, strides, item = _in_place(kv_cache, "kv_cache")
-    _check_shape(shape, 5, "kv_cache", "[num_blocks, 2, num_kv_heads, block_size, head_size]")
-    if shape[1] != 2:
-        fail(f"kv_cache must have 2 on axis 1 (K, V), got shape {shape}")
+    _check_shape(shape, 3, "kv_cache", "[num_blocks, block_size, latent row]")
     _check_strides(strides, "kv_cache")
-    _, _, heads, bs, d = shape
-    layout = _layout(item, page_stride=strides[0] * item, token_stride=strides[3] * item,
-                     head_stride=strides[2] * item, element_stride=strides[4] * item, num_heads=heads,
-                     elements_per_head=d)
-    return _source(given, kv_cache[:, kv], which, bs, layout, read_bytes)
+    layout = _layout(item, page_stride=strides[0] * item, token_stride=strides[1] * item, head_stride=0,
+                     element_stride=strides[2] * item, num_heads=1, elements_per_head=shape[2])
+    return _source(given, kv_cache, which, shape[1], layout, read_bytes)
 
 
 __all__ = [
     "ACCESS_ELEMENTS", "ACCESS_HEAD_RUNS", "ACCESS_TOKEN_RUN", "ELEMENT_BYTES", "UNBOUNDED_SLOTS", "VLLM_CPU_ISAS",
-    "KvByteLayout", "contiguous_layout", "flash_attn_source", "flashinfer_hnd_source", "vllm_cpu_source",
+    "VLLM_KV_CACHE_LAYOUTS", "KvByteLayout", "contiguous_layout", "flash_attn_source", "flashinfer_hnd_source",
+    "vllm_attention_source", "vllm_cpu_source", "vllm_mla_source",
 ]

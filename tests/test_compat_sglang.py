@@ -494,12 +494,14 @@ def test_a_strided_torch_kv_cache_fingerprints_through_the_compat_names_like_a_c
     from kvcanary_cupy.kv_layouts import flash_attn_source
 
     assert sg.KvByteLayout is kc.KvByteLayout
-    # flash-attention layout [2, blocks, block_size, heads, head_size] in bf16: slot = block * 4 + offset
-    cache = torch.randn(2, 4, 4, 2, 8, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    # vLLM's flash-attention layout [blocks, heads, block_size, 2 * head_size] (K | V in the last axis), stored
+    # with tokens outside heads (LBNHC), in bf16: slot = block * 4 + offset
+    storage = torch.randn(4, 4, 2, 16, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    cache = storage.transpose(1, 2)
     ctx_t = sg.VerifyOrWriteContext.allocate(num_slots=16, ring_capacity=8,
                                              real_kv_sources=(flash_attn_source(cache, which="v", read_bytes=32),),
                                              real_kv_hash_mode=sg.RealKvHashMode.ALL)
-    contiguous = cache[1].reshape(16, 16).contiguous().view(torch.uint8).numpy()  # V of each slot, 32 bytes
+    contiguous = storage[..., 8:].reshape(16, 16).contiguous().view(torch.uint8).numpy()  # V of each slot, 32 bytes
     ctx_n = kc.VerifyOrWriteContext.allocate(
         num_slots=16, ring_capacity=8, real_kv_hash_mode=kc.RealKvHashMode.ALL,
         real_kv_sources=(kc.RealKvSource(contiguous, page_size=1, num_bytes_per_token=32, read_bytes=32),))
@@ -511,7 +513,7 @@ def test_a_strided_torch_kv_cache_fingerprints_through_the_compat_names_like_a_c
               expected_input_tokens=None, expected_input_positions=None)
     np.testing.assert_array_equal(ctx_t.canary_buf.numpy(), ctx_n.canary_buf)
     assert (ctx_n.canary_buf.view(np.int64)[[5, 6, 7, 9], 3] != 0).all()
-    cache[1, 1, 2, 1, 3] += 1  # V of slot 6 (block 1, offset 2), head 1, element 3: read in place
+    cache[1, 1, 2, 8 + 3] += 1  # V of slot 6 (block 1, offset 2), head 1, element 3: read in place
     verify_plan = sg.VerifyPlan(**{k: tensor(as_np(k, v)) for k, v in VERIFY_FIELDS.items()})
     sg.launch_canary_verify_kernel(context=ctx_t, plan=verify_plan, check_verify_expected_token=False)
     assert int(ctx_t.violation_write_index) == 1

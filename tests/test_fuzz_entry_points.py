@@ -1195,7 +1195,7 @@ def _strided_case(rng: random.Random) -> tuple[Callable[[], Any], Any, str]:
         return lambda: kc.RealKvSource(**args), args, f"RealKvSource with a layout: {change}"
     if kind == 2:  # the presets
         preset = rng.choice(["cpu", "flash", "hnd"])
-        shapes = {"cpu": (2, 2, 32, 16), "flash": (2, 2, 32, 2, 8), "hnd": (2, 2, 2, 32, 8)}
+        shapes = {"cpu": (2, 2, 32, 16), "flash": (2, 2, 32, 16), "hnd": (2, 2, 32, 16)}
         cache: Any = np.zeros(shapes[preset], np.float32)
         kwargs: dict[str, Any] = {"which": "k", "read_bytes": 32}
         if preset == "cpu":
@@ -1412,16 +1412,26 @@ def test_runtime_restore_and_select_refuse_random_broken_records_by_name_and_wri
 
 # ---- the presets over engines' KV caches, and layout extents -----------------------------------------------------
 
-PRESET_SHAPES = {"cpu": (2, 2, 32, 16), "flash": (2, 2, 32, 2, 8), "hnd": (2, 2, 2, 32, 8)}
+PRESET_SHAPES = {"cpu": (2, 2, 32, 16), "flash": (2, 2, 32, 16), "hnd": (2, 2, 32, 16), "packed": (2, 2, 32, 24),
+                 "mla": (2, 32, 16)}
 
 
 def _preset_call(preset: str) -> tuple[Callable[..., Any], dict[str, Any]]:
-    from kvcanary_cupy.kv_layouts import flash_attn_source, flashinfer_hnd_source, vllm_cpu_source
+    from kvcanary_cupy.kv_layouts import (
+        flash_attn_source,
+        flashinfer_hnd_source,
+        vllm_attention_source,
+        vllm_cpu_source,
+        vllm_mla_source,
+    )
 
     kwargs: dict[str, Any] = {"kv_cache": np.zeros(PRESET_SHAPES[preset], np.float32), "which": "k", "read_bytes": 32}
     if preset == "cpu":
         kwargs.update(block_size=32, num_kv_heads=2, head_size=8, isa="vec")
-    build = {"cpu": vllm_cpu_source, "flash": flash_attn_source, "hnd": flashinfer_hnd_source}[preset]
+    if preset == "packed":  # K of 8 elements, V of 16, heads outside tokens
+        kwargs.update(head_size=8, kv_cache_layout="LBHNC")
+    build = {"cpu": vllm_cpu_source, "flash": flash_attn_source, "hnd": flashinfer_hnd_source,
+             "packed": vllm_attention_source, "mla": vllm_mla_source}[preset]
     return build, kwargs
 
 
@@ -1436,11 +1446,14 @@ def _bad_cache(preset: str, rng: random.Random) -> tuple[Any, str]:
     if kind == "misaligned":
         return raw[offset : offset + size].view(np.float32).reshape(shape), kind
     if kind == "broadcast":  # every element of a head at one address: a stream longer than the tensor
-        return np.broadcast_to(np.zeros((1,) * (len(shape) - 1) + (shape[-1],), np.float32), shape), kind
+        last = 1 if preset == "mla" else shape[-1]  # (one latent row for every token is a readable cache)
+        return np.broadcast_to(np.zeros((1,) * (len(shape) - 1) + (last,), np.float32), shape), kind
     if kind == "reversed":
         return np.zeros(shape, np.float32)[::-1], kind
     if kind == "token bytes":  # two 2-byte elements per head and one head: 4 bytes per token
-        small = {"cpu": (2, 2, 32, 4), "flash": (2, 2, 32, 1, 2), "hnd": (2, 2, 1, 32, 2)}[preset]
+        if preset == "packed":  # head_size=8 one-byte elements: 8 bytes of K per token
+            return np.zeros((2, 1, 32, 12), np.uint8), kind
+        small = {"cpu": (2, 2, 32, 4), "flash": (2, 1, 32, 4), "hnd": (2, 1, 32, 4), "mla": (2, 32, 2)}[preset]
         return np.zeros(small, np.float16), kind
     if kind == "dtype":
         return np.zeros(shape, rng.choice([np.clongdouble, object, "V3", "V6"])), kind
@@ -1459,7 +1472,8 @@ def _bad_cache(preset: str, rng: random.Random) -> tuple[Any, str]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 return torch.nested.nested_tensor([dense]), "torch nested"
-        return torch.zeros((1,) * (len(shape) - 1) + (shape[-1],)).expand(*shape), "torch expanded"
+        last = 1 if preset == "mla" else shape[-1]
+        return torch.zeros((1,) * (len(shape) - 1) + (last,)).expand(*shape), "torch expanded"
     padded = np.zeros((*shape[:-1], shape[-1] + rng.choice([1, 4])), np.float32)
     if preset != "cpu":
         return padded[..., : shape[-1]][::-1], "reversed padded"
@@ -1476,6 +1490,7 @@ def test_the_presets_refuse_random_bad_caches_and_arguments_by_the_callers_names
         build(**kwargs)  # valid as built
         keys = ["kv_cache", "kv_cache", "read_bytes", "which"] + (["block_size", "num_kv_heads", "head_size", "isa"]
                                                                    if preset == "cpu" else [])
+        keys += ["head_size", "kv_cache_layout"] if preset == "packed" else []
         key = rng.choice(keys)
         if key == "kv_cache":
             kwargs[key], what = _bad_cache(preset, rng)
@@ -1488,6 +1503,11 @@ def test_the_presets_refuse_random_bad_caches_and_arguments_by_the_callers_names
         elif key == "isa":
             kwargs[key] = rng.choice(["neon", "amx", None, "VEC", 1])  # amx: the preset caches are not bf16
             what = f"isa={kwargs[key]!r}"
+        elif key == "kv_cache_layout":  # an unknown name, or a real layout these strides do not store
+            kwargs[key] = rng.choice(["NHD", "lbhnc", None, 3, "LBNHC", "LHBNC"])
+            what = f"kv_cache_layout={kwargs[key]!r}"
+            if kwargs[key] is None:
+                continue  # no layout named: accepted
         else:
             kwargs[key] = rng.choice([0, -1, 7, 64, *BAD_SCALARS])
             what = f"{key}={kwargs[key]!r}"
@@ -1503,7 +1523,7 @@ def test_preset_sources_over_random_torch_caches_moved_later_refuse_every_launch
         preset = rng.choice(list(PRESET_SHAPES))
         build, kwargs = _preset_call(preset)
         cache = torch.zeros(PRESET_SHAPES[preset])
-        source = build(**{**kwargs, "kv_cache": cache, "which": rng.choice("kv")})
+        source = build(**{**kwargs, "kv_cache": cache, "which": "k" if preset == "mla" else rng.choice("kv")})
         ctx = kc.VerifyOrWriteContext.allocate(num_slots=16, ring_capacity=4, real_kv_sources=(source,),
                                                real_kv_hash_mode=kc.RealKvHashMode.ALL)
         move = rng.choice(["set_", "resize_", "storage resize"])

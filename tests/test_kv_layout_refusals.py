@@ -95,22 +95,22 @@ CACHE = np.zeros((2, 1, 4, 16), np.float32)
     (lambda: vllm(np.zeros((2, 1, 2, 20), np.float32)[..., :16], bs=2),
      "kv_cache must be contiguous within each (block, head) plane of block_size * 2 * head_size elements, got "
      "strides (40, 40, 20, 1) (in elements)"),
-    (lambda: flash_attn_source(np.zeros((2, 2, 16, 1, 8), np.float32), which="K", read_bytes=16),
+    (lambda: flash_attn_source(np.zeros((2, 1, 16, 16), np.float32), which="K", read_bytes=16),
      "which must be 'k' or 'v', got 'K'"),
     (lambda: flash_attn_source("cache", which="k", read_bytes=16),
      "kv_cache must be an array (NumPy, CuPy, or any DLPack producer such as a torch tensor), got str"),
-    (lambda: flash_attn_source(np.zeros((2, 2, 16, 8), np.float32), which="k", read_bytes=16),
-     "kv_cache must be 5-D [2, num_blocks, block_size, num_kv_heads, head_size], got shape (2, 2, 16, 8)"),
-    (lambda: flash_attn_source(np.zeros((2, 2, 16, 1, 8), np.float32)[:, ::-1], which="k", read_bytes=16),
-     "kv_cache has a negative stride (1024, -512, 32, 32, 4); only non-negative strides are read in place"),
-    (lambda: flashinfer_hnd_source(np.zeros((2, 2, 1, 16, 8), np.float32), which="", read_bytes=16),
+    (lambda: flash_attn_source(np.zeros((2, 2, 16, 1, 8), np.float32), which="k", read_bytes=16),
+     "kv_cache must be 4-D [num_blocks, num_kv_heads, block_size, 2 * head_size], got shape (2, 2, 16, 1, 8)"),
+    (lambda: flash_attn_source(np.zeros((2, 2, 16, 16), np.float32)[:, ::-1], which="k", read_bytes=16),
+     "kv_cache has a negative stride (2048, -1024, 64, 4); only non-negative strides are read in place"),
+    (lambda: flashinfer_hnd_source(np.zeros((2, 1, 16, 16), np.float32), which="", read_bytes=16),
      "which must be 'k' or 'v', got ''"),
     (lambda: flashinfer_hnd_source("cache", which="k", read_bytes=16),
      "kv_cache must be an array (NumPy, CuPy, or any DLPack producer such as a torch tensor), got str"),
-    (lambda: flashinfer_hnd_source(np.zeros((2, 2, 1, 16), np.float32), which="k", read_bytes=16),
-     "kv_cache must be 5-D [num_blocks, 2, num_kv_heads, block_size, head_size], got shape (2, 2, 1, 16)"),
-    (lambda: flashinfer_hnd_source(np.zeros((2, 2, 1, 16, 8), np.float32)[::-1], which="k", read_bytes=16),
-     "kv_cache has a negative stride (-1024, 512, 512, 32, 4); only non-negative strides are read in place"),
+    (lambda: flashinfer_hnd_source(np.zeros((2, 16, 16), np.float32), which="k", read_bytes=16),
+     "kv_cache must be 4-D [num_blocks, num_kv_heads, block_size, 2 * head_size], got shape (2, 16, 16)"),
+    (lambda: flashinfer_hnd_source(np.zeros((2, 2, 16, 16), np.float32)[::-1], which="k", read_bytes=16),
+     "kv_cache has a negative stride (-2048, 1024, 64, 4); only non-negative strides are read in place"),
 ], ids=["isa", "block_size-type", "block_size-0", "heads-type", "heads-0", "head_size-type", "head_size-0",
         "vllm-not-array", "vllm-rank", "vllm-empty", "vllm-shape", "vllm-negative-stride", "vllm-partial-element",
         "vllm-padded-plane", "flash-which", "flash-not-array", "flash-rank", "flash-negative-stride",
@@ -131,9 +131,9 @@ def test_vllm_preset_reads_block_size_1_whatever_the_stride_of_its_token_axis():
 
 
 def test_presets_read_a_cache_broadcast_over_blocks_with_page_stride_0():
-    one = np.arange(16 * 2 * 8, dtype=np.float32).reshape(16, 2, 8)
-    flash = flash_attn_source(np.broadcast_to(one, (2, 3, 16, 2, 8)), which="v", read_bytes=16)
-    assert (flash.layout.page_stride, flash.layout.token_stride, flash.layout.head_stride) == (0, 64, 32)
-    hnd = np.broadcast_to(one.transpose(1, 0, 2), (3, 2, 2, 16, 8))
+    one = np.arange(16 * 2 * 16, dtype=np.float32).reshape(16, 2, 16)  # one block, tokens outside heads
+    flash = flash_attn_source(np.broadcast_to(one.transpose(1, 0, 2), (3, 2, 16, 16)), which="v", read_bytes=16)
+    assert (flash.layout.page_stride, flash.layout.token_stride, flash.layout.head_stride) == (0, 128, 64)
+    hnd = np.broadcast_to(np.ascontiguousarray(one.transpose(1, 0, 2)), (3, 2, 16, 16))  # heads outside tokens
     infer = flashinfer_hnd_source(hnd, which="k", read_bytes=16)
-    assert (infer.layout.page_stride, infer.layout.token_stride, infer.layout.head_stride) == (0, 64, 32)
+    assert (infer.layout.page_stride, infer.layout.token_stride, infer.layout.head_stride) == (0, 64, 1024)

@@ -264,25 +264,41 @@ def test_vllm_cpu_preset_checks_the_shape_and_which():
         vllm_cpu_source(cache[0], block_size=32, num_kv_heads=1, head_size=16, which="v", read_bytes=16, isa="vec")
 
 
+def packed_cache(k: np.ndarray, v: np.ndarray, block_size: int, order: str) -> np.ndarray:
+    """vLLM 0.32's packed attention cache ``[blocks, heads, block_size, 2 * D]`` (K then V in the last axis) from
+    per-slot K/V, stored with a block's tokens outside its heads (``order="NH"``, LBNHC) or inside (``"HN"``,
+    LBHNC), element by element."""
+    slots, heads, d = k.shape
+    blocks = slots // block_size
+    storage = np.zeros((blocks, block_size, heads, 2 * d) if order == "NH" else (blocks, heads, block_size, 2 * d),
+                       k.dtype)
+    for s in range(slots):
+        b, t = divmod(s, block_size)
+        for h in range(heads):
+            at = (b, t, h) if order == "NH" else (b, h, t)
+            storage[at][:d] = k[s, h]
+            storage[at][d:] = v[s, h]
+    return storage.transpose(0, 2, 1, 3) if order == "NH" else storage
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_flash_attn_preset_hashes_like_contiguous_kv(mode):
     blocks, bs, heads, d = 3, 16, 4, 8
     k, v = per_token_kv(blocks * bs, heads, d, np.float16, 5), per_token_kv(blocks * bs, heads, d, np.float16, 6)
-    cache = np.stack([k.reshape(blocks, bs, heads, d), v.reshape(blocks, bs, heads, d)])
+    cache = packed_cache(k, v, bs, "NH")
     slots = np.arange(blocks * bs)
     for which, values in (("k", k), ("v", v)):
         source = flash_attn_source(cache, which=which, read_bytes=64)
-        assert source.layout.access_kind() == ACCESS_TOKEN_RUN
+        assert source.layout.access_kind() == ACCESS_HEAD_RUNS
         assert fingerprints([source], slots, mode) == contiguous_fingerprints(values, 64, mode, slots)
 
 
-def test_flash_attn_preset_follows_a_permuted_allocation():
-    # The same logical [2, blocks, bs, heads, d] cache stored heads-first: the preset reads its strides.
+def test_flash_attn_preset_follows_a_heads_outside_tokens_allocation():
+    # The same logical [blocks, heads, bs, 2d] cache stored heads outside tokens (LBHNC): the preset reads its
+    # strides.
     blocks, bs, heads, d = 2, 16, 2, 8
     k, v = per_token_kv(blocks * bs, heads, d, np.float32, 7), per_token_kv(blocks * bs, heads, d, np.float32, 8)
-    logical = np.stack([k.reshape(blocks, bs, heads, d), v.reshape(blocks, bs, heads, d)])
-    storage = np.ascontiguousarray(logical.transpose(0, 1, 3, 2, 4))  # [2, blocks, heads, bs, d] in memory
-    cache = storage.transpose(0, 1, 3, 2, 4)
+    cache = packed_cache(k, v, bs, "HN")
     slots = np.arange(blocks * bs)
     source = flash_attn_source(cache, which="v", read_bytes=64)
     assert fingerprints([source], slots, MODE_ALL) == contiguous_fingerprints(v, 64, MODE_ALL, slots)
@@ -292,8 +308,7 @@ def test_flash_attn_preset_follows_a_permuted_allocation():
 def test_flashinfer_hnd_preset_hashes_like_contiguous_kv(mode):
     blocks, bs, heads, d = 3, 16, 2, 8
     k, v = per_token_kv(blocks * bs, heads, d, np.float32, 9), per_token_kv(blocks * bs, heads, d, np.float32, 10)
-    hnd = lambda x: x.reshape(blocks, bs, heads, d).transpose(0, 2, 1, 3)  # noqa: E731
-    cache = np.ascontiguousarray(np.stack([hnd(k), hnd(v)], axis=1))  # [blocks, 2, heads, bs, d]
+    cache = packed_cache(k, v, bs, "HN")
     slots = np.arange(blocks * bs)
     for which, values in (("k", k), ("v", v)):
         source = flashinfer_hnd_source(cache, which=which, read_bytes=64)
@@ -301,13 +316,13 @@ def test_flashinfer_hnd_preset_hashes_like_contiguous_kv(mode):
         assert fingerprints([source], slots, mode) == contiguous_fingerprints(values, 64, mode, slots)
 
 
-def test_presets_refuse_the_wrong_rank_or_kv_axis():
-    with pytest.raises(kc.CanaryArgumentError, match="kv_cache must have 2 on axis 0"):
-        flash_attn_source(np.zeros((3, 2, 16, 2, 8), np.float32), which="k", read_bytes=16)
-    with pytest.raises(kc.CanaryArgumentError, match="kv_cache must have 2 on axis 1"):
+def test_presets_refuse_the_wrong_rank_or_an_odd_content_axis():
+    with pytest.raises(kc.CanaryArgumentError, match=r"kv_cache's last axis \(15 elements\) is not 2 \* head_size"):
+        flash_attn_source(np.zeros((3, 2, 16, 15), np.float32), which="k", read_bytes=16)
+    with pytest.raises(kc.CanaryArgumentError, match="must be 4-D"):
         flashinfer_hnd_source(np.zeros((2, 3, 2, 16, 8), np.float32), which="k", read_bytes=16)
-    with pytest.raises(kc.CanaryArgumentError, match="must be 5-D"):
-        flash_attn_source(np.zeros((2, 2, 16, 8), np.float32), which="k", read_bytes=16)
+    with pytest.raises(kc.CanaryArgumentError, match="must be 4-D"):
+        flash_attn_source(np.zeros((2, 2, 16, 8, 1), np.float32), which="k", read_bytes=16)
 
 
 def _padded_last_axis(bs: int, heads: int, d: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
@@ -359,29 +374,29 @@ def _preset_cases():
     cpu = dict(block_size=32, num_kv_heads=2, head_size=8, isa="vec")
     raw = np.zeros(2 * 2 * 32 * 2 * 8 * 4 + 64, np.uint8)
     start = (-raw.ctypes.data) % 16 + 4  # 4 bytes past a 16-byte boundary
-    misaligned = raw[start : start + 2 * 2 * 32 * 2 * 8 * 4].view(np.float32).reshape(2, 2, 32, 2, 8)
-    yield "read_bytes not whole units", lambda: flash_attn_source(np.zeros((2, 2, 32, 2, 8), np.float32),
+    misaligned = raw[start : start + 2 * 2 * 32 * 2 * 8 * 4].view(np.float32).reshape(2, 2, 32, 16)
+    yield "read_bytes not whole units", lambda: flash_attn_source(np.zeros((2, 2, 32, 16), np.float32),
                                                                    which="k", read_bytes=24), "read_bytes must be"
-    yield "read_bytes past a token", lambda: flashinfer_hnd_source(np.zeros((2, 2, 2, 32, 8), np.float32),
+    yield "read_bytes past a token", lambda: flashinfer_hnd_source(np.zeros((2, 2, 32, 16), np.float32),
                                                                     which="v", read_bytes=128), "read_bytes must be"
     yield "read_bytes a str", lambda: vllm_cpu_source(np.zeros((2, 2, 32, 16), np.float32), which="k",
                                                       read_bytes="16", **cpu), "read_bytes must be an int"
     yield "read_bytes 0", lambda: vllm_cpu_source(np.zeros((2, 2, 32, 16), np.float32), which="v", read_bytes=0,
                                                   **cpu), "read_bytes must be"
-    yield "token not whole units", lambda: flash_attn_source(np.zeros((2, 2, 4, 1, 2), np.float16), which="k",
+    yield "token not whole units", lambda: flash_attn_source(np.zeros((2, 1, 4, 4), np.float16), which="k",
                                                              read_bytes=16), "kv_cache holds 4 bytes"
     yield "cpu token not whole units", lambda: vllm_cpu_source(np.zeros((2, 1, 32, 4), np.float16), block_size=32,
                                                                num_kv_heads=1, head_size=2, which="k", read_bytes=16,
                                                                isa="vec"), "kv_cache holds 4 bytes"
     yield "misaligned", lambda: flash_attn_source(misaligned, which="k", read_bytes=16), "kv_cache's 'k' part starts"
-    yield "broadcast heads", lambda: flash_attn_source(np.broadcast_to(np.zeros((1, 1, 1, 1, 8), np.float32),
-                                                                       (2, 2, 4, 2, 8)), which="k", read_bytes=16), \
+    yield "broadcast heads", lambda: flash_attn_source(np.broadcast_to(np.zeros((1, 1, 1, 16), np.float32),
+                                                                       (2, 2, 4, 16)), which="k", read_bytes=16), \
         "kv_cache's 'k' part, by its strides, reads 64 bytes per token"
     torch = pytest.importorskip("torch")
-    dense = torch.zeros((2, 2, 4, 2, 8))
+    dense = torch.zeros((2, 2, 4, 16))
     yield "torch sparse", lambda: flash_attn_source(dense.to_sparse(), which="k", read_bytes=16), "kv_cache"
     yield "torch meta", lambda: flash_attn_source(dense.to("meta"), which="k", read_bytes=16), "kv_cache"
-    yield "torch expanded", lambda: flashinfer_hnd_source(torch.zeros((1, 1, 1, 1, 8)).expand(2, 2, 2, 4, 8),
+    yield "torch expanded", lambda: flash_attn_source(torch.zeros((1, 1, 1, 16)).expand(2, 2, 4, 16),
                                                           which="v", read_bytes=16), "kv_cache's 'v' part, by"
 
 
@@ -400,9 +415,9 @@ def _torch_preset(name: str, torch):
         return cache, vllm_cpu_source(cache, block_size=4, num_kv_heads=2, head_size=8, which="v", read_bytes=64,
                                       isa="vec")
     if name == "flash":
-        cache = torch.arange(2 * 2 * 4 * 2 * 8, dtype=torch.float32).reshape(2, 2, 4, 2, 8)
+        cache = torch.arange(2 * 4 * 2 * 16, dtype=torch.float32).reshape(2, 4, 2, 16).transpose(1, 2)
         return cache, flash_attn_source(cache, which="v", read_bytes=64)
-    cache = torch.arange(2 * 2 * 2 * 4 * 8, dtype=torch.float32).reshape(2, 2, 2, 4, 8)
+    cache = torch.arange(2 * 2 * 4 * 16, dtype=torch.float32).reshape(2, 2, 4, 16)
     return cache, flashinfer_hnd_source(cache, which="v", read_bytes=64)
 
 

@@ -79,8 +79,7 @@ def _token_exact_and_quiet(result: dict) -> None:
 
 # -- a model the canary cannot check at all: disabled with one line, no hook, generate untouched ----------------
 
-@pytest.mark.parametrize(("fixture", "spec"), [("mistral_sw", "SlidingWindowSpec"),
-                                              ("deepseek_mla", "MLAAttentionSpec")])
+@pytest.mark.parametrize(("fixture", "spec"), [("mistral_sw", "SlidingWindowSpec")])
 def test_a_model_with_no_checkable_group_runs_unchecked_with_one_line(request, fixture, spec):
     result = request.getfixturevalue(fixture)
     assert [g[:2] for g in result["groups"]] == [[spec, False]]
@@ -104,6 +103,21 @@ def test_speculative_decoding_disables_the_canary_at_install_and_generate_is_unt
     assert len(lines) == 1 and "`speculative_config` set (method=ngram, num_speculative_tokens=3)" in lines[0]
     assert llama_ngram["hooked"] is False and llama_ngram["steps"] == 0
     assert "speculative" in llama_ngram["raise_partial"] and "speculative" in llama_ngram["raise_none"]
+
+
+# -- MLA: the latent-cache group checked whole (tests/vllm/test_vllm_mla.py catches a latent bit flip) ------
+
+def test_deepseek_mla_is_checked_whole_with_its_latent_rows_and_logs_nothing_unchecked(deepseek_mla):
+    assert deepseek_mla["groups"] == [["MLAAttentionSpec", True, True]]
+    assert deepseek_mla["canary_groups"] == ["G0"] and deepseek_mla["hooked"] is True
+    _token_exact_and_quiet(deepseek_mla)
+    assert _warnings(deepseek_mla) == []
+    assert deepseek_mla["steps"] > 0 and deepseek_mla["write_entries"] >= deepseek_mla["prompt_tokens"]
+    assert deepseek_mla["sweep_interval"] == 2
+    assert deepseek_mla["fault"] == [2, ["VERIFY_POSITION_MISMATCH", "WRITE_POSITION_MISMATCH"], 2]
+    for real_kv_hash in ("partial", "none"):
+        assert deepseek_mla[f"raise_{real_kv_hash}"][:3] == ["installed", True, 0]
+        assert deepseek_mla[f"raise_{real_kv_hash}_left_runner_as_it_was"]
 
 
 # -- hybrids: the attention group checked, the rest skipped with one line each ------------------------------

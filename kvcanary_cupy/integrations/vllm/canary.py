@@ -32,12 +32,12 @@ from ..._errors import fail
 from ..._validate import bool_arg
 from ...constants import MAX_REAL_KV_SOURCES
 from ...context import RealKvSource
-from ...kv_layouts import vllm_cpu_source
 from ...layouts import TokenTable
 from ...runtime import CanaryConfig, CanaryRuntime, Capacities, KvGroup, KvPools
 from ..common.options import EngineCanaryOptions
 from ..common.state import EngineCanaryState, StepViolation
 from .blocks import BlockIndex
+from .layers import layer_sources
 from .step import RequestHistories, VllmStep, build_step
 from .support import Support, assess
 
@@ -124,12 +124,9 @@ class GroupGeometry:
 
 def _layer_sources(geo: GroupGeometry, layer: Any, cache: Any, which: str, read_bytes: int | None,
                    spec: Any) -> list[RealKvSource]:
-    """The real-KV source of one layer (``which`` "k" or "v"), read in place through the CPU layout preset
-    (the layer's ISA decides the layout; one that is not implemented is refused, never read wrongly)."""
-    per_token = int(spec.num_kv_heads) * int(spec.head_size) * cache.element_size()
-    return [vllm_cpu_source(cache, block_size=geo.block_size, num_kv_heads=int(spec.num_kv_heads),
-                            head_size=int(spec.head_size), which=which, read_bytes=read_bytes or per_token,
-                            isa=str(getattr(layer, "isa", "vec")))]
+    """The real-KV sources of one layer (``which`` "k" or "v"), read in place in the layout vLLM gives the layer
+    (:func:`.layers.layer_sources`; one that is not understood is refused, never read wrongly)."""
+    return layer_sources(layer, cache, spec, which, read_bytes)
 
 
 class VllmCanaryState(EngineCanaryState):

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from .layers import attention_metadata
+
 FAULT_KINDS: dict[str, str] = {
     "kv-bitflip": "a bit flips in a live request's V bytes in a layer's KV cache tensor",
     "block-table": "a decoding request's block-table entry points at another request's block for a step",
@@ -64,7 +66,8 @@ def _rows(canary: Any, metadata: dict[str, Any]) -> tuple[list[_Row], Any]:
     n = int(batch.num_reqs)
     # the attention metadata of a layer the canary checks (a hybrid model's Mamba/GDN layers carry other kinds)
     state = getattr(canary, "state", None)
-    md = metadata[state.geos[0].layer_names[0]] if state is not None and state.geos else next(iter(metadata.values()))
+    md = attention_metadata(metadata[state.geos[0].layer_names[0]] if state is not None and state.geos
+                            else next(iter(metadata.values())))
     cu = md.query_start_loc[: n + 1].tolist()
     seq = md.seq_lens[:n].tolist()
     rows = [_Row(rid, int(cu[i]), int(cu[i + 1] - cu[i]), int(seq[i] - (cu[i + 1] - cu[i])))

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..._errors import fail
 from ..common.state import host_array
+from .layers import attention_metadata
 
 __all__ = ["RequestHistories", "VllmStep", "build_step"]
 
@@ -174,7 +175,7 @@ def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[st
     batch = runner.input_batch
     b = int(batch.num_reqs)
     ids = list(batch.req_ids[:b])
-    first = metadata[geos[0].layer_names[0]]
+    first = attention_metadata(metadata[geos[0].layer_names[0]])
     cu = _host(first.query_start_loc)[: b + 1].astype(np.int64)
     seq = _host(first.seq_lens)[:b].astype(np.int64)
     t = int(cu[b])
@@ -195,7 +196,7 @@ def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[st
     want_ids = flat[starts[row] + want_pos]
     tables, forward_slots = {}, {}
     for geo in geos:
-        md = metadata[geo.layer_names[0]]
+        md = attention_metadata(metadata[geo.layer_names[0]])
         tables[geo.index] = np.array(_host(md.block_table)[:b], np.int32)
         forward_slots[geo.index] = np.array(_host(md.slot_mapping)[:t], np.int64)
     # A same-step prefix hit: vLLM caches a block when it allocates it, so a row scheduled next to the row that

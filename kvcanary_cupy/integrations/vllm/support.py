@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._errors import fail
+from .layers import backend_name, is_mla_spec
 
 __all__ = ["CHECKED", "DISABLED", "PARTIAL", "RULES", "SKIPPED", "GroupDecision", "Rule", "Support", "assess",
            "support_at_install", "support_table"]
@@ -46,9 +47,9 @@ RULES: tuple[Rule, ...] = (
     Rule("sliding-window", "model kind", "sliding-window group (`SlidingWindowSpec`: Mistral, Gemma2/3 local layers)",
          SKIPPED, "vLLM frees a block once it leaves the window and hands it out again at once, while the worker's "
                   "block table keeps its id; verifying only in-window positions is not implemented"),
-    Rule("mla", "model kind", "multi-head latent attention (`MLAAttentionSpec`: DeepSeek-V2/V3)", SKIPPED,
-         "the latent cache `[blocks, block_size, 576]` (one row per token, no heads, no V) and the MLA backend's "
-         "metadata are not read yet"),
+    Rule("mla", "model kind", "multi-head latent attention (`MLAAttentionSpec`: DeepSeek-V2/V3)", CHECKED,
+         "every token's id, position and chain hash, and each layer's latent row `[blocks, block_size, 576]` "
+         "(one row per token: the compressed KV and K's rotary part; MLA stores no V)"),
     Rule("mamba", "model kind", "Mamba / gated-delta-net / linear-attention group (`MambaSpec`: Qwen3-Next, Jamba)",
          SKIPPED, "it holds per-request recurrent state, not per-token KV: there is no token to check in it"),
     Rule("other-spec", "model kind", "any other KV cache spec (chunked-local, cross, encoder-only, sink, ...)",
@@ -69,6 +70,13 @@ RULES: tuple[Rule, ...] = (
     Rule("isa-other", "dtype", "layers on any other CPU ISA (`neon`, `vsx`, `vxe`, `rvv`: other CPU architectures)",
          PARTIAL, "that ISA's KV layout is not implemented: token ids, positions and chain hashes are checked, the "
                   "K/V bytes are not (`real_kv_hash=none` asks for exactly that)"),
+    Rule("mla-latent", "dtype", "MLA layers on vLLM's `CPU_MLA` backend (`attention_backend=CPU_MLA`; tested with "
+                                "fp32 and bf16 models)", CHECKED,
+         "the latent rows are read in place, byte-exact"),
+    Rule("mla-other", "dtype", "MLA layers on any other MLA backend (`AMX_MLA`, vLLM's bf16 default on an AMX CPU; "
+                               "the GPU MLA backends)", PARTIAL,
+         "that backend's latent cache layout is not verified here: token ids, positions and chain hashes are "
+         "checked, the latent bytes are not"),
     # whole-engine features
     Rule("speculative", "speculative decoding", "`speculative_config` set (ngram, draft_model, EAGLE, MTP, ...)",
          DISABLED, "draft positions and the provisional K/V of rejected drafts are not modelled yet; unset "
@@ -184,10 +192,15 @@ class Support:
         return None
 
 
-def _layout_rule(forward_context: dict[str, Any], layer_names: tuple[str, ...]) -> tuple[Rule, str]:
+def _layout_rule(forward_context: dict[str, Any], layer_names: tuple[str, ...], spec: Any = None) \
+        -> tuple[Rule, str]:
     """``isa-vec`` when every layer of the group has CPU attention's ``vec`` layout (``vec16`` writes the same),
     ``isa-amx`` when they have ``amx`` layouts (a cache of 2- or 1-byte elements, as vLLM gives only bf16 models
-    and fp8 caches ``amx``), else ``isa-other``; and the ISAs seen (``None``: a layer vLLM set none on)."""
+    and fp8 caches ``amx``), else ``isa-other``; and the ISAs seen (``None``: a layer vLLM set none on). An MLA
+    group: ``mla-latent`` when every layer runs on ``CPU_MLA``, else ``mla-other``; and the backends seen."""
+    if is_mla_spec(spec):
+        backends = {str(backend_name(forward_context.get(name))) for name in layer_names}
+        return (RULE["mla-latent"] if backends == {"CPU_MLA"} else RULE["mla-other"]), "/".join(sorted(backends))
     layers = [forward_context.get(name) for name in layer_names]
     isas = {str(getattr(layer, "isa", None)) for layer in layers}
     seen = "/".join(sorted(isas))
@@ -245,7 +258,7 @@ def assess(runner: Any) -> Support:
         spec = group.kv_cache_spec
         names = tuple(group.layer_names)
         rule = _group_rule(spec)
-        layout, isa = _layout_rule(forward_context, names) if rule.status == CHECKED else (None, "")
+        layout, isa = _layout_rule(forward_context, names, spec) if rule.status == CHECKED else (None, "")
         groups.append(GroupDecision(index, type(spec).__name__, names, rule, layout, isa))
     return Support(runner=cls.__name__, groups=groups, engine=engine)
 
