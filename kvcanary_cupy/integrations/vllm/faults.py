@@ -315,7 +315,7 @@ class RejectedDraftKept(Injector):
         st = canary.state
         geo = st.geos[0]
         bs = geo.block_size
-        for i, row in enumerate(rows):
+        for row in rows:
             first, drafts = self.drafted.get(row.rid, (-1, []))
             accepted = row.past - first
             if row.query < 1 or not 0 <= accepted < len(drafts):

@@ -189,8 +189,8 @@ def with_drafts(histories: RequestHistories, ids: list[str], requests: Any, ends
     parts: list[np.ndarray] = []
     confirmed = ends.copy()
     for i, (rid, end, new) in enumerate(zip(ids, ends.tolist(), extend.tolist(), strict=True)):
-        draft = drafts.get(rid)
-        d = min(len(draft), int(new)) if draft else 0
+        draft = drafts.get(rid) or ()
+        d = min(len(draft), int(new))
         history = histories.history(rid, requests[rid], int(end) - d)
         if d:
             history = np.concatenate([history, np.asarray(list(draft)[:d], np.int64)])
