@@ -209,7 +209,8 @@ def main() -> None:
     lines.lines.clear()
     raised = kv.install(llm, mode="raise", backend="numpy")
     assert llm.reset_prefix_cache()
-    result["raise"] = [loads[1]["mixed-lengths"].run(llm) == want[1, "mixed-lengths"]]
+    last = seeds[-1]
+    result["raise"] = [loads[last]["mixed-lengths"].run(llm) == want[last, "mixed-lengths"]]
     raised.finish()
     result["raise"] += [len(raised.violations), raised.steps, [level for level, _ in lines.lines]]
     raised.remove()
