@@ -14,6 +14,7 @@ import logging
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -96,13 +97,40 @@ def test_a_model_with_no_checkable_group_runs_unchecked_with_one_line(request, f
         assert result[f"raise_{real_kv_hash}_left_runner_as_it_was"]
 
 
-def test_speculative_decoding_disables_the_canary_at_install_and_generate_is_untouched(llama_ngram):
-    assert [g[:2] for g in llama_ngram["groups"]] == [["FullAttentionSpec", True]]
+def test_ngram_speculative_decoding_is_checked_whole_and_raise_mode_installs(llama_ngram):
+    assert [g[:3] for g in llama_ngram["groups"]] == [["FullAttentionSpec", True, True]]
     _token_exact_and_quiet(llama_ngram)
-    lines = _warnings(llama_ngram)
-    assert len(lines) == 1 and "`speculative_config` set (method=ngram, num_speculative_tokens=3)" in lines[0]
-    assert llama_ngram["hooked"] is False and llama_ngram["steps"] == 0
-    assert "speculative" in llama_ngram["raise_partial"] and "speculative" in llama_ngram["raise_none"]
+    assert _warnings(llama_ngram) == []
+    assert llama_ngram["hooked"] is True and llama_ngram["steps"] > 0
+    assert llama_ngram["fault"][0] is not False and "WRITE_POSITION_MISMATCH" in llama_ngram["fault"][1]
+    for real_kv_hash in ("partial", "none"):
+        installed, exact, violations, steps = llama_ngram[f"raise_{real_kv_hash}"]
+        assert (installed, exact, violations) == ("installed", True, 0) and steps > 0
+        assert llama_ngram[f"raise_{real_kv_hash}_left_runner_as_it_was"]
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "suffix"])
+def test_an_untested_speculative_method_disables_the_canary_at_install_with_its_own_rule(llm, caplog, method):
+    """A drafter that does not run here (a trained head or an MTP model): named by its method, refused in
+    ``raise`` mode, disabled with one line in ``log`` mode, generate untouched."""
+    runner = kv.find_runner(llm)
+    before = dict(vars(runner))
+    assert before["speculative_config"] is None
+    runner.speculative_config = SimpleNamespace(method=method, num_speculative_tokens=3)
+    try:
+        with pytest.raises(ValueError, match=rf"^kv-canary: mode='raise' refuses this engine at install: .*"
+                                             rf"method={method}, num_speculative_tokens=3.*unset `speculative_config`"):
+            kv.install(llm, mode="raise")
+        assert set(vars(runner)) == set(before)
+        with caplog.at_level(logging.INFO, logger="kvcanary_cupy.vllm"):
+            canary = kv.install(llm, backend="numpy")
+        canary.remove()
+        assert [rule.key for rule, _ in canary.support.engine] == ["speculative-other"]
+        assert canary.disabled is not None and "_model_forward" not in vars(runner)
+    finally:
+        runner.speculative_config = before["speculative_config"]
+    assert [r.getMessage().split(",")[0] for r in _ours(caplog)] == ["kv-canary disabled in CPUModelRunner"]
+    assert set(vars(runner)) == set(before)
 
 
 # -- MLA: the latent-cache group checked whole (tests/vllm/test_vllm_mla.py catches a latent bit flip) ------

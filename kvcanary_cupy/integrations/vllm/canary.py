@@ -165,6 +165,8 @@ class VllmCanaryState(EngineCanaryState):
             v: list[RealKvSource] = []
             if opts.real_kv_hash != "none" and decision.real_kv:
                 for name, cache in zip(group.layer_names, caches, strict=True):
+                    if name in self.support.draft_layers:  # written by the drafter outside the forward
+                        continue
                     k += _layer_sources(geo, forward_context[name], cache, "k", read, spec)
                     if opts.with_v:
                         v += _layer_sources(geo, forward_context[name], cache, "v", read, spec)
@@ -203,6 +205,9 @@ class VllmCanaryState(EngineCanaryState):
         # Per request, the first position a step left unstamped (more same-step re-stamps than the step's
         # capacity, see build_step): a later step of that request re-stamps from there before it verifies.
         self.unstamped: dict[str, int] = {}
+        # this step's draft tokens per request (the scheduler's ``scheduled_spec_decode_tokens``; speculative
+        # decoding), set by the step hook before the forward
+        self.drafts: dict[str, list[int]] = {}
         self.rt = CanaryRuntime.create(opts.config(), KvPools(tuple(groups), layout=None), caps, device="cpu",
                                        framework="numpy", timer=self._timer, sweep_source=self._cached_slots)
         # The runner's own dummy/profile forwards never reach the canary (only execute_model's do), so the
@@ -219,7 +224,7 @@ class VllmCanaryState(EngineCanaryState):
     def read_step(self, kwargs: dict[str, Any], metadata: dict[str, Any]) -> VllmStep:
         """This step's plan inputs (:func:`.step.build_step`, with the token histories kept from the last step)."""
         return build_step(self.steps, self.runner, kwargs, metadata, self.geos, self.max_tokens, self.unstamped,
-                          self.histories)
+                          self.histories, self.drafts)
 
     def before_forward(self, batch: VllmStep) -> None:
         """Phases 1 and 2 of every group: stage the batch, then plan, HEAD verify and HEAD write."""
@@ -266,10 +271,20 @@ class VllmCanaryState(EngineCanaryState):
         block still being filled dropped (vLLM may have handed it out again since it was last complete; it does
         not zero reused blocks here, so the runner's own tables are the only record of reuse)."""
         totals = batch.prefix_lens + batch.extend_lens
+        provisional = None
+        if batch.confirmed_lens is not None:
+            # draft tokens: stamped, but a block is complete only with accepted ones (the blocks past them are
+            # dropped like a deferred row's, and no other row stamps a row's draft positions)
+            totals = np.minimum(totals, batch.confirmed_lens)
+            rows = np.repeat(np.arange(batch.size, dtype=np.int64), batch.extend_lens)
+            provisional = batch.expected_positions >= batch.confirmed_lens[rows]
         for geo in self.geos:
             # a row the step left partly unstamped (``deferred``): the forward wrote up to its history's end;
             # its blocks past the stamped ones are dropped, unless another row stamps them in this step
-            stamped = batch.slot_mappings[geo.index] // geo.block_size if batch.deferred else None
+            stamped = None
+            if batch.deferred:
+                slots = batch.slot_mappings[geo.index]
+                stamped = (slots if provisional is None else slots[~provisional]) // geo.block_size
             self.block_index.note_step(geo.index, batch.block_tables[geo.index], totals, batch.valid_lens, stamped)
 
     def _cached_slots(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

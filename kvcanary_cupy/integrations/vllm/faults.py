@@ -19,7 +19,9 @@ KV cache tensor), so the engine really runs with the fault:
 * ``preempt-reuse`` -- a block freed on preemption and handed to another request while a resumed request still
   maps it: the resumed request's block-table entry points at its old block, now another request's;
 * ``wrong-token`` -- a token id in the forward's ``input_ids`` replaced by another id;
-* ``position-shift`` -- one token's position in the forward's ``positions`` shifted by one.
+* ``position-shift`` -- one token's position in the forward's ``positions`` shifted by one;
+* ``draft-rejected-kept`` (speculative decoding only) -- a rejected draft token's K/V left in place and read as
+  the token sampled for its position (vllm#47466).
 """
 
 from __future__ import annotations
@@ -293,15 +295,82 @@ class PositionShift(Injector):
         self.fault = InjectedFault(self.kind, step, row.rid, old, None, f"position {old} -> {old + 1}")
 
 
+class RejectedDraftKept(Injector):
+    """A rejected draft's K/V left in place and read as an accepted token (the shape of vllm#47466: the target
+    attends to the KV of a draft token the previous step rejected). Armed on a speculative-decoding engine, it
+    remembers each row's draft positions after a step; at the next step of a row whose drafts were rejected from
+    position ``q`` on, the write of the token sampled for ``q`` (the row's first token now) is sent to a block no
+    request holds, so slot ``q`` keeps the rejected draft's K/V and records while attention reads it."""
+
+    kind = "draft-rejected-kept"
+
+    def __init__(self, at: int = 0, seed: int = 0) -> None:
+        super().__init__(at, seed)
+        self.drafted: dict[str, tuple[int, list[int]]] = {}  # request -> (its first draft position, the drafts)
+
+    def after_forward(self, canary: Any, step: int, batch: Any) -> None:
+        super().after_forward(canary, step, batch)
+        drafts = canary.state.drafts
+        self.drafted = {rid: (int(batch.valid_lens[i]) - len(drafts[rid]), list(drafts[rid]))
+                        for i, rid in enumerate(batch.request_ids) if drafts.get(rid)}
+
+    def fire(self, canary, step, kwargs, metadata, rows, md):
+        st = canary.state
+        geo = st.geos[0]
+        bs = geo.block_size
+        for row in rows:
+            first, drafts = self.drafted.get(row.rid, (-1, []))
+            accepted = row.past - first
+            if row.query < 1 or not 0 <= accepted < len(drafts):
+                continue  # no draft of this row was rejected in the step before
+            state = canary.runner.requests[row.rid]
+            max_tokens = getattr(getattr(state, "sampling_params", None), "max_tokens", None)
+            if max_tokens is not None and max_tokens - len(state.output_token_ids) < 3:
+                continue  # the request ends before a later step reads the position
+            used = {int(b) for b in md.block_table[: len(rows)].reshape(-1).tolist()} | {b for (_, b) in
+                                                                                        st.block_index}
+            spare = next((b for b in range(geo.num_blocks - 1, 0, -1) if b not in used), None)
+            if spare is None:
+                return
+            token = row.start
+            old = -1
+            seen: set[int] = set()
+            tensors = [m.slot_mapping for m in metadata.values()]
+            from vllm.forward_context import get_forward_context
+
+            ctx = get_forward_context()
+            if isinstance(getattr(ctx, "slot_mapping", None), dict):
+                tensors += list(ctx.slot_mapping.values())
+            for t in tensors:
+                if id(t) in seen:
+                    continue
+                seen.add(id(t))
+                old = int(t[token])
+                t[token] = spare * bs + row.past % bs
+            self.fault = InjectedFault(self.kind, step, row.rid, row.past, old,
+                                       f"rejected draft {drafts[accepted]} kept at position {row.past} (slot {old}); "
+                                       f"the sampled token's K/V went to block {spare}")
+            return
+
+
 INJECTORS: dict[str, type[Injector]] = {cls.kind: cls for cls in (
     KvBitflip, BlockTableRedirect, SlotMappingRedirect, PrefixUnwritten, PrefixForeign, PreemptReuse, WrongToken,
     PositionShift)}
 
+# Faults that need an engine with speculative decoding (``speculative_config``: ngram or draft_model).
+SPECULATIVE_FAULT_KINDS: dict[str, str] = {
+    "draft-rejected-kept": "a rejected draft's K/V stays in place and is read as the token sampled for its position "
+                           "(vllm#47466)",
+}
+SPECULATIVE_INJECTORS: dict[str, type[Injector]] = {RejectedDraftKept.kind: RejectedDraftKept}
+
 
 def injector(kind: str, at: int = 0, seed: int = 0) -> Injector:
-    """An armed injector of ``kind`` (one of :data:`FAULT_KINDS`)."""
+    """An armed injector of ``kind`` (one of :data:`FAULT_KINDS`, or of :data:`SPECULATIVE_FAULT_KINDS` on an
+    engine with speculative decoding)."""
     from ..._errors import fail
 
-    if kind not in INJECTORS:
-        fail(f"fault kind must be one of {sorted(INJECTORS)}, got {kind!r}")
-    return INJECTORS[kind](at, seed)
+    kinds = {**INJECTORS, **SPECULATIVE_INJECTORS}
+    if kind not in kinds:
+        fail(f"fault kind must be one of {sorted(kinds)}, got {kind!r}")
+    return kinds[kind](at, seed)

@@ -177,6 +177,7 @@ class VllmCanary(InstanceOverrides):
         def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
             if self.state is not None:
                 self.state.forget_blocks(getattr(scheduler_output, "new_block_ids_to_zero", None))
+                self.state.drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
             self.preemptions += len(getattr(scheduler_output, "preempted_req_ids", None) or ())
             self.in_step = True
             self._hook_failed = False

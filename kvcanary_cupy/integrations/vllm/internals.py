@@ -44,9 +44,10 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("vllm.v1.worker.gpu_input_batch:InputBatch", "read: req_ids, num_reqs (the batch rows' order)",
              attributes=("req_ids", "num_reqs")),
     Internal("vllm.v1.core.sched.output:SchedulerOutput",
-             "read: new_block_ids_to_zero (fresh blocks: dropped from the sweep), preempted_req_ids (counted)",
+             "read: new_block_ids_to_zero (fresh blocks: dropped from the sweep), preempted_req_ids (counted), "
+             "scheduled_spec_decode_tokens (the expected ids of draft positions)",
              attributes=("new_block_ids_to_zero", "preempted_req_ids", "num_scheduled_tokens",
-                         "total_num_scheduled_tokens")),
+                         "total_num_scheduled_tokens", "scheduled_spec_decode_tokens")),
     Internal("vllm.v1.kv_cache_interface:FullAttentionSpec", "read: block_size, num_kv_heads, head_size",
              attributes=("block_size", "num_kv_heads", "head_size")),
     Internal("vllm.model_executor.layers.attention:Attention", "read: kv_cache tensor, isa (CPU KV layout) and "
@@ -77,6 +78,10 @@ INTERNALS: tuple[Internal, ...] = (
              attributes=("parallel_config", "kv_transfer_config", "speculative_config")),
     Internal("vllm.config:ParallelConfig", "read at install: pipeline_parallel_size",
              attributes=("pipeline_parallel_size",)),
+    Internal("vllm.config:SpeculativeConfig", "read at install (runner.speculative_config): method (ngram and "
+             "draft_model checked, any other disables the canary)", attributes=("method", "num_speculative_tokens")),
+    Internal("vllm.v1.spec_decode.draft_model:DraftModelProposer", "read at install (runner.drafter): "
+             "_draft_attn_layer_names, the draft model's layers in the target's KV cache group (not fingerprinted)"),
     Internal("vllm.v1.worker.gpu.model_runner:GPUModelRunner", "Model Runner V2: recognised at install (no "
              "_model_forward, no requests) and left unchecked"),
     Internal("vllm.v1.engine.llm_engine:LLMEngine", "read: engine_core.engine_core.model_executor."

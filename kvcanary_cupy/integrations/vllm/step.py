@@ -5,12 +5,14 @@ A step is read from the forward's own tensors (``input_ids``, ``positions``) and
 (``query_start_loc``, ``seq_lens``, ``block_table``, ``slot_mapping``), copied out of vLLM's reused buffers before
 the forward, with array operations over the whole batch. The expected tokens come from the runner's request state
 (``prompt_token_ids + output_token_ids``), never from the batch; what a request's state gained since the last step
-(one token per decoding request) is all a step copies of it.
+(one token per decoding request) is all a step copies of it. Under speculative decoding a row's last tokens are
+the scheduler's draft tokens (``SchedulerOutput.scheduled_spec_decode_tokens``): their expected ids come from
+that list, and their positions are provisional (:func:`with_drafts`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -56,6 +58,14 @@ class VllmStep:
     restamped: bool  # some canary token is a re-stamp (the canary's token order is not the forward's)
     forward_len: int = 0  # tokens the forward received (the metadata's slot mapping is read up to here)
     deferred: dict[str, int] = field(default_factory=dict)  # request -> first position left unstamped
+    # int64 [B]: each row's tokens that are accepted (its history without this step's draft tokens); None: all
+    confirmed_lens: np.ndarray | None = None
+
+    @property
+    def accepted_lens(self) -> np.ndarray:
+        """Each row's tokens that stay whatever the sampler accepts: all it schedules but its draft tokens, whose
+        positions are provisional (rewritten by the next step from the first rejected one on)."""
+        return self.valid_lens if self.confirmed_lens is None else self.confirmed_lens
 
     def canary_tokens(self, forward_values: np.ndarray, restamp_values: np.ndarray) -> np.ndarray:
         """A per-token array of the forward (``[T]``) in the canary's token order, re-stamped tokens taken from
@@ -164,12 +174,40 @@ def _row_of_token(extend: np.ndarray, t: int) -> np.ndarray:
     return np.repeat(np.arange(extend.shape[0], dtype=np.int64), extend) if t else np.zeros(0, np.int64)
 
 
+def with_drafts(histories: RequestHistories, ids: list[str], requests: Any, ends: np.ndarray, extend: np.ndarray,
+                drafts: Mapping[str, Sequence[int]]) -> tuple[list[np.ndarray], np.ndarray]:
+    """Each row's expected history up to ``ends`` when some rows end in draft tokens (``drafts``: the scheduler's
+    draft tokens of this step, per request; at most the row's ``extend`` new tokens are drafts, the first of a
+    longer list), and each row's accepted length.
+
+    A row with ``d`` draft tokens schedules its last sampled token and the ``d`` drafts after it: its request
+    state holds the tokens up to ``ends - d``, the drafts are what the scheduler proposed for the positions
+    after. The forward writes their K/V and the canary stamps them like any token (an accepted draft is the
+    token the sampler keeps, its K/V the target model's); from the first rejected draft on, the next step
+    schedules those positions again and its write replaces both the K/V and the records. Until then they are
+    provisional: never indexed for the sweep (a block is complete only with accepted tokens), never verified
+    (the next step's prefix ends at the last accepted token)."""
+    parts: list[np.ndarray] = []
+    confirmed = ends.copy()
+    for i, (rid, end, new) in enumerate(zip(ids, ends.tolist(), extend.tolist(), strict=True)):
+        draft = drafts.get(rid) or ()
+        d = min(len(draft), int(new))
+        history = histories.history(rid, requests[rid], int(end) - d)
+        if d:
+            history = np.concatenate([history, np.asarray(list(draft)[:d], np.int64)])
+            confirmed[i] = end - d
+        parts.append(history)
+    return parts, confirmed
+
+
 def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[str, Any],
                geos: Sequence[GroupGeometry], max_tokens: int, pending: dict[str, int] | None = None,
-               histories: RequestHistories | None = None) -> VllmStep:
+               histories: RequestHistories | None = None,
+               drafts: Mapping[str, Sequence[int]] | None = None) -> VllmStep:
     """Read one step from the forward's arguments, the attention metadata and the runner's request state
     (``pending``: per request, the first position an earlier step left unstamped; ``histories``: the token
-    histories kept from the step before, a fresh one reads every request's state)."""
+    histories kept from the step before, a fresh one reads every request's state; ``drafts``: the step's
+    scheduled draft tokens per request, :func:`with_drafts`)."""
     if histories is None:
         histories = RequestHistories()
     batch = runner.input_batch
@@ -185,8 +223,13 @@ def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[st
     prefix = seq - extend
     ends = prefix + extend
     requests = runner.requests
-    # the one loop over requests: a dictionary look-up and the tokens each state gained since the last step
-    parts = [histories.history(rid, requests[rid], int(end)) for rid, end in zip(ids, ends.tolist(), strict=True)]
+    confirmed = None
+    if drafts:
+        parts, confirmed = with_drafts(histories, ids, requests, ends, extend, drafts)
+    else:
+        # the one loop over requests: a dictionary look-up and the tokens each state gained since the last step
+        parts = [histories.history(rid, requests[rid], int(end))
+                 for rid, end in zip(ids, ends.tolist(), strict=True)]
     histories.keep_only(ids)
     flat = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     starts = np.zeros(b + 1, np.int64)
@@ -219,7 +262,8 @@ def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[st
     # rows an earlier step left partly unstamped (rare: more same-step re-stamps than its capacity took)
     waiting = {i: pending[rid] for i, rid in enumerate(ids) if rid in pending} if pending else {}
     common = dict(step=step, request_ids=ids, rows=np.arange(1, b + 1, dtype=np.int64), input_ids=input_ids,
-                  positions=positions, history_ids=flat, valid_lens=ends, block_tables=tables, forward_len=t)
+                  positions=positions, history_ids=flat, valid_lens=ends, block_tables=tables, forward_len=t,
+                  confirmed_lens=confirmed)
     if not tail_rows.size and not waiting:
         return VllmStep(**common, prefix_lens=prefix, extend_lens=extend, expected_input_ids=want_ids,
                         expected_positions=want_pos, slot_mappings=forward_slots,

@@ -18,13 +18,17 @@ from typing import Any
 from ..._errors import fail
 from .layers import backend_name, is_mla_spec
 
-__all__ = ["CHECKED", "DISABLED", "PARTIAL", "RULES", "SKIPPED", "GroupDecision", "Rule", "Support", "assess",
-           "support_at_install", "support_table"]
+__all__ = ["CHECKED", "DISABLED", "PARTIAL", "RULES", "SKIPPED", "SPECULATIVE_METHODS", "UNHASHED", "GroupDecision",
+           "Rule", "Support", "assess", "support_at_install", "support_table"]
 
 CHECKED = "checked"
 PARTIAL = "checked without real-KV hashes"
 SKIPPED = "group skipped"
 DISABLED = "canary disabled"
+UNHASHED = "checked; these layers' K/V bytes not fingerprinted"
+
+# the speculative-decoding methods the canary checks (run token-exact on vLLM's CPU build, tested)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -78,9 +82,19 @@ RULES: tuple[Rule, ...] = (
          "that backend's latent cache layout is not verified here: token ids, positions and chain hashes are "
          "checked, the latent bytes are not"),
     # whole-engine features
-    Rule("speculative", "speculative decoding", "`speculative_config` set (ngram, draft_model, EAGLE, MTP, ...)",
-         DISABLED, "draft positions and the provisional K/V of rejected drafts are not modelled yet; unset "
-                   "`speculative_config` to check this engine"),
+    Rule("speculative", "speculative decoding", "`speculative_config` with method `ngram` or `draft_model`", CHECKED,
+         "draft positions expect the scheduler's draft tokens (`scheduled_spec_decode_tokens`) and are stamped as "
+         "they are written; from the first rejected draft on they are provisional (never verified, never swept) "
+         "until the next step writes those positions again"),
+    Rule("speculative-draft-kv", "speculative decoding", "the draft model's attention layers (`draft_model`: "
+                                                         "they join the target's KV cache group)", UNHASHED,
+         "the drafter writes their K/V after the target's forward, outside the hooked forward, and again in later "
+         "steps; their tokens, positions and chain hashes are the target's, checked, and the target verifies "
+         "every draft token, so a corruption there costs acceptance, never a wrong token"),
+    Rule("speculative-other", "speculative decoding", "`speculative_config` with any other method (EAGLE, "
+                                                      "EAGLE-3, MTP, DFlash, suffix, medusa, ...)", DISABLED,
+         "untested: these drafters need a trained head or an MTP model (none runs on this CPU build), and their "
+         "layers and inputs are not modelled; unset `speculative_config` to check this engine"),
     Rule("async", "scheduling", "async scheduling (`runner.use_async_scheduling`)", DISABLED,
          "the worker's request state holds -1 placeholders for sampled tokens; start vLLM with "
          "`async_scheduling=False` (`--no-async-scheduling`; on CPU vLLM always turns it off)"),
@@ -139,6 +153,7 @@ class Support:
     runner: str
     groups: list[GroupDecision]
     engine: list[tuple[Rule, str]]
+    draft_layers: tuple[str, ...] = ()  # the draft model's layers: checked, their K/V bytes not fingerprinted
 
     @property
     def checked_groups(self) -> list[GroupDecision]:
@@ -180,6 +195,16 @@ class Support:
             rule = RULE["hybrid-sweep"]
             lines.append(f"prefix-cache sweep off ({len(self.groups)} KV cache groups): {rule.why}")
         return [f"kv-canary: {line}" for line in lines]
+
+    def notes(self, real_kv_hash: str = "partial") -> list[str]:
+        """Lines logged at install in every mode for what is deliberately left out of the check without a gap in
+        it (the draft model's K/V bytes); empty when there is none."""
+        if self.disabled or not self.draft_layers or real_kv_hash == "none":
+            return []
+        rule = RULE["speculative-draft-kv"]
+        layers = ", ".join(self.draft_layers[:2]) + (f" and {len(self.draft_layers) - 2} more"
+                                                     if len(self.draft_layers) > 2 else "")
+        return [f"kv-canary: the draft model's layers ({layers}) are {rule.status}: {rule.why}"]
 
     def refusal(self, real_kv_hash: str) -> str | None:
         """What ``raise`` mode refuses at install: anything the canary would leave unchecked (a group skipped, K/V
@@ -231,10 +256,13 @@ def assess(runner: Any) -> Support:
     if cls.__module__.startswith("vllm.v1.worker.gpu.") or not hasattr(runner, "_model_forward") \
             or not hasattr(runner, "requests"):
         engine.append((RULE["runner-v2"], f"{cls.__module__}.{cls.__name__}"))
+    draft_layers: tuple[str, ...] = ()
     if getattr(runner, "speculative_config", None) is not None:
         spec = runner.speculative_config
-        engine.append((RULE["speculative"], f"method={getattr(spec, 'method', '?')}, "
-                                            f"num_speculative_tokens={getattr(spec, 'num_speculative_tokens', '?')}"))
+        method = getattr(spec, "method", None)
+        seen = f"method={method}, num_speculative_tokens={getattr(spec, 'num_speculative_tokens', '?')}"
+        engine.append((RULE["speculative" if method in SPECULATIVE_METHODS else "speculative-other"], seen))
+        draft_layers = _draft_layers(runner)
     if getattr(runner, "use_async_scheduling", False) is True:
         engine.append((RULE["async"], "runner.use_async_scheduling=True"))
     vllm_config = getattr(runner, "vllm_config", None)
@@ -260,7 +288,16 @@ def assess(runner: Any) -> Support:
         rule = _group_rule(spec)
         layout, isa = _layout_rule(forward_context, names, spec) if rule.status == CHECKED else (None, "")
         groups.append(GroupDecision(index, type(spec).__name__, names, rule, layout, isa))
-    return Support(runner=cls.__name__, groups=groups, engine=engine)
+    return Support(runner=cls.__name__, groups=groups, engine=engine, draft_layers=draft_layers)
+
+
+def _draft_layers(runner: Any) -> tuple[str, ...]:
+    """The attention layers of the runner's draft model (``draft_model`` speculative decoding): the drafter's
+    own list, and any layer registered under the draft model's prefix."""
+    names = set(getattr(getattr(runner, "drafter", None), "_draft_attn_layer_names", None) or ())
+    forward_context = getattr(getattr(runner, "compilation_config", None), "static_forward_context", None) or {}
+    names |= {name for name in forward_context if str(name).startswith("draft_model.")}
+    return tuple(sorted(names))
 
 
 def support_table() -> list[str]:
@@ -275,13 +312,15 @@ def support_at_install(runner: Any, options: Any) -> Support:
     (``kv-canary:`` ValueError, nothing hooked yet) what the canary would leave unchecked; ``log`` and ``off`` mode
     write one WARNING line per unchecked group or feature on the options' logger and go on."""
     support = assess(runner)
+    logger = logging.getLogger(options.logger)
     if options.mode == "raise":
         refusal = support.refusal(options.real_kv_hash)
         if refusal is not None:
             fail(f"mode='raise' refuses this engine at install: {refusal} (use mode='log' to check the rest"
                  f"{', or real_kv_hash=none for a layout it cannot read' if 'real-KV' in refusal else ''})")
-        return support
-    logger = logging.getLogger(options.logger)
-    for line in support.unchecked(options.real_kv_hash):
-        logger.warning("%s", line)
+    else:
+        for line in support.unchecked(options.real_kv_hash):
+            logger.warning("%s", line)
+    for line in support.notes(options.real_kv_hash):
+        logger.info("%s", line)
     return support
