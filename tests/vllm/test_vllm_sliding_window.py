@@ -276,6 +276,27 @@ def test_a_same_step_hit_reaching_below_the_window_restamps_from_zero_and_skips_
     assert flagged(state) == set()
 
 
+@pytest.mark.parametrize("hybrid", [False, True], ids=["mistral", "gemma"])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_same_step_hit_inside_the_window_verifies_nothing_below_the_window(seed, hybrid):
+    """Step 0: A writes 12 tokens (SW blocks 1, 2, 3; full 11, 12, 13). Step 1: B1 hits A's 12 and writes
+    12..19 (SW blocks 4, 5); B2, next to it, hits 16 (block 4 written in this very step) and writes 16..19
+    into block 6. vLLM's SW rows: B1 ``[0, 2, 3, 4, 5]`` (its window 7..12 leaves block 0 out), B2
+    ``[0, 0, 3, 4, 6]`` (window 11..16). B2 re-stamps 12..15 and its canary prefix is 12, so the runtime's
+    window reaches back to 7: positions 7..10 are below B2's real window (the null block and A's block 3, not
+    B2's to vouch for) and must read as slot 0, unverified. Nothing is flagged."""
+    runner = Runner(hybrid=hybrid)
+    state = canary_state(runner)
+    q = tokens(seed, 24)
+    run_step(state, runner, [Row("A", q[:12], 0, 12, both([1, 2, 3], [11, 12, 13], hybrid))], seed)
+    b1 = Row("B1", q[:20], 12, 8, both([0, 2, 3, 4, 5], [11, 12, 13, 14, 15], hybrid))
+    b2 = Row("B2", q[:20], 16, 4, both([0, 0, 3, 4, 6], [11, 12, 13, 14, 16], hybrid))
+    batch = run_step(state, runner, [b1, b2], seed)
+    assert batch.prefix_lens.tolist() == [12, 12] and batch.extend_lens.tolist() == [8, 8]
+    assert state.tables[SW][2, :16].tolist() == [0] * 11 + [15, 16, 17, 18, 19]
+    assert flagged(state) == set()
+
+
 # -- the sweep's block index of a window group ----------------------------------------------------------------
 
 @pytest.mark.parametrize("seed", range(3))
