@@ -29,8 +29,7 @@ def main() -> None:
 
     from kvcanary_cupy.integrations import vllm as kv
     from kvcanary_cupy.integrations.vllm.faults import MODEL_FAULT_KINDS, injector
-    from kvcanary_cupy.integrations.vllm.workloads import (ENGINE_ARGS, Workload, arch_engine_args, save_arch,
-                                                           workloads)
+    from kvcanary_cupy.integrations.vllm.workloads import ENGINE_ARGS, Workload, arch_engine_args, save_arch, workloads
 
     model_dir, arch, seed, kv_bytes = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     save_arch(model_dir, arch)
