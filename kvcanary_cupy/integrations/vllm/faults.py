@@ -148,7 +148,9 @@ class KvBitflip(Injector):
             done = int(batch.prefix_lens[i] + batch.extend_lens[i])
             if int(batch.extend_lens[i]) != 1 or done < 2:
                 continue
-            position = int(self.rng.integers(0, done - 1))
+            # a position the next step still reads (a sliding-window group's window ends there)
+            low = min(int(geo.window_starts(np.array([done]))[0]), done - 2)
+            position = int(self.rng.integers(low, done - 1))
             slot = batch.slot(geo, i, position)
             cache = geo.caches[0]
             block, offset = divmod(slot, geo.block_size)
