@@ -250,10 +250,10 @@ def test_a_same_step_hit_reaching_below_the_window_restamps_from_zero_and_skips_
     20-token prompt beginning with A's: B1 hits A's blocks and writes 8..19 (SW blocks 3, 4, 5); B2, next to
     it, hits 16 tokens (blocks 3 and 4 cached when B1 was given them, written in this very step) and writes
     16..19 into block 6. B2's window (11..16) leaves its first two SW blocks out: the null block there. B2's
-    same-step tail starts at 8, inside the SW group's stale part, so B2 re-stamps from 0: the full group all
-    of 0..15 again, the SW group 11..15 where its table says and 0..10 into slot 0 (the null block, never
-    verified: the records there only carry the chain from position 0 on, so that B2's records equal B1's).
-    Nothing is flagged, then or when both decode."""
+    same-step tail starts at 8, inside the SW group's stale part, so B2 re-stamps from 0: 8..15 where each
+    group's table says, except the SW group's 8..10 (below its window), and 0..7 (cached before the step, not
+    to be re-stamped over) into slot 0 (the null block, never verified: the records there only carry the chain
+    from position 0 on, so that B2's records equal B1's). Nothing is flagged, then or when both decode."""
     runner = Runner(hybrid=hybrid)
     state = canary_state(runner)
     q = tokens(seed, 24)
@@ -266,7 +266,7 @@ def test_a_same_step_hit_reaching_below_the_window_restamps_from_zero_and_skips_
     assert batch.slot_mappings[SW].tolist() == sw[8:20] + [0] * 11 + sw[11:16] + [6 * BS + k for k in range(4)]
     if hybrid:
         full = [b * BS + k for b in (11, 12, 13, 14, 15, 16) for k in range(BS)]
-        assert batch.slot_mappings[FULL].tolist() == full[8:20] + full[:16] + full[20:24]
+        assert batch.slot_mappings[FULL].tolist() == full[8:20] + [0] * 8 + full[8:16] + full[20:24]
     # then both decode: B2's window 12..20 reads its re-stamped slots and the step-1 writes
     b1.prefix, b1.extend, b2.prefix, b2.extend = 20, 1, 20, 1
     b1.tokens = b2.tokens = q[:21]
@@ -274,6 +274,28 @@ def test_a_same_step_hit_reaching_below_the_window_restamps_from_zero_and_skips_
     b2.blocks = both([0, 0, 3, 4, 6, 8], [11, 12, 13, 14, 16, 18], hybrid)
     run_step(state, runner, [b1, b2], seed)
     assert flagged(state) == set()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_restamp_from_zero_does_not_launder_a_corrupted_cached_block(seed):
+    """The hybrid schedule above, with a byte of A's full-attention block 11 (position 0's K) flipped between
+    step 0 and step 1: B1 verifies it at step 1 and both siblings at step 2, each time flagged, because B2's
+    re-stamp from 0 carries its chain through slot 0 instead of stamping the corrupted bytes' hash over
+    position 0's records."""
+    runner = Runner(hybrid=True)
+    state = canary_state(runner)
+    q = tokens(seed, 24)
+    run_step(state, runner, [Row("A", q[:8], 0, 8, {SW: [1, 2], FULL: [11, 12]})], seed)
+    runner.cache[11, 0].reshape(-1)[0] += 1.0  # K[element 0] of slot 44 (column-major: token 0 first)
+    b1 = Row("B1", q[:20], 8, 12, {SW: [1, 2, 3, 4, 5], FULL: [11, 12, 13, 14, 15]})
+    b2 = Row("B2", q[:20], 16, 4, {SW: [0, 0, 3, 4, 6], FULL: [11, 12, 13, 14, 16]})
+    run_step(state, runner, [b1, b2], seed)
+    b1.prefix, b1.extend, b2.prefix, b2.extend = 20, 1, 20, 1
+    b1.tokens = b2.tokens = q[:21]
+    b1.blocks = {SW: [1, 2, 3, 4, 5, 7], FULL: [11, 12, 13, 14, 15, 17]}
+    b2.blocks = {SW: [0, 0, 3, 4, 6, 8], FULL: [11, 12, 13, 14, 16, 18]}
+    run_step(state, runner, [b1, b2], seed)
+    assert {(step, group, slot) for step, group, slot, _ in flagged(state)} == {(1, "G1", 44), (2, "G1", 44)}
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["mistral", "gemma"])

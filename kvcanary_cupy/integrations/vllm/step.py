@@ -254,7 +254,7 @@ def _with_restamps(common: dict[str, Any], prefix: np.ndarray, extend: np.ndarra
     written_now = forward_slots[geo0.index]
     b = prefix.shape[0]
     # per sliding-window group, each row's window start (positions below it are out of the row's window: their
-    # block-table entries may be stale, they are neither verified nor stamped there)
+    # block-table entries may be stale, they are never verified, nor stamped where the table says)
     windowed = {g.index: g.window_starts(prefix) for g in geos if g.window}
     ids = common["request_ids"]
     new_prefix = prefix.copy()
@@ -279,9 +279,12 @@ def _with_restamps(common: dict[str, Any], prefix: np.ndarray, extend: np.ndarra
         run = max(run, past - min(waiting.get(i, past), past))
         # A re-stamp that starts inside a sliding-window group's stale part (below the row's window) would seed
         # its chain from a slot the group no longer holds: such a row re-stamps from position 0 (no seed), so
-        # that its records are those the row writing them stamps (the same chain from position 0).
+        # that its records are those the row writing them stamps (the same chain from position 0). What it
+        # re-stamps only to carry the chain (below the window; in every group, what was cached before the step)
+        # goes to slot 0, the null block no request reads: the records there are never verified.
+        floor = 0
         if 0 < past - run and any(past - run <= int(w[i]) for w in windowed.values()):
-            run = past
+            floor, run = past - run, past
         lo, hi = int(cu[i]), int(cu[i + 1])
         if run > budget:
             # More re-stamps than the runtime takes this step: the row verifies only what was stamped before
@@ -299,10 +302,8 @@ def _with_restamps(common: dict[str, Any], prefix: np.ndarray, extend: np.ndarra
         parts_pos += [np.arange(start, past, dtype=np.int64), want_pos[lo:hi]]
         for geo in geos:
             slots = geo.slots_of(tables[geo.index][i], past, start)
-            if geo.window:
-                # out of the window the table's ids may be another request's now: those positions go to slot 0
-                # (the null block, never verified), stamped there only to carry the chain on to the window
-                slots[: max(0, int(windowed[geo.index][i]) - start)] = 0
+            below = max(floor, int(windowed[geo.index][i])) if geo.window else floor
+            slots[: max(0, below - start)] = 0
             parts_slots[geo.index] += [slots, forward_slots[geo.index][lo:hi]]
     source = np.concatenate(parts_src) if parts_src else np.zeros(0, np.int64)
     restamp_ids = np.concatenate(parts_ids) if parts_ids else np.zeros(0, np.int64)
