@@ -80,21 +80,35 @@ def _token_exact_and_quiet(result: dict) -> None:
 
 # -- a model the canary cannot check at all: disabled with one line, no hook, generate untouched ----------------
 
-@pytest.mark.parametrize(("fixture", "spec"), [("mistral_sw", "SlidingWindowSpec")])
-def test_a_model_with_no_checkable_group_runs_unchecked_with_one_line(request, fixture, spec):
-    result = request.getfixturevalue(fixture)
-    assert [g[:2] for g in result["groups"]] == [[spec, False]]
-    _token_exact_and_quiet(result)
-    lines = _warnings(result)
+class ChunkedLocalAttentionSpec:
+    """A KV cache spec class the canary does not know (vLLM has one of this name; only the class name is read)."""
+
+
+def test_a_model_with_no_checkable_group_runs_unchecked_with_one_line(llm, caplog):
+    """Every group of a model skipped (here the one group's spec made one the canary does not know): ``log`` mode
+    disables the canary with one line naming the group and hooks nothing; ``raise`` mode refuses at install and
+    leaves the runner as it was."""
+    runner = kv.find_runner(llm)
+    before = dict(vars(runner))
+    groups = runner.kv_cache_config.kv_cache_groups
+    real = groups[0]
+    groups[0] = SimpleNamespace(kv_cache_spec=ChunkedLocalAttentionSpec(), layer_names=list(real.layer_names))
+    try:
+        for real_kv_hash in ("partial", "none"):
+            with pytest.raises(ValueError, match=r"^kv-canary: mode='raise' refuses this engine at install: the "
+                                                 r"canary cannot check this engine.*ChunkedLocalAttentionSpec"):
+                kv.install(llm, mode="raise", real_kv_hash=real_kv_hash)
+            assert set(vars(runner)) == set(before)
+        with caplog.at_level(logging.INFO, logger="kvcanary_cupy.vllm"):
+            canary = kv.install(llm, backend="numpy")
+        canary.remove()
+        assert canary.disabled is not None and "_model_forward" not in vars(runner)
+    finally:
+        groups[0] = real
+    lines = [r.getMessage() for r in _ours(caplog)]
     assert len(lines) == 1 and lines[0].startswith("kv-canary disabled in CPUModelRunner, this engine runs unchecked")
-    assert f"KV cache group G0 ({spec};" in lines[0]
-    assert not any("installed" in text for _, text in result["install_lines"])
-    assert result["hooked"] is False and result["steps"] == 0
-    for real_kv_hash in ("partial", "none"):
-        assert result[f"raise_{real_kv_hash}"].startswith(
-            "kv-canary: mode='raise' refuses this engine at install: the canary cannot check this engine")
-        assert spec in result[f"raise_{real_kv_hash}"]
-        assert result[f"raise_{real_kv_hash}_left_runner_as_it_was"]
+    assert "KV cache group G0 (ChunkedLocalAttentionSpec;" in lines[0]
+    assert set(vars(runner)) == set(before)
 
 
 def test_ngram_speculative_decoding_is_checked_whole_and_raise_mode_installs(llama_ngram):
@@ -150,22 +164,34 @@ def test_deepseek_mla_is_checked_whole_with_its_latent_rows_and_logs_nothing_unc
 
 # -- hybrids: the attention group checked, the rest skipped with one line each ------------------------------
 
-def test_gemma3_checks_its_full_attention_group_and_skips_the_sliding_window_group(gemma3):
-    assert gemma3["groups"] == [["SlidingWindowSpec", False, False], ["FullAttentionSpec", True, True]]
-    assert gemma3["canary_groups"] == ["G1"]
+def test_mistral_sliding_window_is_checked_whole_and_logs_nothing_unchecked(mistral_sw):
+    assert mistral_sw["groups"] == [["SlidingWindowSpec", True, True]]
+    assert mistral_sw["canary_groups"] == ["G0"]
+    _token_exact_and_quiet(mistral_sw)
+    assert _warnings(mistral_sw) == []
+    assert mistral_sw["sweep_interval"] == 2  # one KV cache group: the sweep stays on
+    assert mistral_sw["steps"] > 0 and mistral_sw["write_entries"] >= mistral_sw["prompt_tokens"]
+    assert mistral_sw["fault"] == [2, ["VERIFY_POSITION_MISMATCH", "WRITE_POSITION_MISMATCH"], 2]
+    for real_kv_hash in ("partial", "none"):
+        assert mistral_sw[f"raise_{real_kv_hash}"][:3] == ["installed", True, 0]
+        assert mistral_sw[f"raise_{real_kv_hash}_left_runner_as_it_was"]
+
+
+def test_gemma3_checks_both_its_groups_and_logs_the_sweep_off(gemma3):
+    assert gemma3["groups"] == [["SlidingWindowSpec", True, True], ["FullAttentionSpec", True, True]]
+    assert gemma3["canary_groups"] == ["G0", "G1"]
     _token_exact_and_quiet(gemma3)
     lines = _warnings(gemma3)
-    assert len(lines) == 2
-    assert lines[0].startswith("kv-canary: KV cache group G0 (SlidingWindowSpec; model.layers.0.self_attn.attn, "
-                               "model.layers.2.self_attn.attn) is not checked")
-    assert lines[1].startswith("kv-canary: prefix-cache sweep off (2 KV cache groups)")
+    assert len(lines) == 1 and lines[0].startswith("kv-canary: prefix-cache sweep off (2 KV cache groups)")
     assert gemma3["sweep_interval"] == 0
-    # the full-attention layers' every token was stamped (each prompt token at least once)
-    assert gemma3["steps"] > 0 and gemma3["write_entries"] >= gemma3["prompt_tokens"]
+    # every token was stamped in both groups (each prompt token at least once per group)
+    assert gemma3["steps"] > 0 and gemma3["write_entries"] >= 2 * gemma3["prompt_tokens"]
     # and what it checks it really checks: a shifted position is caught in the step it happens
     assert gemma3["fault"] == [2, ["VERIFY_POSITION_MISMATCH", "WRITE_POSITION_MISMATCH"], 2]
-    assert "SlidingWindowSpec" in gemma3["raise_partial"] and "SlidingWindowSpec" in gemma3["raise_none"]
-    assert gemma3["raise_partial_left_runner_as_it_was"] and gemma3["raise_none_left_runner_as_it_was"]
+    # nothing is left unchecked, so raise mode installs (the sweep being off is no refusal)
+    for real_kv_hash in ("partial", "none"):
+        assert gemma3[f"raise_{real_kv_hash}"][:3] == ["installed", True, 0]
+        assert gemma3[f"raise_{real_kv_hash}_left_runner_as_it_was"]
 
 
 def test_qwen3_next_skips_its_gated_delta_net_groups_and_checks_the_attention_group(qwen3_next):

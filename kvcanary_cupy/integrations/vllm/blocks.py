@@ -6,8 +6,9 @@ step's own verify has just covered).
 The runner does not keep a block's position in its sequence, and vLLM's block pool is not visible in every
 process layout, so the index is what the sweep knows: a block a step writes to completion is indexed at its place
 in the sequence, a block still being filled is dropped (vLLM may have handed it out again since it was last
-complete; it does not zero reused blocks on this build), and a block vLLM hands out fresh
-(``new_block_ids_to_zero``) is dropped.
+complete; it does not zero reused blocks on this build), a block vLLM hands out fresh
+(``new_block_ids_to_zero``) is dropped, and a sliding-window group's block-table entries below a row's window
+(freed blocks whose ids the worker keeps, or the null block) are left out.
 """
 
 from __future__ import annotations
@@ -58,14 +59,16 @@ class BlockIndex:
             self._last[gi] = None
 
     def note_step(self, gi: int, table: np.ndarray, totals: np.ndarray, written: np.ndarray | None = None,
-                  stamped: np.ndarray | None = None) -> None:
+                  stamped: np.ndarray | None = None, first: np.ndarray | None = None) -> None:
         """Index every block the step's rows (``table``: ``[B, max_blocks]``, ``totals``: each row's tokens the
         canary has stamped after the step) hold of group ``gi``: complete blocks at their place, a block still
         being filled dropped. Where two rows disagree about a block, the later row decides (the order of the
         runner's rows). ``written``: each row's tokens the forward wrote, more than ``totals`` for a row the step
         left partly unstamped (deferred re-stamps); such a row's blocks past its complete stamped ones are
         dropped, except those another row stamps in this step (``stamped``: the block ids of the step's canary
-        slots), which are that row's to index."""
+        slots), which are that row's to index. ``first``: per row, the first block column the row still holds (a
+        sliding-window group: the columns before it are out of the window, their ids stale or the null block,
+        and are neither indexed nor taken as held)."""
         where, bs = self.where[gi], self.block_sizes[gi]
         if not totals.size:
             self.live[gi][:] = False
@@ -76,17 +79,19 @@ class BlockIndex:
         ends = totals if written is None else np.maximum(written, totals)
         reach = -(-ends // bs)
         partial = bool((ends > totals).any())
-        key = (table.shape[1], table.tobytes(), np.stack([complete, reach]).tobytes())
+        lower = np.zeros_like(complete) if first is None else np.asarray(first, np.int64)
+        key = (table.shape[1], table.tobytes(), np.stack([complete, reach, lower]).tobytes())
         if key == self._last[gi] and not partial:
             return
         self._last[gi] = None if partial else key
         cols = np.arange(table.shape[1], dtype=np.int64)
-        held = cols[None, :] < started[:, None]
+        inside = cols[None, :] >= lower[:, None]
+        held = (cols[None, :] < started[:, None]) & inside
         blocks = table[held].astype(np.int64)
         live = self.live[gi]
         live[:] = False
         live[blocks[(blocks >= 0) & (blocks < live.shape[0])]] = True
-        used = cols[None, :] < reach[:, None]
+        used = (cols[None, :] < reach[:, None]) & inside
         if partial:
             others = np.zeros(table.shape, bool) if stamped is None else np.isin(table, stamped)
             used &= ~((ends > totals)[:, None] & (cols[None, :] >= complete[:, None]) & others)

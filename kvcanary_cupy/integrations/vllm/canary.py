@@ -110,10 +110,19 @@ class GroupGeometry:
     num_blocks: int
     layer_names: list[str]
     caches: list[Any]  # one torch tensor per layer
+    window: int = 0  # a SlidingWindowSpec group's ``sliding_window`` (0: full attention)
 
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
+
+    def window_starts(self, query_starts: np.ndarray) -> np.ndarray:
+        """Per row, the first position the group's attention reads for a row whose first query is at
+        ``query_starts``: ``q - window + 1`` (vLLM's window; the scheduler frees the blocks wholly below it and
+        hands them out again, and the null block stands in for those skipped on a prefix hit), 0 for full
+        attention."""
+        q = np.asarray(query_starts, np.int64)
+        return np.maximum(q - self.window + 1, 0) if self.window else np.zeros_like(q)
 
     def slots_of(self, blocks: list[int] | np.ndarray, length: int, start: int = 0) -> np.ndarray:
         """The slots of positions ``start .. length - 1`` of a sequence whose block table row is ``blocks`` (a 2-D
@@ -159,7 +168,7 @@ class VllmCanaryState(EngineCanaryState):
             caches = [forward_context[name].kv_cache for name in group.layer_names]
             geo = GroupGeometry(index=gi, name=f"G{gi}", block_size=int(spec.block_size),
                                 num_blocks=int(caches[0].shape[0]), layer_names=list(group.layer_names),
-                                caches=caches)
+                                caches=caches, window=int(getattr(spec, "sliding_window", None) or 0))
             self.geos.append(geo)
             k: list[RealKvSource] = []
             v: list[RealKvSource] = []
@@ -171,19 +180,23 @@ class VllmCanaryState(EngineCanaryState):
                     if opts.with_v:
                         v += _layer_sources(geo, forward_context[name], cache, "v", read, spec)
             chunks = max(1, -(-max(len(k), len(v)) // MAX_REAL_KV_SOURCES))
+            # A sliding-window group verifies the last ``window - 1`` positions before a row's first query (the
+            # runtime's SWA plan, through an identity LUT: vLLM's slots are the group's own), the first of them
+            # unchained (the table holds slot 0 below the window, see _fill_table).
+            swa = max(1, geo.window - 1) if geo.window else 0
+            lut = np.arange(geo.num_slots, dtype=np.int64) if swa else None
             for c in range(chunks):
                 lo, hi = c * MAX_REAL_KV_SOURCES, (c + 1) * MAX_REAL_KV_SOURCES
                 name = geo.name if chunks == 1 else f"{geo.name}:{c}"
                 groups.append(KvGroup(name=name, num_slots=geo.num_slots, k_sources=tuple(k[lo:hi]),
-                                      v_sources=tuple(v[lo:hi]) if opts.with_v else None, model=geo.name,
-                                      layout=None))
+                                      v_sources=tuple(v[lo:hi]) if opts.with_v else None, swa_window=swa,
+                                      full_to_swa_index_mapping=lut, model=geo.name, layout=None))
         self.max_requests = int(runner.max_num_reqs)
         self.max_len = int(runner.max_model_len) + 1
         rows = self.max_requests + 1
         self.tables = {geo.index: np.zeros((rows, self.max_len), np.int32) for geo in self.geos}
         layouts = {geo.name: TokenTable(self.tables[geo.index]) for geo in self.geos}
-        groups = [KvGroup(name=g.name, num_slots=g.num_slots, k_sources=g.k_sources, v_sources=g.v_sources,
-                          model=g.model, layout=layouts[g.model]) for g in groups]
+        groups = [dataclasses.replace(g, layout=layouts[g.model]) for g in groups]
         self.group_names = [g.name for g in groups]
 
         # A row that hits blocks a sibling writes in the same step re-stamps them (see build_step): at most every
@@ -247,6 +260,11 @@ class VllmCanaryState(EngineCanaryState):
         width = int(totals.max())
         # every row at once: a row's positions past its own length keep what the table held
         slots = geo.slots_of(batch.block_tables[geo.index][:b], width)
+        if geo.window:
+            # below the window the block table's ids may be stale (freed, handed out again) or the null block:
+            # slot 0, which the verify skips and which, as a predecessor, skips the chain check
+            starts = geo.window_starts(batch.query_starts[:b])
+            slots[np.arange(width)[None, :] < starts[:, None]] = 0
         np.copyto(self.tables[geo.index][1 : b + 1, :width], slots,
                   where=np.arange(width)[None, :] < totals[:, None], casting="unsafe")
 
@@ -285,7 +303,10 @@ class VllmCanaryState(EngineCanaryState):
             if batch.deferred:
                 slots = batch.slot_mappings[geo.index]
                 stamped = (slots if provisional is None else slots[~provisional]) // geo.block_size
-            self.block_index.note_step(geo.index, batch.block_tables[geo.index], totals, batch.valid_lens, stamped)
+            # a sliding-window row holds only its blocks from the one its window starts in
+            first = geo.window_starts(batch.query_starts) // geo.block_size if geo.window else None
+            self.block_index.note_step(geo.index, batch.block_tables[geo.index], totals, batch.valid_lens, stamped,
+                                       first)
 
     def _cached_slots(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The sweep source: the slots of the next round-robin share of the complete blocks still indexed, with

@@ -22,6 +22,10 @@ KV cache tensor), so the engine really runs with the fault:
 * ``position-shift`` -- one token's position in the forward's ``positions`` shifted by one;
 * ``draft-rejected-kept`` (speculative decoding only) -- a rejected draft token's K/V left in place and read as
   the token sampled for its position (vllm#47466).
+* ``window-reuse`` -- a sliding-window block freed and handed to another request while a request still attends
+  to it: the other request's write goes into the block holding the first request's last cached position;
+* ``group-handover`` -- a block handed from one KV cache group of a hybrid model to the other while the first
+  group's request still reads it: the other group's layers write their K/V over its bytes (the groups alias).
 """
 
 from __future__ import annotations
@@ -42,6 +46,12 @@ FAULT_KINDS: dict[str, str] = {
     "preempt-reuse": "a resumed request still maps a block freed on preemption and now another request's",
     "wrong-token": "the forward receives a wrong token id",
     "position-shift": "one token's position is shifted by one",
+}
+# Faults that need a model kind of their own (a sliding-window group; two KV cache groups): they find no target
+# in a full-attention model, so they are not among the kinds every model runs.
+MODEL_FAULT_KINDS: dict[str, str] = {
+    "window-reuse": "a sliding-window block is handed to another request while a request's window still reads it",
+    "group-handover": "a block moves to the other KV cache group of a hybrid model while still referenced",
 }
 
 
@@ -143,7 +153,9 @@ class KvBitflip(Injector):
             done = int(batch.prefix_lens[i] + batch.extend_lens[i])
             if int(batch.extend_lens[i]) != 1 or done < 2:
                 continue
-            position = int(self.rng.integers(0, done - 1))
+            # a position the next step still reads (a sliding-window group's window ends there)
+            low = min(int(geo.window_starts(np.array([done]))[0]), done - 2)
+            position = int(self.rng.integers(low, done - 1))
             slot = batch.slot(geo, i, position)
             cache = geo.caches[0]
             block, offset = divmod(slot, geo.block_size)
@@ -351,11 +363,99 @@ class RejectedDraftKept(Injector):
                                        f"rejected draft {drafts[accepted]} kept at position {row.past} (slot {old}); "
                                        f"the sampled token's K/V went to block {spare}")
             return
+class _Handover(Injector):
+    """Hands the block that holds a request's last cached position (inside any window: a window reads at least
+    the position before the query) to another request of the step, in ``writer``'s group: that request's block
+    table entry and the slot mapping of its tokens in that block point there, so its layers write their K/V over
+    the victim's (offsets at or below the victim's last cached one, so the victim's own positions are hit)."""
+
+    def groups(self, geos: list[Any]) -> tuple[Any, Any] | None:
+        """(the victim's group, the writer's group), or None when the model has no such pair."""
+        raise NotImplementedError
+
+    def fire(self, canary, step, kwargs, metadata, rows, md):
+        st = canary.state
+        pair = self.groups(st.geos) if st is not None else None
+        if pair is None:
+            return
+        victim_geo, writer_geo = pair
+        bs = victim_geo.block_size
+        vmd, wmd = metadata[victim_geo.layer_names[0]], metadata[writer_geo.layer_names[0]]
+        for i, victim in enumerate(rows):
+            if victim.past < 1:
+                continue
+            last = victim.past - 1
+            block = int(vmd.block_table[i, last // bs])
+            for j, writer in enumerate(rows):
+                if j == i or writer.query < 1:
+                    continue
+                first = writer.past
+                col = first // bs
+                # the writer's tokens that land in that block column, at offsets the victim has filled
+                hits = [t for t in range(writer.query) if (first + t) // bs == col and (first + t) % bs <= last % bs]
+                if not hits or int(wmd.block_table[j, col]) == block:
+                    continue
+                old = self._set_group_block(metadata, writer_geo, j, col, block)
+                for t in hits:
+                    self._set_group_slot(metadata, writer_geo, writer.start + t, block * bs + (first + t) % bs)
+                self.fault = InjectedFault(self.kind, step, victim.rid, last, block * bs + last % bs,
+                                           f"{writer.rid}'s {writer_geo.name} block {old} -> {victim.rid}'s "
+                                           f"{victim_geo.name} block {block} (positions "
+                                           f"{col * bs}..{col * bs + bs - 1} of {victim.rid} still read)")
+                return
+
+    def _set_group_block(self, metadata: dict[str, Any], geo: Any, row: int, col: int, block: int) -> int:
+        """Point ``block_table[row, col]`` of the group's layers at ``block`` (put back after the step)."""
+        seen: set[int] = set()
+        old = -1
+        for name in geo.layer_names:
+            table = metadata[name].block_table
+            if id(table) in seen:
+                continue
+            seen.add(id(table))
+            old = int(table[row, col])
+            self._restore.append((table, row, col, old))
+            table[row, col] = block
+        return old
+
+    @staticmethod
+    def _set_group_slot(metadata: dict[str, Any], geo: Any, token: int, slot: int) -> None:
+        """Send one token's K/V to ``slot`` in the group's layers (the metadata's and the forward context's slot
+        mapping, which the KV write reads)."""
+        from vllm.forward_context import get_forward_context
+
+        tensors = [metadata[name].slot_mapping for name in geo.layer_names]
+        ctx_slots = getattr(get_forward_context(), "slot_mapping", None)
+        if isinstance(ctx_slots, dict):
+            tensors += [ctx_slots[name] for name in geo.layer_names if name in ctx_slots]
+        seen: set[int] = set()
+        for t in tensors:
+            if id(t) not in seen:
+                seen.add(id(t))
+                t[token] = slot
+
+
+class WindowReuse(_Handover):
+    kind = "window-reuse"
+
+    def groups(self, geos):
+        sw = next((g for g in geos if g.window), None)
+        return None if sw is None else (sw, sw)
+
+
+class GroupHandover(_Handover):
+    kind = "group-handover"
+
+    def groups(self, geos):
+        if len(geos) < 2:
+            return None
+        victim = next((g for g in geos if g.window), geos[0])
+        return victim, next(g for g in geos if g is not victim)
 
 
 INJECTORS: dict[str, type[Injector]] = {cls.kind: cls for cls in (
     KvBitflip, BlockTableRedirect, SlotMappingRedirect, PrefixUnwritten, PrefixForeign, PreemptReuse, WrongToken,
-    PositionShift)}
+    PositionShift, WindowReuse, GroupHandover)}
 
 # Faults that need an engine with speculative decoding (``speculative_config``: ngram or draft_model).
 SPECULATIVE_FAULT_KINDS: dict[str, str] = {
@@ -366,8 +466,8 @@ SPECULATIVE_INJECTORS: dict[str, type[Injector]] = {RejectedDraftKept.kind: Reje
 
 
 def injector(kind: str, at: int = 0, seed: int = 0) -> Injector:
-    """An armed injector of ``kind`` (one of :data:`FAULT_KINDS`, or of :data:`SPECULATIVE_FAULT_KINDS` on an
-    engine with speculative decoding)."""
+    """An armed injector of ``kind`` (one of :data:`FAULT_KINDS`, :data:`MODEL_FAULT_KINDS`, or of
+    :data:`SPECULATIVE_FAULT_KINDS` on an engine with speculative decoding)."""
     from ..._errors import fail
 
     kinds = {**INJECTORS, **SPECULATIVE_INJECTORS}

@@ -66,7 +66,8 @@ INTERNALS: tuple[Internal, ...] = (
     # what the support check (support.py) reads at install to decide what is checked
     Internal("vllm.v1.kv_cache_interface:KVCacheGroupSpec", "read at install: each group's spec class and layers",
              attributes=("kv_cache_spec", "layer_names")),
-    Internal("vllm.v1.kv_cache_interface:SlidingWindowSpec", "named at install: a sliding-window group, skipped"),
+    Internal("vllm.v1.kv_cache_interface:SlidingWindowSpec", "read at install: a sliding-window group's window "
+             "(the positions a query reads)", attributes=("sliding_window",)),
     Internal("vllm.v1.kv_cache_interface:MLAAttentionSpec", "named at install: a latent-attention group, checked "
              "(one latent row per token, no V)"),
     Internal("vllm.v1.kv_cache_interface:MambaSpec", "named at install: a Mamba/GDN state group, skipped"),

@@ -32,6 +32,9 @@ class GroupGeometry(Protocol):
     index: int
     block_size: int
     layer_names: list[str]
+    window: int  # vLLM's sliding window of the group (0: full attention)
+
+    def window_starts(self, query_starts: np.ndarray) -> np.ndarray: ...
 
     def slots_of(self, blocks: list[int] | np.ndarray, length: int, start: int = 0) -> np.ndarray: ...
 
@@ -66,6 +69,9 @@ class VllmStep:
         """Each row's tokens that stay whatever the sampler accepts: all it schedules but its draft tokens, whose
         positions are provisional (rewritten by the next step from the first rejected one on)."""
         return self.valid_lens if self.confirmed_lens is None else self.confirmed_lens
+    # int64 [B]: each row's first query position in the forward (a sliding-window group's window starts
+    # ``window - 1`` before it); equal to ``prefix_lens`` except for rows with re-stamps or deferred ones
+    query_starts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def canary_tokens(self, forward_values: np.ndarray, restamp_values: np.ndarray) -> np.ndarray:
         """A per-token array of the forward (``[T]``) in the canary's token order, re-stamped tokens taken from
@@ -200,6 +206,12 @@ def with_drafts(histories: RequestHistories, ids: list[str], requests: Any, ends
     return parts, confirmed
 
 
+def _anchor(geos: Sequence[GroupGeometry]) -> GroupGeometry:
+    """The group whose block table tells which prefix slots a step writes: a full-attention one where there is
+    one (its table holds no stale entries), else the first."""
+    return next((g for g in geos if not g.window), geos[0])
+
+
 def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[str, Any],
                geos: Sequence[GroupGeometry], max_tokens: int, pending: dict[str, int] | None = None,
                histories: RequestHistories | None = None,
@@ -250,7 +262,7 @@ def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[st
     # stamped twice with identical records, and only what was really cached before the step is verified.
     # Only a row whose last prefix slot is written in this very step can have such a tail: one slot per row,
     # looked up for every row at once (most steps: no row, and the canary's tokens are the forward's).
-    geo0 = geos[0]
+    geo0 = _anchor(geos)
     written_now = forward_slots[geo0.index]
     tail_rows = np.zeros(0, np.int64)
     if b and t:
@@ -263,7 +275,7 @@ def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[st
     waiting = {i: pending[rid] for i, rid in enumerate(ids) if rid in pending} if pending else {}
     common = dict(step=step, request_ids=ids, rows=np.arange(1, b + 1, dtype=np.int64), input_ids=input_ids,
                   positions=positions, history_ids=flat, valid_lens=ends, block_tables=tables, forward_len=t,
-                  confirmed_lens=confirmed)
+                  confirmed_lens=confirmed, query_starts=prefix)
     if not tail_rows.size and not waiting:
         return VllmStep(**common, prefix_lens=prefix, extend_lens=extend, expected_input_ids=want_ids,
                         expected_positions=want_pos, slot_mappings=forward_slots,
@@ -282,9 +294,12 @@ def _with_restamps(common: dict[str, Any], prefix: np.ndarray, extend: np.ndarra
     unstamped position): each such row's tail of same-step (or unstamped) slots goes before its own tokens,
     re-stamped (at most ``budget`` re-stamped tokens in all, what the runtime's token capacity still takes); a
     row whose re-stamps do not fit waits for a later step (``deferred``)."""
-    geo0 = geos[0]
+    geo0 = _anchor(geos)
     written_now = forward_slots[geo0.index]
     b = prefix.shape[0]
+    # per sliding-window group, each row's window start (positions below it are out of the row's window: their
+    # block-table entries may be stale, they are never verified, nor stamped where the table says)
+    windowed = {g.index: g.window_starts(prefix) for g in geos if g.window}
     ids = common["request_ids"]
     new_prefix = prefix.copy()
     new_extend = np.zeros_like(extend)
@@ -301,9 +316,19 @@ def _with_restamps(common: dict[str, Any], prefix: np.ndarray, extend: np.ndarra
             # only the tail of the prefix that is written in this very step (a block table pointing elsewhere
             # is a fault the verify must see, not a dependency to re-stamp)
             now = np.isin(geo0.slots_of(tables[geo0.index][i], past), written_now)
+            if geo0.window:
+                now[: int(windowed[geo0.index][i])] = False
             run = past - int(np.flatnonzero(~now)[-1]) - 1 if not now.all() else past
         # positions an earlier step left unstamped (below) are re-stamped with the tail
         run = max(run, past - min(waiting.get(i, past), past))
+        # A re-stamp that starts inside a sliding-window group's stale part (below the row's window) would seed
+        # its chain from a slot the group no longer holds: such a row re-stamps from position 0 (no seed), so
+        # that its records are those the row writing them stamps (the same chain from position 0). What it
+        # re-stamps only to carry the chain (below the window; in every group, what was cached before the step)
+        # goes to slot 0, the null block no request reads: the records there are never verified.
+        floor = 0
+        if 0 < past - run and any(past - run <= int(w[i]) for w in windowed.values()):
+            floor, run = past - run, past
         lo, hi = int(cu[i]), int(cu[i + 1])
         if run > budget:
             # More re-stamps than the runtime takes this step: the row verifies only what was stamped before
@@ -321,6 +346,8 @@ def _with_restamps(common: dict[str, Any], prefix: np.ndarray, extend: np.ndarra
         parts_pos += [np.arange(start, past, dtype=np.int64), want_pos[lo:hi]]
         for geo in geos:
             slots = geo.slots_of(tables[geo.index][i], past, start)
+            below = max(floor, int(windowed[geo.index][i])) if geo.window else floor
+            slots[: max(0, below - start)] = 0
             parts_slots[geo.index] += [slots, forward_slots[geo.index][lo:hi]]
     source = np.concatenate(parts_src) if parts_src else np.zeros(0, np.int64)
     restamp_ids = np.concatenate(parts_ids) if parts_ids else np.zeros(0, np.int64)

@@ -49,8 +49,10 @@ RULES: tuple[Rule, ...] = (
     Rule("full", "model kind", "full attention (`FullAttentionSpec`: Llama, Qwen, ...)", CHECKED,
          "every token's id, position and chain hash, and the real K/V bytes of every layer"),
     Rule("sliding-window", "model kind", "sliding-window group (`SlidingWindowSpec`: Mistral, Gemma2/3 local layers)",
-         SKIPPED, "vLLM frees a block once it leaves the window and hands it out again at once, while the worker's "
-                  "block table keeps its id; verifying only in-window positions is not implemented"),
+         CHECKED, "each token's id, position and chain hash and its K/V bytes while its window still reads it: a "
+                  "query at position q reads q - window + 1 .. q, and the block-table entries below that (blocks "
+                  "vLLM has freed and handed out again, whose ids the worker keeps, or the null block of a prefix "
+                  "hit) are never verified, stamped or indexed for the sweep"),
     Rule("mla", "model kind", "multi-head latent attention (`MLAAttentionSpec`: DeepSeek-V2/V3)", CHECKED,
          "every token's id, position and chain hash, and each layer's latent row `[blocks, block_size, 576]` "
          "(one row per token: the compressed KV and K's rotary part; MLA stores no V)"),
@@ -62,7 +64,8 @@ RULES: tuple[Rule, ...] = (
          "every group of the model is skipped (reasons above)"),
     Rule("hybrid-sweep", "model kind", "more than one KV cache group (hybrid models)", "sweep off",
          "the groups share vLLM's block pool and alias each other's bytes: a block moves between groups and is "
-         "overwritten by the other group's layers, so only blocks a scheduled request reads are verified"),
+         "overwritten by the other group's layers, and the runtime's sweep verifies one slot list on every "
+         "group; so only blocks a scheduled request reads are verified (each group's own, every step)"),
     # dtypes and the CPU KV layout each one gets
     Rule("isa-vec", "dtype", "layers on CPU ISA `vec` or `vec16`: fp32 and fp16 models, bf16 on a CPU without AMX "
                              "tiles, head sizes a multiple of 16 but not 32; `auto` or fp8 KV cache", CHECKED,
