@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from stream_scope_recorder import RecordingStreamScope, assert_chosen_from
 
 import kvcanary_cupy as kc
 
@@ -178,34 +179,6 @@ def test_a_flagging_restore_flags_a_page_outside_in_the_callers_status(seed):
 
 
 # --- the stream a tier call launches on ---------------------------------------------------------------------
-
-class RecordingStreamScope:
-    """Stands in for ``stream_scope``: keeps the arguments each call chose its stream from, and what a watched
-    canary buffer held when the scope was entered and left (so a test sees that the launch ran inside it)."""
-
-    def __init__(self, watched: np.ndarray, rows: list[int]):
-        self.watched, self.rows = watched, rows
-        self.calls: list[tuple] = []
-        self.events: list[tuple[str, np.ndarray]] = []
-
-    def __call__(self, *values):
-        self.calls.append(values)
-        return self
-
-    def __enter__(self):
-        self.events.append(("enter", self.watched.view(np.int64)[self.rows, :4].copy()))
-
-    def __exit__(self, *exc):
-        self.events.append(("exit", self.watched.view(np.int64)[self.rows, :4].copy()))
-        return False
-
-
-def assert_chosen_from(values: tuple, *arrays) -> None:
-    """Each array a launch reads must be among the arguments its stream is chosen from: a torch CUDA tensor in
-    any of them (the others may be CuPy arrays) puts the launch on torch's current stream."""
-    for k, arr in enumerate(arrays):
-        assert any(v is arr for v in values), f"argument {k} is not among the stream scope's arguments"
-
 
 @pytest.mark.parametrize("index_as", ["slots", "pages"])
 def test_offload_and_restore_choose_their_stream_from_every_array_and_launch_inside_it(monkeypatch, index_as):

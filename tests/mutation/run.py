@@ -80,14 +80,17 @@ TARGETS: dict[str, Target] = {
     "bounded_verify": Target(BOUNDED_VERIFY_MODULES,
                              ["tests/test_bounded_verify.py", "tests/test_bounded_verify_window.py"],
                              mutants=BOUNDED_VERIFY_MUTANTS),
-    # The step read and the slot tables of the vLLM integration, pinned by the tests that need no engine (an
-    # engine per mutant would cost seconds each).
-    "vllm": Target(["kvcanary_cupy/integrations/vllm/canary.py"],
-                   ["tests/vllm/test_vllm_step.py", "tests/vllm/test_vllm_internals.py"],
-                   mutants=["*x_build_step__mutmut_*", "*GroupGeometry*slots_of__mutmut_*",
+    # The step read (all of step.py), the sweep's block index (all of blocks.py) and the slot tables of the vLLM
+    # integration, pinned by the tests that need no engine (an engine per mutant would cost seconds each).
+    "vllm": Target(["kvcanary_cupy/integrations/vllm/step.py", "kvcanary_cupy/integrations/vllm/blocks.py",
+                    "kvcanary_cupy/integrations/vllm/canary.py"],
+                   ["tests/vllm/test_vllm_step.py", "tests/vllm/test_vllm_step_read.py",
+                    "tests/vllm/test_vllm_internals.py"],
+                   mutants=["*vllm.step.*", "*vllm.blocks.*", "*GroupGeometry*slots_of__mutmut_*",
                             "*VllmCanaryState*_fill_table__mutmut_*", "*VllmCanaryState*forget_blocks__mutmut_*",
-                            "*VllmCanaryState*_note_complete_blocks__mutmut_*", "*VllmStep*canary_tokens__mutmut_*",
-                            "*VllmStep*forward_tokens__mutmut_*"],
+                            "*VllmCanaryState*_note_complete_blocks__mutmut_*",
+                            "*VllmCanaryState*after_forward__mutmut_*", "*VllmCanaryState*read_step__mutmut_*",
+                            "*VllmCanaryState*_cached_slots__mutmut_*", "*vllm.canary.x_sweep_blocks__*"],
                    env="vllm"),
 }
 
