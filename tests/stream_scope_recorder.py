@@ -3,15 +3,17 @@ one is a no-op, so only a stand-in shows which arguments it was given and that t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 
 class RecordingStreamScope:
-    """Stands in for ``stream_scope``: keeps the arguments each call chose its stream from, and what a watched
-    canary buffer held when the scope was entered and left (so a test sees that the launch ran inside it)."""
+    """Stands in for ``stream_scope``: keeps the arguments each call chose its stream from, and what ``watch()``
+    returned when the scope was entered and left (what the launch writes: a test sees that it ran inside)."""
 
-    def __init__(self, watched: np.ndarray, rows: list[int]):
-        self.watched, self.rows = watched, rows
+    def __init__(self, watch: Callable[[], np.ndarray]):
+        self.watch = watch
         self.calls: list[tuple] = []
         self.events: list[tuple[str, np.ndarray]] = []
 
@@ -20,10 +22,10 @@ class RecordingStreamScope:
         return self
 
     def __enter__(self):
-        self.events.append(("enter", self.watched.view(np.int64)[self.rows, :4].copy()))
+        self.events.append(("enter", np.array(self.watch())))
 
     def __exit__(self, *exc):
-        self.events.append(("exit", self.watched.view(np.int64)[self.rows, :4].copy()))
+        self.events.append(("exit", np.array(self.watch())))
         return False
 
 
@@ -32,3 +34,8 @@ def assert_chosen_from(values: tuple, *arrays) -> None:
     any of them (the others may be CuPy arrays) puts the launch on torch's current stream."""
     for k, arr in enumerate(arrays):
         assert any(v is arr for v in values), f"argument {k} is not among the stream scope's arguments"
+
+
+def record_fields(canary_buf: np.ndarray, rows: list[int]) -> Callable[[], np.ndarray]:
+    """What ``watch`` reads for a gather or scatter: the 4 record fields of ``rows`` of a canary buffer."""
+    return lambda: canary_buf.view(np.int64)[rows, :4]

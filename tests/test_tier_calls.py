@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from stream_scope_recorder import RecordingStreamScope, assert_chosen_from
+from stream_scope_recorder import RecordingStreamScope, assert_chosen_from, record_fields
 
 import kvcanary_cupy as kc
 
@@ -189,7 +189,7 @@ def test_offload_and_restore_choose_their_stream_from_every_array_and_launch_ins
         index = {"pages": np.array([1, 3], np.int64), "page_size": 2, "page_stride": 5}
     else:
         index = {"slots": np.array([5, 6, 15, 16], np.int64)}
-    scope = RecordingStreamScope(canary, [5, 6, 15, 16])
+    scope = RecordingStreamScope(record_fields(canary, [5, 6, 15, 16]))
     monkeypatch.setattr("kvcanary_cupy.tiers.stream_scope", scope)
     kc.offload_canary_records(canary_buf=canary, records_out=out, status=status, backend="numpy", **index)
     assert len(scope.calls) == 1
@@ -201,7 +201,7 @@ def test_offload_and_restore_choose_their_stream_from_every_array_and_launch_ins
         index, rows = {"pages": np.array([2, 4], np.int64), "page_size": 2, "page_stride": 3}, [6, 7, 12, 13]
     else:
         index, rows = {"slots": np.array([2, 9, 4, 20], np.int64)}, [2, 9, 4, 20]
-    scope = RecordingStreamScope(target, rows)
+    scope = RecordingStreamScope(record_fields(target, rows))
     monkeypatch.setattr("kvcanary_cupy.tiers.stream_scope", scope)
     kc.restore_canary_records(records=out, canary_buf=target, status=status, backend="numpy", **index)
     assert len(scope.calls) == 1
@@ -230,7 +230,7 @@ def test_a_prefix_restore_chooses_its_stream_from_every_array_and_launches_insid
     valid = np.zeros(1, np.int64)  # one request; no expected token to compare
     status = np.zeros(1, np.int32)
     restorer = kc.PrefixRestorer(verify_capacity=16, max_requests=1)
-    scope = RecordingStreamScope(ctx.canary_buf, [0, 1, 6, 7])
+    scope = RecordingStreamScope(record_fields(ctx.canary_buf, [0, 1, 6, 7]))
     before_call = ctx.canary_buf.view(np.int64)[[0, 1, 6, 7], :4].copy()
     monkeypatch.setattr("kvcanary_cupy.tiers.stream_scope", scope)
     restorer.restore(context=ctx, status=status, req_to_verify_expected_tokens=expected,

@@ -1,6 +1,7 @@
 """Edges of the canary record gather and scatter on the NumPy reference (survivors of the mutation run,
 docs/mutation.md): flagged out-of-range slots keep the status word's other bits and work without a status
-word, raised ones name the operation, and the argument checks that only these calls make."""
+word, raised ones name the operation, the argument checks that only these calls make, and the stream each call
+launches on (chosen from every array it reads)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 
 import numpy as np
 import pytest
+from stream_scope_recorder import RecordingStreamScope, assert_chosen_from, record_fields
 
 import kvcanary_cupy as kc
 from kvcanary_cupy import CanaryStatus
@@ -113,3 +115,63 @@ def test_the_backend_defaults_to_auto():
     kc.scatter_canary_records(records=out, slots=np.array([6]), canary_buf=buf)
     assert records_of(buf)[6].tolist() == [5, 50, 500, 5000]
 
+
+
+# ---- the stream each call launches on (chosen from every array it reads) -------------------------------------
+
+def test_gather_and_scatter_choose_their_stream_from_every_array_and_launch_inside_it(monkeypatch):
+    buf = canary()
+    slots = np.array([3, 1, 6], np.int64)
+    out = np.zeros((3, 4), np.int64)
+    status = np.zeros(1, np.int32)
+    scope = RecordingStreamScope(lambda: out)
+    monkeypatch.setattr("kvcanary_cupy.transfer.stream_scope", scope)
+    kc.gather_canary_records(canary_buf=buf, slots=slots, records_out=out, status=status, backend="numpy")
+    assert len(scope.calls) == 1
+    assert_chosen_from(scope.calls[0], buf, slots, out, status)
+    (first, before), (last, after) = scope.events
+    assert (first, last) == ("enter", "exit") and not before.any()
+    assert after.tolist() == [[3, 30, 300, 3000], [1, 10, 100, 1000], [6, 60, 600, 6000]]
+
+    target = np.zeros((8, 32), np.uint8)
+    back = np.array([0, 7, 2], np.int64)
+    scope = RecordingStreamScope(record_fields(target, [0, 7, 2]))
+    monkeypatch.setattr("kvcanary_cupy.transfer.stream_scope", scope)
+    kc.scatter_canary_records(records=out, slots=back, canary_buf=target, status=status, backend="numpy")
+    assert len(scope.calls) == 1
+    assert_chosen_from(scope.calls[0], out, back, target, status)
+    (first, before), (last, after) = scope.events
+    assert (first, last) == ("enter", "exit") and not before.any()
+    np.testing.assert_array_equal(after, out)
+
+
+@pytest.mark.parametrize("table_as", ["req_to_token", "req_to_token_swa", "page_list"])
+def test_a_received_verify_chooses_its_stream_from_every_array_and_launches_inside_it(monkeypatch, table_as):
+    ctx = kc.VerifyOrWriteContext.allocate(num_slots=32, ring_capacity=16)
+    rows = np.array([1], np.int64)
+    lens = np.array([3], np.int64)
+    expected = np.zeros((2, 8), np.int32)
+    valid = np.zeros(1, np.int64)  # no expected token to compare
+    if table_as == "req_to_token":  # row 1: positions 0, 1, 2 at slots 16, 17, 18
+        table = np.arange(8, 24, dtype=np.int32).reshape(2, 8)
+        slot_args, arrays = {"req_to_token": table, "req_pool_indices": rows}, (table, rows)
+    elif table_as == "req_to_token_swa":  # the same through a sliding window that holds all 3 positions
+        table = np.arange(8, 24, dtype=np.int32).reshape(2, 8)
+        lut = np.arange(32, dtype=np.int64)  # full slot s is SWA slot s
+        slot_args = {"req_to_token": table, "req_pool_indices": rows, "swa_window_size": 8,
+                     "full_to_swa_index_mapping": lut}
+        arrays = (table, rows, lut)
+    else:  # one page of 4 slots, page 2: slots 8, 9, 10
+        layout = kc.PageList(np.array([0, 1], np.int32), np.array([2], np.int32), 4, num_slots=32)
+        slot_args, arrays = {"layout": layout}, (layout.kv_page_indptr, layout.kv_page_indices)
+    verifier = kc.ReceivedPrefixVerifier(verify_capacity=8, max_requests=2)
+    verifier.plan.verify_slot_indices[...] = -1  # the plan's scratch starts uninitialised
+    scope = RecordingStreamScope(lambda: verifier.plan.verify_slot_indices[:3])
+    monkeypatch.setattr("kvcanary_cupy.transfer.stream_scope", scope)
+    verifier.verify(context=ctx, received_lens=lens, req_to_verify_expected_tokens=expected,
+                    req_to_verify_expected_tokens_valid_lens=valid, backend="numpy", on_invalid="flag", **slot_args)
+    assert len(scope.calls) == 1
+    assert_chosen_from(scope.calls[0], ctx, verifier.plan, lens, expected, valid, *arrays)
+    (first, before), (last, after) = scope.events
+    assert (first, last) == ("enter", "exit") and before.tolist() == [-1, -1, -1]  # planned inside the scope
+    assert after.tolist() == ([8, 9, 10] if table_as == "page_list" else [16, 17, 18])
