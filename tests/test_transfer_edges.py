@@ -1,7 +1,7 @@
 """Edges of the canary record gather and scatter on the NumPy reference (survivors of the mutation run,
 docs/mutation.md): flagged out-of-range slots keep the status word's other bits and work without a status
 word, raised ones name the operation, the argument checks that only these calls make, and the stream each call
-launches on (chosen from every array it reads)."""
+launches on (chosen from every array it reads); the received-prefix verifier's own argument checks."""
 
 from __future__ import annotations
 
@@ -175,3 +175,52 @@ def test_a_received_verify_chooses_its_stream_from_every_array_and_launches_insi
     (first, before), (last, after) = scope.events
     assert (first, last) == ("enter", "exit") and before.tolist() == [-1, -1, -1]  # planned inside the scope
     assert after.tolist() == ([8, 9, 10] if table_as == "page_list" else [16, 17, 18])
+
+
+# ---- the received-prefix verifier's own argument checks ---------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["verify_capacity", "max_requests"])
+def test_a_received_verifier_refuses_a_size_below_1_by_name_and_takes_1(name):
+    sizes = {"verify_capacity": 4, "max_requests": 1}
+    with pytest.raises(kc.CanaryArgumentError, match=rf"^kv-canary: {name} must be >= 1, got 0$"):
+        kc.ReceivedPrefixVerifier(**{**sizes, name: 0})
+    verifier = kc.ReceivedPrefixVerifier(**{**sizes, name: 1})
+    ctx = kc.VerifyOrWriteContext.allocate(num_slots=32, ring_capacity=16)
+    table = np.arange(8, 24, dtype=np.int32).reshape(2, 8)
+    verifier.verify(context=ctx, req_pool_indices=np.array([1], np.int64), received_lens=np.array([1], np.int64),
+                    req_to_token=table, backend="numpy", on_invalid="flag")
+    assert int(verifier.plan.verify_num_valid[0]) == 1 and int(verifier.plan.verify_slot_indices[0]) == 16
+
+
+def test_a_received_verify_takes_exactly_max_requests_requests_on_the_default_backend():
+    verifier = kc.ReceivedPrefixVerifier(verify_capacity=8, max_requests=2)
+    ctx = kc.VerifyOrWriteContext.allocate(num_slots=32, ring_capacity=16)
+    table = np.arange(8, 32, dtype=np.int32).reshape(3, 8)  # row r: slots 8 r + 8 ...
+    verifier.verify(context=ctx, req_pool_indices=np.array([2, 1], np.int64), received_lens=np.array([2, 3], np.int64),
+                    req_to_token=table, on_invalid="flag")
+    assert int(verifier.plan.verify_num_valid[0]) == 5
+    assert verifier.plan.verify_slot_indices[:5].tolist() == [24, 25, 16, 17, 18]
+    with pytest.raises(kc.CanaryArgumentError,
+                       match=r"^kv-canary: req_pool_indices holds 3 requests, more than this verifier's "
+                             r"max_requests=2$"):
+        verifier.verify(context=ctx, req_pool_indices=np.array([1, 2, 1], np.int64),
+                        received_lens=np.array([3, 3, 3], np.int64), req_to_token=table, backend="numpy")
+
+
+def test_a_received_verify_names_its_batch_argument_and_itself():
+    verifier = kc.ReceivedPrefixVerifier(verify_capacity=8, max_requests=2)
+    ctx = kc.VerifyOrWriteContext.allocate(num_slots=32, ring_capacity=16)
+    table = np.arange(8, 24, dtype=np.int32).reshape(2, 8)
+    pages = kc.PageList(np.array([0, 1], np.int32), np.array([2], np.int32), 4, num_slots=32)
+    cases = [
+        ({"req_pool_indices": np.array([[1]]), "received_lens": np.array([3]), "req_to_token": table},
+         r"req_pool_indices must be 1-D, got shape \(1, 1\)"),
+        ({"received_lens": np.array([[3]]), "layout": pages}, r"received_lens must be 1-D, got shape \(1, 1\)"),
+        ({"req_pool_indices": np.array([1]), "received_lens": np.array([3]), "req_to_token": table,
+          "req_to_verify_expected_tokens": np.zeros((2, 8), np.int32)},
+         "ReceivedPrefixVerifier.verify requires req_to_verify_expected_tokens_valid_lens when "
+         "req_to_verify_expected_tokens is set"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(kc.CanaryArgumentError, match=f"^kv-canary: {message}$"):
+            verifier.verify(context=ctx, backend="numpy", **kwargs)

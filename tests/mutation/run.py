@@ -49,7 +49,7 @@ BOUNDED_VERIFY_MUTANTS = ["*x_select_window__mutmut_*", "*x_verify_latency_bound
 
 TARGETS: dict[str, Target] = {
     "transfer": Target(["kvcanary_cupy/transfer.py", "kvcanary_cupy/backends/numpy_transfer.py"],
-                       ["tests/test_transfer.py", "tests/test_transfer_edges.py"]),
+                       ["tests/test_transfer.py", "tests/test_transfer_edges.py", "tests/test_tier_calls.py"]),
     "runtime": Target(RUNTIME_MODULES, ["tests/test_runtime.py", "tests/test_runtime_chunks_and_order.py"]),
     "plan": Target(["kvcanary_cupy/backends/numpy_plan.py", "kvcanary_cupy/backends/numpy_plan_entries.py"],
                    ["tests/test_plan_edge_cases.py", "tests/test_plan_validation.py",
