@@ -87,7 +87,7 @@ TARGETS: dict[str, Target] = {
     "vllm": Target(["kvcanary_cupy/integrations/vllm/step.py", "kvcanary_cupy/integrations/vllm/blocks.py",
                     "kvcanary_cupy/integrations/vllm/canary.py"],
                    ["tests/vllm/test_vllm_step.py", "tests/vllm/test_vllm_step_read.py",
-                    "tests/vllm/test_vllm_internals.py"],
+                    "tests/vllm/test_vllm_step_values.py", "tests/vllm/test_vllm_internals.py"],
                    mutants=["*vllm.step.*", "*vllm.blocks.*", "*GroupGeometry*slots_of__mutmut_*",
                             "*VllmCanaryState*_fill_table__mutmut_*", "*VllmCanaryState*forget_blocks__mutmut_*",
                             "*VllmCanaryState*_note_complete_blocks__mutmut_*",
