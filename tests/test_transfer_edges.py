@@ -224,3 +224,74 @@ def test_a_received_verify_names_its_batch_argument_and_itself():
     for kwargs, message in cases:
         with pytest.raises(kc.CanaryArgumentError, match=f"^kv-canary: {message}$"):
             verifier.verify(context=ctx, backend="numpy", **kwargs)
+
+
+# ---- pages: their size and stride, a page longer than the buffer, one-slot pages far apart ------------------
+
+def _offload(page_size, page_stride=None, pages=(), canary_buf=None, status=None, **kwargs):
+    buf = canary() if canary_buf is None else canary_buf
+    out = np.full((len(pages) * page_size if isinstance(page_size, int) and page_size < 64 else 0, 4), -7, np.int64)
+    kc.offload_canary_records(canary_buf=buf, records_out=out, pages=np.array(pages, np.int64), page_size=page_size,
+                              page_stride=page_stride, status=status, backend="numpy", **kwargs)
+    return out
+
+
+@pytest.mark.parametrize(("page_size", "page_stride", "message"), [
+    (0, None, "page_size must be >= 1, got 0"),
+    (1 << 31, None, "page_size must be <= 2147483647, got 2147483648"),
+    (2, 1, "page_stride must be >= 2, got 1"),
+    (2, 1 << 31, "page_stride must be <= 2147483647, got 2147483648"),
+], ids=["size-0", "size-past-int32", "stride-below-size", "stride-past-int32"])
+def test_a_page_size_or_stride_out_of_bounds_is_refused_by_name(page_size, page_stride, message):
+    with pytest.raises(kc.CanaryArgumentError, match="^" + re.escape("kv-canary: " + message) + "$"):
+        _offload(page_size, page_stride)
+
+
+@pytest.mark.parametrize("stride", [2, 3, 5])
+def test_one_slot_pages_far_apart_read_slot_page_times_stride(stride):
+    # pages of one slot each, `stride` slots apart, in a buffer of 16 slots (slot s holds s, 10 s, 100 s, 1000 s)
+    out = _offload(1, stride, pages=[1, 0, 2], canary_buf=canary(16))
+    assert out[:, 0].tolist() == [stride, 0, 2 * stride]
+    target = np.zeros((16, 32), np.uint8)
+    kc.restore_canary_records(records=out, canary_buf=target, pages=np.array([2, 1, 3], np.int64), page_size=1,
+                              page_stride=stride, backend="numpy")
+    assert records_of(target)[[2 * stride, stride, 3 * stride], 0].tolist() == [stride, 0, 2 * stride]
+    assert np.count_nonzero(records_of(target)[:, 0]) == 2  # nothing else written (page 1 got record 0)
+
+
+def test_a_buffer_shorter_than_one_page_holds_no_page():
+    status = np.zeros(1, np.int32)
+    out = _offload(4, pages=[0], canary_buf=canary(3), status=status, on_invalid="flag")  # 3 slots, a page of 4
+    assert not out.any()
+    assert int(status[0]) == OUT
+
+
+def test_a_scatter_names_its_records_argument_records():
+    with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: records must have shape \(1, 4\), got \(1, 3\) "
+                                                     r"\(axis 1\)$"):
+        kc.restore_canary_records(records=np.zeros((1, 3), np.int64), canary_buf=canary(), slots=np.array([1]),
+                                  backend="numpy")
+
+
+def test_a_received_verify_plans_with_no_new_token_and_names_received_lens():
+    verifier = kc.ReceivedPrefixVerifier(verify_capacity=16, max_requests=1)
+    ctx = kc.VerifyOrWriteContext.allocate(num_slots=32, ring_capacity=16)
+    table = np.arange(8, 24, dtype=np.int32).reshape(2, 8)
+    rows = np.array([1], np.int64)
+    # a prefix filling the whole row: nothing is planned past it (a new token would be position 8, outside)
+    verifier.verify(context=ctx, req_pool_indices=rows, received_lens=np.array([8], np.int64), req_to_token=table,
+                    backend="numpy")
+    assert int(verifier.plan.status[0]) == 0 and int(verifier.plan.verify_num_valid[0]) == 8
+    with pytest.raises(kc.CanaryArgumentError,
+                       match=r"^kv-canary: received_lens\[0\]=9 reaches beyond req_to_token's row width 8$"):
+        verifier.verify(context=ctx, req_pool_indices=rows, received_lens=np.array([9], np.int64),
+                        req_to_token=table, backend="numpy")
+
+
+def test_a_flagging_received_verify_flags_a_row_outside_the_table_in_plan_and_verify():
+    verifier = kc.ReceivedPrefixVerifier(verify_capacity=16, max_requests=1)
+    ctx = kc.VerifyOrWriteContext.allocate(num_slots=32, ring_capacity=16)
+    table = np.arange(8, 24, dtype=np.int32).reshape(2, 8)
+    verifier.verify(context=ctx, req_pool_indices=np.array([5], np.int64), received_lens=np.array([3], np.int64),
+                    req_to_token=table, backend="numpy", on_invalid="flag")
+    assert int(verifier.plan.status[0]) != 0
