@@ -1,6 +1,7 @@
 """Small values of the vLLM step read and the sweep's block index worked out by hand: the sweep's stated
 latency at its edges (fewer indexed blocks than one sweep takes, one block per sweep, the sweep off), a slot
-looked up through a step's block table, and the count of indexed blocks over groups."""
+looked up through a step's block table, a per-token array put in the canary's token order, and the count of
+indexed blocks over groups."""
 
 from __future__ import annotations
 
@@ -35,14 +36,19 @@ class Geo:
     layer_names: list[str] = field(default_factory=list)
 
 
+def step_with(block_tables=None, source_index=None, restamped=False, deferred=None) -> VllmStep:
+    empty = np.zeros(0, np.int64)
+    return VllmStep(step=0, request_ids=["a", "b"], rows=np.array([1, 2]), prefix_lens=empty, extend_lens=empty,
+                    input_ids=empty, positions=empty, expected_input_ids=empty, expected_positions=empty,
+                    history_ids=empty, valid_lens=empty, block_tables=block_tables or {}, slot_mappings={},
+                    source_index=empty if source_index is None else np.array(source_index, np.int64),
+                    forward_tokens=0, restamped=restamped, deferred=deferred or {})
+
+
 def test_a_steps_slot_is_read_through_its_own_block_table_per_group():
     # group 0: blocks of 4 slots, row 1 holds blocks 7 and 2; group 3: blocks of 2, row 1 holds 5, 9, 1
     tables = {0: np.array([[0, 0], [7, 2]], np.int32), 3: np.array([[0, 0, 0], [5, 9, 1]], np.int32)}
-    empty = np.zeros(0, np.int64)
-    step = VllmStep(step=0, request_ids=["a", "b"], rows=np.array([1, 2]), prefix_lens=empty, extend_lens=empty,
-                    input_ids=empty, positions=empty, expected_input_ids=empty, expected_positions=empty,
-                    history_ids=empty, valid_lens=empty, block_tables=tables, slot_mappings={}, source_index=empty,
-                    forward_tokens=0, restamped=False)
+    step = step_with(tables)
     assert [step.slot(Geo(0, 4), 1, p) for p in range(8)] == [28, 29, 30, 31, 8, 9, 10, 11]
     assert [step.slot(Geo(3, 2), 1, p) for p in range(6)] == [10, 11, 18, 19, 2, 3]
 
@@ -54,3 +60,17 @@ def test_the_block_index_counts_the_blocks_indexed_in_every_group():
     index.where[3][2] = 5
     assert len(index) == 3
     assert sorted(index) == [(0, 1), (0, 4), (3, 2)]
+
+
+@pytest.mark.parametrize("deferred", [{}, {"b": 3}], ids=["restamped", "deferred"])
+def test_canary_tokens_take_each_forward_token_by_its_source_and_each_restamp_from_the_restamp_values(deferred):
+    # canary order: forward token 0, a re-stamp, forward tokens 2 and 1 (forward token 3 deferred)
+    step = step_with(source_index=[0, -1, 2, 1], restamped=not deferred, deferred=deferred)
+    forward = np.array([10, 11, 12, 13])
+    restamps = np.array([20, 21, 22, 23])
+    assert step.canary_tokens(forward, restamps).tolist() == [10, 21, 12, 11]
+
+
+def test_canary_tokens_of_a_step_in_forward_order_are_the_forward_values_themselves():
+    forward = np.array([10, 11])
+    assert step_with(source_index=[0, 1]).canary_tokens(forward, np.array([20, 21])) is forward
