@@ -74,7 +74,7 @@ TARGETS: dict[str, Target] = {
                         "tests/test_hardening.py"]),
     "layouts": Target(["kvcanary_cupy/layouts.py"],
                       ["tests/test_layout_validation.py", "tests/test_layouts_reference.py",
-                       "tests/test_layout_block_count.py"]),
+                       "tests/test_slot_layout_edges.py"]),
     "tiers": Target(["kvcanary_cupy/tiers.py"],
                     ["tests/test_tiers.py", "tests/test_runtime_tiers.py", "tests/test_tier_calls.py",
                      "tests/test_offloaded_records_checks.py"]),
