@@ -66,12 +66,12 @@ TARGETS: dict[str, Target] = {
                      "tests/test_reference_vs_oracle.py::test_write_and_verify_flag_hostile_values_like_the_oracle",
                      "tests/test_hardening.py::test_two_threads_verifying_on_one_context_lose_no_ring_row"]),
     # the argument checks: also the overlap, device, storage-guard and host-vector checks that the transfer,
-    # tier, KV-layout and hardening tests reach
+    # tier, KV-layout, DLPack and hardening tests reach
     "validate": Target(["kvcanary_cupy/_validate.py"],
                        ["tests/test_plan_validation.py", "tests/test_context_validation.py",
                         "tests/test_layout_validation.py", "tests/test_transfer.py", "tests/test_transfer_edges.py",
                         "tests/test_offloaded_records_checks.py", "tests/test_kv_layouts.py",
-                        "tests/test_hardening.py"]),
+                        "tests/test_hardening.py", "tests/test_dlpack_bridge.py", "tests/test_tier_calls.py"]),
     "layouts": Target(["kvcanary_cupy/layouts.py"],
                       ["tests/test_layout_validation.py", "tests/test_layouts_reference.py",
                        "tests/test_slot_layout_edges.py"]),
