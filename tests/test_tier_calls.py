@@ -1,11 +1,13 @@
 """The tier calls' arguments that the round-trip tests leave at one value: the default backend, ``status`` on the
 scatter, read-only buffers on the side a call only reads, and a restore whose verify refuses after the scatter
-over strided pages. Expected records and status words are worked out by hand from the slot arithmetic."""
+over strided pages, and the stream a call launches on (chosen from every array it reads). Expected records and
+status words are worked out by hand from the slot arithmetic."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from stream_scope_recorder import RecordingStreamScope, assert_chosen_from, record_fields
 
 import kvcanary_cupy as kc
 
@@ -174,3 +176,69 @@ def test_a_flagging_restore_flags_a_page_outside_in_the_callers_status(seed):
     restorer.restore(context=ctx, status=status, backend="numpy", on_invalid="flag", **args)
     assert int(status[0]) == int(kc.CanaryStatus.SLOT_OUT_OF_RANGE)
     np.testing.assert_array_equal(ctx.canary_buf.view(np.int64)[[0, 1], :4], records[:2])
+
+
+# --- the stream a tier call launches on ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("index_as", ["slots", "pages"])
+def test_offload_and_restore_choose_their_stream_from_every_array_and_launch_inside_it(monkeypatch, index_as):
+    canary = canary_with_records(0)
+    out = np.zeros((4, 4), np.int64)
+    status = np.zeros(1, np.int32)
+    if index_as == "pages":  # pages 1 and 3 of 2 slots, 5 apart: slots 5, 6, 15, 16
+        index = {"pages": np.array([1, 3], np.int64), "page_size": 2, "page_stride": 5}
+    else:
+        index = {"slots": np.array([5, 6, 15, 16], np.int64)}
+    scope = RecordingStreamScope(record_fields(canary, [5, 6, 15, 16]))
+    monkeypatch.setattr("kvcanary_cupy.tiers.stream_scope", scope)
+    kc.offload_canary_records(canary_buf=canary, records_out=out, status=status, backend="numpy", **index)
+    assert len(scope.calls) == 1
+    assert_chosen_from(scope.calls[0], canary, index[index_as], out, status)
+    np.testing.assert_array_equal(out, records_of([5, 6, 15, 16]))
+
+    target = np.zeros((NUM_SLOTS, 32), np.uint8)
+    if index_as == "pages":  # pages 2 and 4 of 2 slots, 3 apart: slots 6, 7, 12, 13
+        index, rows = {"pages": np.array([2, 4], np.int64), "page_size": 2, "page_stride": 3}, [6, 7, 12, 13]
+    else:
+        index, rows = {"slots": np.array([2, 9, 4, 20], np.int64)}, [2, 9, 4, 20]
+    scope = RecordingStreamScope(record_fields(target, rows))
+    monkeypatch.setattr("kvcanary_cupy.tiers.stream_scope", scope)
+    kc.restore_canary_records(records=out, canary_buf=target, status=status, backend="numpy", **index)
+    assert len(scope.calls) == 1
+    assert_chosen_from(scope.calls[0], out, index[index_as], target, status)
+    (first, before), (last, after) = scope.events
+    assert (first, last) == ("enter", "exit")
+    assert not before.any()  # the scatter had not run when the scope was entered ...
+    np.testing.assert_array_equal(after, records_of([5, 6, 15, 16]))  # ... and had when it was left
+
+
+@pytest.mark.parametrize(("table_as", "index_as"),
+                         [("req_to_token", "pages"), ("block_table", "pages"), ("req_to_token", "slots")])
+def test_a_prefix_restore_chooses_its_stream_from_every_array_and_launches_inside_it(monkeypatch, table_as,
+                                                                                        index_as):
+    ctx, records, args = restore_setup(2)
+    if index_as == "slots":  # the slots pages 0 and 2 (2 slots, 3 apart) stand for
+        del args["pages"], args["page_size"], args["page_stride"]
+        args["slots"] = np.array([0, 1, 6, 7], np.int64)
+    table = args.pop("req_to_token")
+    table[1, 4] = 2  # every position inside the buffer
+    if table_as == "req_to_token":
+        args["req_to_token"] = table
+    else:  # a block table of one-slot blocks maps positions to the same slots
+        args["layout"] = kc.BlockTable(block_table=table, block_size=1)
+    expected = np.zeros((2, 8), np.int32)
+    valid = np.zeros(1, np.int64)  # one request; no expected token to compare
+    status = np.zeros(1, np.int32)
+    restorer = kc.PrefixRestorer(verify_capacity=16, max_requests=1)
+    scope = RecordingStreamScope(record_fields(ctx.canary_buf, [0, 1, 6, 7]))
+    before_call = ctx.canary_buf.view(np.int64)[[0, 1, 6, 7], :4].copy()
+    monkeypatch.setattr("kvcanary_cupy.tiers.stream_scope", scope)
+    restorer.restore(context=ctx, status=status, req_to_verify_expected_tokens=expected,
+                     req_to_verify_expected_tokens_valid_lens=valid, backend="numpy", on_invalid="flag", **args)
+    assert len(scope.calls) == 1
+    assert_chosen_from(scope.calls[0], ctx, records, args[index_as], status, restorer.plan,
+                       args["req_pool_indices"], args["restored_lens"], table, expected, valid)
+    (first, before), (last, after) = scope.events
+    assert (first, last) == ("enter", "exit")
+    np.testing.assert_array_equal(before, before_call)
+    np.testing.assert_array_equal(after, records)

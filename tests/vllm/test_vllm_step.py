@@ -104,7 +104,7 @@ def run_step(state: VllmCanaryState, runner: Runner, rows: list[Row], seed: int 
     """One engine step through the canary's four phases, the forward writing (random K/V) where its slot mapping
     says."""
     kwargs, md = runner.inputs(rows)
-    batch = build_step(state.steps, runner, kwargs, md, state.geos, state.max_tokens, state.unstamped)
+    batch = state.read_step(kwargs, md)  # the hooks' entry point: the rows left waiting, the kept histories
     state.before_forward(batch)
     gen = torch.Generator().manual_seed(seed * 1000 + state.steps)
     for slot in md[LAYER].slot_mapping.tolist():

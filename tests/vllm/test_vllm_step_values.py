@@ -1,0 +1,76 @@
+"""Small values of the vLLM step read and the sweep's block index worked out by hand: the sweep's stated
+latency at its edges (fewer indexed blocks than one sweep takes, one block per sweep, the sweep off), a slot
+looked up through a step's block table, a per-token array put in the canary's token order, and the count of
+indexed blocks over groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from kvcanary_cupy.integrations.vllm.blocks import BlockIndex, sweep_latency_steps
+from kvcanary_cupy.integrations.vllm.step import VllmStep
+
+
+@pytest.mark.parametrize(("indexed", "per_sweep", "interval", "steps"), [
+    (0, 4, 3, 3),  # nothing indexed yet: a pass still takes one sweep
+    (3, 4, 3, 3),  # fewer blocks than one sweep takes: one sweep
+    (4, 4, 3, 3),
+    (5, 4, 3, 6),  # one block more: two sweeps
+    (5, 1, 2, 10),  # one block per sweep: a sweep per block
+    (7, 0, 2, 14),  # a sweep takes at least one block
+    (9, 4, 0, 0),  # the sweep is off
+    (9, 4, -1, 0),
+], ids=["empty", "under-one-sweep", "one-sweep", "two-sweeps", "one-per-sweep", "zero-per-sweep", "off",
+        "negative-interval"])
+def test_the_sweep_latency_is_the_interval_times_the_sweeps_one_pass_takes(indexed, per_sweep, interval, steps):
+    assert sweep_latency_steps(indexed, per_sweep, interval) == steps
+
+
+@dataclass
+class Geo:
+    index: int
+    block_size: int
+    layer_names: list[str] = field(default_factory=list)
+
+
+def step_with(block_tables=None, source_index=None, restamped=False, deferred=None) -> VllmStep:
+    empty = np.zeros(0, np.int64)
+    return VllmStep(step=0, request_ids=["a", "b"], rows=np.array([1, 2]), prefix_lens=empty, extend_lens=empty,
+                    input_ids=empty, positions=empty, expected_input_ids=empty, expected_positions=empty,
+                    history_ids=empty, valid_lens=empty, block_tables=block_tables or {}, slot_mappings={},
+                    source_index=empty if source_index is None else np.array(source_index, np.int64),
+                    forward_tokens=0, restamped=restamped, deferred=deferred or {})
+
+
+def test_a_steps_slot_is_read_through_its_own_block_table_per_group():
+    # group 0: blocks of 4 slots, row 1 holds blocks 7 and 2; group 3: blocks of 2, row 1 holds 5, 9, 1
+    tables = {0: np.array([[0, 0], [7, 2]], np.int32), 3: np.array([[0, 0, 0], [5, 9, 1]], np.int32)}
+    step = step_with(tables)
+    assert [step.slot(Geo(0, 4), 1, p) for p in range(8)] == [28, 29, 30, 31, 8, 9, 10, 11]
+    assert [step.slot(Geo(3, 2), 1, p) for p in range(6)] == [10, 11, 18, 19, 2, 3]
+
+
+def test_the_block_index_counts_the_blocks_indexed_in_every_group():
+    index = BlockIndex([6, 4], [2, 2], blocks_per_sweep=2, group_ids=[0, 3])
+    assert len(index) == 0
+    index.where[0][[1, 4]] = [0, 1]
+    index.where[3][2] = 5
+    assert len(index) == 3
+    assert sorted(index) == [(0, 1), (0, 4), (3, 2)]
+
+
+@pytest.mark.parametrize("deferred", [{}, {"b": 3}], ids=["restamped", "deferred"])
+def test_canary_tokens_take_each_forward_token_by_its_source_and_each_restamp_from_the_restamp_values(deferred):
+    # canary order: forward token 0, a re-stamp, forward tokens 2 and 1 (forward token 3 deferred)
+    step = step_with(source_index=[0, -1, 2, 1], restamped=not deferred, deferred=deferred)
+    forward = np.array([10, 11, 12, 13])
+    restamps = np.array([20, 21, 22, 23])
+    assert step.canary_tokens(forward, restamps).tolist() == [10, 21, 12, 11]
+
+
+def test_canary_tokens_of_a_step_in_forward_order_are_the_forward_values_themselves():
+    forward = np.array([10, 11])
+    assert step_with(source_index=[0, 1]).canary_tokens(forward, np.array([20, 21])) is forward
