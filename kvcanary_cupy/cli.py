@@ -124,6 +124,7 @@ examples:
   {PROG} simulate --inject all --seed 7 --json report/run.json --html report/run.html --dump-failures report/dumps
   {PROG} simulate --engine transformers --inject all   (the canary inside transformers' continuous batching)
   {PROG} simulate --engine vllm --inject all --backend host   (inside vLLM's V1 engine, CPU build)
+  {PROG} simulate --engine vllm --model-arch gemma3 --tensor-parallel 2 --inject all   (per rank)
   {PROG} replay report/dumps/kv-bitflip-seed7-step7-TAIL_K_FULL-verify.npz --backend host --sanitize
   {PROG} simulate --disaggregated --decode-workers 2 --inject all --steps 60 --requests 16
 
@@ -208,6 +209,7 @@ def _model_sizes() -> str:
 def _add_simulate(sub: Any) -> None:
     """``simulate``: its options in groups; the help of each ends with where it applies (:mod:`.option_scope`)."""
     from .backends import BACKEND_NAMES
+    from .integrations.vllm.workloads import DTYPES, MODEL_ARCHS, SPECULATIVE, TENSOR_PARALLEL
     from .option_scope import SCOPE
     from .sim.runner import PRESETS
 
@@ -225,6 +227,20 @@ def _add_simulate(sub: Any) -> None:
                         "build, in-process, random-weight model; needs the vllm extra) (default: %(default)s)")
     engine.add_argument("--model-size", choices=["small", "medium"], default="small",
                         help=f"the random-weight model: {_model_sizes()} (default: %(default)s)")
+    engine.add_argument("--model-arch", choices=["llama", *MODEL_ARCHS], default="llama",
+                        help="the model kind: llama (full attention), mistral-sw (every layer sliding-window), gemma3 "
+                        "(sliding-window and full layers alternating), deepseek-mla (multi-head latent attention), "
+                        "qwen3-next (gated-delta-net and full attention, bf16); tiny, random weights "
+                        "(default: %(default)s)")
+    engine.add_argument("--dtype", choices=list(DTYPES), default=None,
+                        help="the model's dtype (default: the model kind's own: fp32, bf16 for qwen3-next)")
+    engine.add_argument("--speculative", choices=list(SPECULATIVE), default=None,
+                        help="speculative decoding: ngram (prompt lookup, 3 draft tokens) or draft (the model as its "
+                        "own draft model, 2 draft tokens) (default: none, off)")
+    engine.add_argument("--tensor-parallel", type=int, choices=list(TENSOR_PARALLEL), default=1,
+                        metavar="{" + ",".join(map(str, TENSOR_PARALLEL)) + "}",
+                        help="tensor-parallel workers, each a process with its own canary over its KV-head shard; "
+                        "each fault is injected on one rank and reported per rank (default: %(default)s)")
     engine.add_argument("--backend", choices=["auto", *BACKEND_NAMES], default="auto",
                         help="canary implementation: auto (cuda with a GPU, else host where g++ compiles it, "
                         "else numpy), numpy (reference), cuda (CuPy kernels), host (the CUDA kernels compiled for "

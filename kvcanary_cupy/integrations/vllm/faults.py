@@ -19,7 +19,15 @@ KV cache tensor), so the engine really runs with the fault:
 * ``preempt-reuse`` -- a block freed on preemption and handed to another request while a resumed request still
   maps it: the resumed request's block-table entry points at its old block, now another request's;
 * ``wrong-token`` -- a token id in the forward's ``input_ids`` replaced by another id;
-* ``position-shift`` -- one token's position in the forward's ``positions`` shifted by one.
+* ``position-shift`` -- one token's position in the forward's ``positions`` shifted by one;
+* ``kv-element-size`` -- one token's K/V written again by a kernel that takes the cache's elements for half their
+  size (the geometry of vLLM CPU's unsupported ``kv_cache_dtype`` bug, fact sheet 2 Q3, mirrored so that it stays
+  inside the tensor): every element lands at half its byte offset, over other tokens' K/V;
+* ``rank-kv-bitflip`` -- ``kv-bitflip`` on the last tensor-parallel rank only: the other ranks' shards stay intact
+  and must stay silent.
+
+Any injector can be confined to one rank (``rank=``; the plugin's ``KVCANARY_VLLM_FAULT=<kind>@<step>:rank<R>``):
+it fires only in the worker of that rank (:func:`.distributed.worker_rank`).
 """
 
 from __future__ import annotations
@@ -38,6 +46,9 @@ FAULT_KINDS: dict[str, str] = {
     "preempt-reuse": "a resumed request still maps a block freed on preemption and now another request's",
     "wrong-token": "the forward receives a wrong token id",
     "position-shift": "one token's position is shifted by one",
+    "kv-element-size": "a token's K/V written at the wrong element size, over other tokens' K/V (vLLM CPU's "
+                       "unsupported kv_cache_dtype bug)",
+    "rank-kv-bitflip": "a bit flips in the KV shard of one tensor-parallel rank only (the last)",
 }
 
 
@@ -77,8 +88,9 @@ class Injector:
 
     kind = ""
 
-    def __init__(self, at: int = 0, seed: int = 0) -> None:
+    def __init__(self, at: int = 0, seed: int = 0, rank: int | None = None) -> None:
         self.at = at
+        self.rank = rank  # None: every worker; else only the worker of that rank fires
         self.rng = np.random.default_rng(seed)
         self.fault: InjectedFault | None = None
         self._restore: list[tuple[Any, int, int, int]] = []  # (tensor, row, col, value) put back after the step
@@ -87,8 +99,14 @@ class Injector:
     def armed(self) -> bool:
         return self.fault is None
 
+    def here(self, canary: Any) -> bool:
+        """This worker is the one the injector fires in (its rank, or any worker)."""
+        from .distributed import worker_rank
+
+        return self.rank is None or worker_rank(canary.runner)[0] == self.rank
+
     def before_forward(self, canary: Any, step: int, kwargs: dict[str, Any], metadata: dict[str, Any]) -> None:
-        if self.armed and step >= self.at:
+        if self.armed and step >= self.at and self.here(canary):
             rows, md = _rows(canary, metadata)
             self.fire(canary, step, kwargs, metadata, rows, md)
 
@@ -129,7 +147,7 @@ class KvBitflip(Injector):
 
     def after_forward(self, canary: Any, step: int, batch: Any) -> None:
         super().after_forward(canary, step, batch)
-        if not self.armed or step < self.at:
+        if not self.armed or step < self.at or not self.here(canary):
             return
         import torch
 
@@ -290,15 +308,106 @@ class PositionShift(Injector):
         self.fault = InjectedFault(self.kind, step, row.rid, old, None, f"position {old} -> {old + 1}")
 
 
+def _vec_elements(cache: Any, block: int, offset: int) -> np.ndarray:
+    """The flat element indices of one token's K and V, every head, in a CPU ``vec`` cache ``[blocks, heads,
+    block_size, 2 * head_size]`` (per block and head: K column-major ``[head_size, block_size]``, then V
+    row-major ``[block_size, head_size]``)."""
+    _, heads, bs, width = (int(n) for n in cache.shape)
+    d = width // 2
+    planes = (block * heads + np.arange(heads, dtype=np.int64))[:, None] * bs * width
+    dims = np.arange(d, dtype=np.int64)[None, :]
+    k = planes + dims * bs + offset
+    v = planes + bs * d + offset * d + dims
+    return np.concatenate([k.reshape(-1), v.reshape(-1)])
+
+
+class KvElementSize(Injector):
+    """After a step's forward, one token's K/V of the group's first layer written again as a kernel would that
+    takes the cache's elements for half their size: element ``e``'s first half lands at byte ``e * size / 2``.
+    It fires on a token whose misplaced bytes cover the fingerprinted first elements (head 0) of a live token of
+    a request still decoding, the victim (detected when that request's next step verifies it)."""
+
+    kind = "kv-element-size"
+
+    def after_forward(self, canary: Any, step: int, batch: Any) -> None:
+        super().after_forward(canary, step, batch)
+        if not self.armed or step < self.at or not self.here(canary):
+            return
+        import torch
+
+        st = canary.state
+        geo = st.geos[0]
+        if not st.support.checked_groups[0].real_kv or canary.options.real_kv_hash == "none":
+            return  # no K/V bytes fingerprinted: the canary could not see this fault, so it is not injected
+        cache = geo.caches[0]
+        size = cache.element_size()
+        if size < 2 or not cache.is_contiguous() or cache.dim() != 4:
+            return
+        half = size // 2
+        heads, bs, width = (int(n) for n in cache.shape[1:])
+        # every live (written before this step's end) token of the decoding rows: slot -> (request, position)
+        live: dict[int, tuple[str, int]] = {}
+        for i, rid in enumerate(batch.request_ids):
+            if int(batch.extend_lens[i]) != 1:
+                continue
+            done = int(batch.prefix_lens[i] + batch.extend_lens[i])
+            for position in range(done - 1):
+                live[int(batch.slot(geo, i, position))] = (rid, position)
+        fingerprinted = 16 // size  # the first elements of head 0 the partial real-KV hash reads
+        for i in range(len(batch.request_ids)):
+            done = int(batch.prefix_lens[i] + batch.extend_lens[i])
+            slot = int(batch.slot(geo, i, done - 1))  # the token this step wrote last for the row
+            block, offset = divmod(slot, geo.block_size)
+            elements = _vec_elements(cache, block, offset)
+            landing = (elements * half) // size  # the element each misplaced first half falls in
+            plane, within = np.divmod(landing, bs * width)
+            victims = []
+            for p, w in zip(plane.tolist(), within.tolist(), strict=True):
+                if p % heads:
+                    continue
+                k_side = w < bs * (width // 2)
+                dim, off = (divmod(w, bs) if k_side else divmod(w - bs * (width // 2), width // 2)[::-1])
+                victim = (p // heads) * bs + off
+                if dim < fingerprinted and victim in live and victim != slot and (k_side or canary.options.with_v):
+                    victims.append(victim)
+            if not victims:
+                continue
+            flat = cache.view(torch.uint8).reshape(-1)
+            src = torch.from_numpy((elements[:, None] * size + np.arange(half)).reshape(-1))
+            dst = torch.from_numpy((elements[:, None] * half + np.arange(half)).reshape(-1))
+            flat[dst] = flat[src].clone()
+            rid, position = live[victims[0]]
+            self.fault = InjectedFault(self.kind, step + 1, rid, position, victims[0],
+                                       f"{batch.request_ids[i]}'s slot {slot} written at {half}-byte element "
+                                       f"offsets in {geo.layer_names[0]} ({size}-byte elements), over "
+                                       f"{len(set(victims))} fingerprinted token(s)")
+            return
+
+
+class RankKvBitflip(KvBitflip):
+    """``kv-bitflip`` confined to the last tensor-parallel rank (any ``rank`` given overrides it)."""
+
+    kind = "rank-kv-bitflip"
+
+    def here(self, canary: Any) -> bool:
+        from .distributed import worker_rank
+
+        rank, world = worker_rank(canary.runner)
+        return rank == (world - 1 if self.rank is None else self.rank)
+
+
 INJECTORS: dict[str, type[Injector]] = {cls.kind: cls for cls in (
     KvBitflip, BlockTableRedirect, SlotMappingRedirect, PrefixUnwritten, PrefixForeign, PreemptReuse, WrongToken,
-    PositionShift)}
+    PositionShift, KvElementSize, RankKvBitflip)}
 
 
-def injector(kind: str, at: int = 0, seed: int = 0) -> Injector:
-    """An armed injector of ``kind`` (one of :data:`FAULT_KINDS`)."""
+def injector(kind: str, at: int = 0, seed: int = 0, rank: int | None = None) -> Injector:
+    """An armed injector of ``kind`` (one of :data:`FAULT_KINDS`), firing in every worker or in the worker of
+    ``rank`` only."""
     from ..._errors import fail
 
     if kind not in INJECTORS:
         fail(f"fault kind must be one of {sorted(INJECTORS)}, got {kind!r}")
-    return INJECTORS[kind](at, seed)
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        fail(f"rank must be a non-negative integer or None, got {rank!r}")
+    return INJECTORS[kind](at, seed, rank)

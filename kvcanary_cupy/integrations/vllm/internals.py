@@ -62,8 +62,14 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("vllm.config:VllmConfig", "read at install (runner.vllm_config): pipeline parallel, KV connectors; "
              "runner.speculative_config and runner.use_async_scheduling are the runner's copies",
              attributes=("parallel_config", "kv_transfer_config", "speculative_config")),
-    Internal("vllm.config:ParallelConfig", "read at install: pipeline_parallel_size",
-             attributes=("pipeline_parallel_size",)),
+    Internal("vllm.config:ParallelConfig", "read at install: pipeline_parallel_size; the worker's rank and "
+             "world_size (runner.vllm_config.parallel_config: a rank's log lines and one-rank faults)",
+             attributes=("pipeline_parallel_size", "tensor_parallel_size", "rank", "world_size")),
+    Internal("vllm.v1.worker.worker_base:WorkerBase.__init__", "sets parallel_config.rank in each worker: what "
+             "tells the ranks apart", ("self", "vllm_config", "local_rank", "rank")),
+    Internal("vllm.entrypoints.llm:LLM.collective_rpc", "called by `kvcanary simulate --tensor-parallel 2`: a "
+             "canary installed in, and read back from, each worker's model_runner",
+             ("self", "method", "timeout", "args", "kwargs")),
     Internal("vllm.v1.worker.gpu.model_runner:GPUModelRunner", "Model Runner V2: recognised at install (no "
              "_model_forward, no requests) and left unchecked"),
     Internal("vllm.v1.engine.llm_engine:LLMEngine", "read: engine_core.engine_core.model_executor."
