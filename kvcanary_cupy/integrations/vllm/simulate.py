@@ -175,6 +175,13 @@ class VllmSimulation(EngineSimulation[VllmSimConfig, RunResult]):
         opts = self._options()
         installed = llm.collective_rpc(rpc_install, args=(opts, kind, self.cfg.inject_at, seed, fault_rank))
         self._note_install(installed[0][1], installed[0][2])
+        # as install() does in-process: blocks cached before the canary carry no records (a hit would read as
+        # corruption), so the prefix cache starts empty
+        if llm.reset_prefix_cache() is False:
+            llm.collective_rpc(rpc_collect)
+            from ..._errors import fail
+
+            fail("vLLM refused to reset its prefix cache (requests still running)")
         start = time.perf_counter()
         try:
             tokens = w.run(llm)
