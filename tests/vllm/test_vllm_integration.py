@@ -155,13 +155,12 @@ def test_a_kv_cache_written_at_the_wrong_element_size_is_caught_as_real_kv_corru
     """vLLM's CPU build accepts ``kv_cache_dtype="int8_per_token_head"`` for an fp32 model, allocates an int8 cache
     and lets its kernel write fp32 elements at fp32 offsets into it: each token's K/V lands over other tokens'
     bytes. The canary, unchanged, reports it from the first steps as real-KV mismatches alone (token ids, positions
-    and chain records all agree). The corruption is real: the engine's own completions of the same prompts change
-    with the blocks it is given (the second run's blocks overwrite no live token)."""
+    and chain records all agree). (Whether the completions change depends on which tokens the misplaced writes
+    hit, so they are not compared here.)"""
     got = _kv_dtype_run(tiny_model, "int8_per_token_head")
     assert got["cache_dtype"] == "torch.int8" and got["disabled"] is None
     assert got["violations"] > 100 and got["reasons"] == ["VERIFY_REAL_KV_HASH_MISMATCH"]
     assert got["first_step"] <= 3
-    assert not got["exact"]
 
 
 def test_an_fp8_kv_cache_vllm_supports_is_checked_with_no_false_positive(tiny_model):
