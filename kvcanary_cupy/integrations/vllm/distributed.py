@@ -66,9 +66,14 @@ def rpc_install(worker: Any, options: Any, kind: str | None, inject_at: int, see
     """Install a canary (``options``, a ``CanaryOptions``) in ``worker``'s model runner, with the run's statistics
     observer and, on ``fault_rank`` only, an injector of ``kind``. Returns the worker's rank, why the canary is
     disabled there (None: it checks), and its install-time lines."""
+    import logging
+
     from .hooks import VllmCanary
     from .simulate import WorkloadStats
 
+    # the simulation's report carries every finding (as the in-process run's does): the worker's per-step
+    # lines are held back
+    logging.getLogger(options.logger).setLevel(logging.ERROR)
     runner = worker.model_runner
     canary = VllmCanary(runner, options)
     rank, _ = worker_rank(runner)
