@@ -117,12 +117,12 @@ def test_fault_is_detected_with_its_reason_and_step(llm, kind):
     assert any(v.step <= fault.fault.step + 2 for v in canary.violations if FAULT_REASON[kind] in v.violation.reasons)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(6))
 def test_a_wrong_element_size_write_is_caught_on_the_token_it_overwrote_on_every_seed(llm, seed):
-    """``kv-element-size`` rewrites one token's K/V at half-size element offsets: the victim (a live token of a
-    request still decoding, which the injector names) is reported with a real-KV mismatch at its slot, and no
-    violation comes before the fault."""
-    canary = kv.install(llm, backend="numpy", sweep_interval=0)
+    """``kv-element-size`` rewrites one token's K/V at half-size element offsets: the victim (a token of a request
+    with tokens still to generate, which the injector names) is reported with a real-KV mismatch at its slot, and
+    no violation comes before the fault."""
+    canary = kv.install(llm, backend="numpy", sweep_interval=0, real_kv_hash="all")
     fault = injector("kv-element-size", at=2 + seed, seed=seed)
     canary.observers.append(fault)
     try:

@@ -256,8 +256,8 @@ class PrefixForeign(Injector):
 class PreemptReuse(Injector):
     kind = "preempt-reuse"
 
-    def __init__(self, at: int = 0, seed: int = 0) -> None:
-        super().__init__(at, seed)
+    def __init__(self, at: int = 0, seed: int = 0, rank: int | None = None) -> None:
+        super().__init__(at, seed, rank)
         self.history: dict[str, list[int]] = {}  # request -> its first block list (before any preemption)
 
     def fire(self, canary, step, kwargs, metadata, rows, md):
@@ -322,10 +322,11 @@ def _vec_elements(cache: Any, block: int, offset: int) -> np.ndarray:
 
 
 class KvElementSize(Injector):
-    """After a step's forward, one token's K/V of the group's first layer written again as a kernel would that
-    takes the cache's elements for half their size: element ``e``'s first half lands at byte ``e * size / 2``.
-    It fires on a token whose misplaced bytes cover the fingerprinted first elements (head 0) of a live token of
-    a request still decoding, the victim (detected when that request's next step verifies it)."""
+    """After a step's forward, the K/V the step wrote in the group's first layer written again as a kernel would
+    that takes the cache's elements for half their size: element ``e``'s first half lands at byte ``e * size / 2``.
+    It fires at a step whose misplaced bytes cover fingerprinted bytes (with ``real_kv_hash="partial"`` the first
+    elements of head 0, with ``"all"`` any) of a token written before the step, of a request with tokens still to
+    generate: the victim (detected when that request's next step verifies it)."""
 
     kind = "kv-element-size"
 
@@ -345,43 +346,52 @@ class KvElementSize(Injector):
             return
         half = size // 2
         heads, bs, width = (int(n) for n in cache.shape[1:])
-        # every live (written before this step's end) token of the decoding rows: slot -> (request, position)
+        # every token written before this step, of a request that runs on after it (so its next step verifies it):
+        # slot -> (request, position)
         live: dict[int, tuple[str, int]] = {}
         for i, rid in enumerate(batch.request_ids):
-            if int(batch.extend_lens[i]) != 1:
-                continue
-            done = int(batch.prefix_lens[i] + batch.extend_lens[i])
-            for position in range(done - 1):
-                live[int(batch.slot(geo, i, position))] = (rid, position)
-        fingerprinted = 16 // size  # the first elements of head 0 the partial real-KV hash reads
-        for i in range(len(batch.request_ids)):
-            done = int(batch.prefix_lens[i] + batch.extend_lens[i])
-            slot = int(batch.slot(geo, i, done - 1))  # the token this step wrote last for the row
-            block, offset = divmod(slot, geo.block_size)
-            elements = _vec_elements(cache, block, offset)
-            landing = (elements * half) // size  # the element each misplaced first half falls in
-            plane, within = np.divmod(landing, bs * width)
-            victims = []
-            for p, w in zip(plane.tolist(), within.tolist(), strict=True):
-                if p % heads:
-                    continue
-                k_side = w < bs * (width // 2)
-                dim, off = (divmod(w, bs) if k_side else divmod(w - bs * (width // 2), width // 2)[::-1])
-                victim = (p // heads) * bs + off
-                if dim < fingerprinted and victim in live and victim != slot and (k_side or canary.options.with_v):
-                    victims.append(victim)
-            if not victims:
-                continue
-            flat = cache.view(torch.uint8).reshape(-1)
-            src = torch.from_numpy((elements[:, None] * size + np.arange(half)).reshape(-1))
-            dst = torch.from_numpy((elements[:, None] * half + np.arange(half)).reshape(-1))
-            flat[dst] = flat[src].clone()
-            rid, position = live[victims[0]]
-            self.fault = InjectedFault(self.kind, step + 1, rid, position, victims[0],
-                                       f"{batch.request_ids[i]}'s slot {slot} written at {half}-byte element "
-                                       f"offsets in {geo.layer_names[0]} ({size}-byte elements), over "
-                                       f"{len(set(victims))} fingerprinted token(s)")
+            if _runs_on(canary, rid):
+                for position in range(int(batch.prefix_lens[i])):
+                    live[int(batch.slot(geo, i, position))] = (rid, position)
+        fingerprinted = 16 // size  # the first elements of head 0 the partial real-KV hash reads (its 16 bytes)
+        written = [int(batch.slot(geo, i, p)) for i in range(len(batch.request_ids))
+                   for p in range(int(batch.prefix_lens[i]), int(batch.prefix_lens[i] + batch.extend_lens[i]))]
+        if not written:
             return
+        # the kernel with the wrong element size writes every token of the step misplaced
+        elements = np.concatenate([_vec_elements(cache, *divmod(slot, geo.block_size)) for slot in written])
+        landing = (elements * half) // size  # the element each misplaced first half falls in
+        plane, within = np.divmod(landing, bs * width)
+        k_side = within < bs * (width // 2)
+        dim = np.where(k_side, within // bs, (within - bs * (width // 2)) % (width // 2))
+        offset = np.where(k_side, within % bs, (within - bs * (width // 2)) // (width // 2))
+        if canary.options.real_kv_hash == "all":  # every byte of every head is fingerprinted
+            hit = k_side | bool(canary.options.with_v)
+        else:  # the first bytes of head 0
+            hit = (plane % heads == 0) & (dim < fingerprinted) & (k_side | bool(canary.options.with_v))
+        victims = sorted({int(v) for v in ((plane[hit] // heads) * bs + offset[hit]).tolist()} & set(live)
+                         - set(written))
+        if not victims:
+            return  # no token of this step would land on one the canary can see: tried again next step
+        flat = cache.view(torch.uint8).reshape(-1)
+        src = torch.from_numpy((elements[:, None] * size + np.arange(half)).reshape(-1))
+        dst = torch.from_numpy((elements[:, None] * half + np.arange(half)).reshape(-1))
+        flat[dst] = flat[src].clone()
+        rid, position = live[victims[0]]
+        self.fault = InjectedFault(self.kind, step + 1, rid, position, victims[0],
+                                   f"the step's {len(written)} token(s) written at {half}-byte element offsets in "
+                                   f"{geo.layer_names[0]} ({size}-byte elements), over {len(victims)} "
+                                   f"fingerprinted token(s) written before")
+
+
+def _runs_on(canary: Any, rid: str) -> bool:
+    """The request has at least one more step after this one (it has tokens left to generate)."""
+    state = canary.runner.requests.get(rid)
+    params = getattr(state, "sampling_params", None)
+    limit = getattr(params, "max_tokens", None)
+    if state is None or not isinstance(limit, int):
+        return False
+    return len(state.output_token_ids) + 1 < limit
 
 
 class RankKvBitflip(KvBitflip):
