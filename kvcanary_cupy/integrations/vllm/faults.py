@@ -20,9 +20,9 @@ KV cache tensor), so the engine really runs with the fault:
   maps it: the resumed request's block-table entry points at its old block, now another request's;
 * ``wrong-token`` -- a token id in the forward's ``input_ids`` replaced by another id;
 * ``position-shift`` -- one token's position in the forward's ``positions`` shifted by one;
-* ``kv-element-size`` -- one token's K/V written again by a kernel that takes the cache's elements for half their
-  size (the geometry of vLLM CPU's unsupported ``kv_cache_dtype`` bug, fact sheet 2 Q3, mirrored so that it stays
-  inside the tensor): every element lands at half its byte offset, over other tokens' K/V;
+* ``kv-element-size`` -- the K/V a step wrote written again by a kernel that takes the cache's elements for half
+  their size (the geometry of vLLM CPU's unsupported ``kv_cache_dtype`` bug, mirrored so that it stays inside the
+  tensor): every element lands at half its byte offset, over other tokens' K/V;
 * ``rank-kv-bitflip`` -- ``kv-bitflip`` on the last tensor-parallel rank only: the other ranks' shards stay intact
   and must stay silent.
 
@@ -46,7 +46,7 @@ FAULT_KINDS: dict[str, str] = {
     "preempt-reuse": "a resumed request still maps a block freed on preemption and now another request's",
     "wrong-token": "the forward receives a wrong token id",
     "position-shift": "one token's position is shifted by one",
-    "kv-element-size": "a token's K/V written at the wrong element size, over other tokens' K/V (vLLM CPU's "
+    "kv-element-size": "a step's K/V written at the wrong element size, over other tokens' K/V (vLLM CPU's "
                        "unsupported kv_cache_dtype bug)",
     "rank-kv-bitflip": "a bit flips in the KV shard of one tensor-parallel rank only (the last)",
 }
