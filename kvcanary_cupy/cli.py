@@ -102,6 +102,7 @@ def _tiers(text: str) -> tuple[str, ...]:
 def _simulate_epilog() -> str:
     from .integrations.transformers.faults import FAULT_KINDS as TRANSFORMERS_KINDS
     from .integrations.vllm.faults import FAULT_KINDS as VLLM_KINDS
+    from .integrations.vllm.faults import MODEL_FAULT_KINDS, SPECULATIVE_FAULT_KINDS
     from .sim.disagg.faults import DEFAULT_TRANSFER_RATE, TRANSFER_KINDS
     from .sim.faults import DEFAULT_RATE, FAULT_KINDS, TIER_FAULT_KINDS
     from .sim.runner import PRESETS
@@ -115,7 +116,13 @@ def _simulate_epilog() -> str:
     engine_kinds = "\n".join(textwrap.wrap(", ".join(TRANSFORMERS_KINDS), 110, initial_indent="  transformers: ",
                                            subsequent_indent=" " * 16, break_on_hyphens=False)
                              + textwrap.wrap(", ".join(VLLM_KINDS), 110, initial_indent="  vllm:         ",
-                                             subsequent_indent=" " * 16, break_on_hyphens=False))
+                                             subsequent_indent=" " * 16, break_on_hyphens=False)
+                             + textwrap.wrap(f"and, with --model-arch mistral-sw or gemma3, "
+                                             f"{' and '.join(MODEL_FAULT_KINDS)} (gemma3 only: "
+                                             f"{list(MODEL_FAULT_KINDS)[-1]}); with --speculative, "
+                                             f"{', '.join(SPECULATIVE_FAULT_KINDS)}", 110,
+                                             initial_indent=" " * 16, subsequent_indent=" " * 16,
+                                             break_on_hyphens=False))
     return f"""\
 examples:
   {PROG} simulate --preset mixed --inject all --steps 200 --requests 48 --seed 7
@@ -124,6 +131,7 @@ examples:
   {PROG} simulate --inject all --seed 7 --json report/run.json --html report/run.html --dump-failures report/dumps
   {PROG} simulate --engine transformers --inject all   (the canary inside transformers' continuous batching)
   {PROG} simulate --engine vllm --inject all --backend host   (inside vLLM's V1 engine, CPU build)
+  {PROG} simulate --engine vllm --model-arch gemma3 --tensor-parallel 2 --inject all   (per rank)
   {PROG} replay report/dumps/kv-bitflip-seed7-step7-TAIL_K_FULL-verify.npz --backend host --sanitize
   {PROG} simulate --disaggregated --decode-workers 2 --inject all --steps 60 --requests 16
 
@@ -208,6 +216,7 @@ def _model_sizes() -> str:
 def _add_simulate(sub: Any) -> None:
     """``simulate``: its options in groups; the help of each ends with where it applies (:mod:`.option_scope`)."""
     from .backends import BACKEND_NAMES
+    from .integrations.vllm.workloads import DTYPES, MODEL_ARCHS, SPECULATIVE, TENSOR_PARALLEL
     from .option_scope import SCOPE
     from .sim.runner import PRESETS
 
@@ -225,6 +234,20 @@ def _add_simulate(sub: Any) -> None:
                         "build, in-process, random-weight model; needs the vllm extra) (default: %(default)s)")
     engine.add_argument("--model-size", choices=["small", "medium"], default="small",
                         help=f"the random-weight model: {_model_sizes()} (default: %(default)s)")
+    engine.add_argument("--model-arch", choices=["llama", *MODEL_ARCHS], default="llama",
+                        help="the model kind: llama (full attention), mistral-sw (every layer sliding-window), gemma3 "
+                        "(sliding-window and full layers alternating), deepseek-mla (multi-head latent attention), "
+                        "qwen3-next (gated-delta-net and full attention, bf16); tiny, random weights "
+                        "(default: %(default)s)")
+    engine.add_argument("--dtype", choices=list(DTYPES), default=None,
+                        help="the model's dtype (default: the model kind's own: fp32, bf16 for qwen3-next)")
+    engine.add_argument("--speculative", choices=list(SPECULATIVE), default=None,
+                        help="speculative decoding: ngram (prompt lookup, 3 draft tokens) or draft (the model as its "
+                        "own draft model, 2 draft tokens) (default: none, off)")
+    engine.add_argument("--tensor-parallel", type=int, choices=list(TENSOR_PARALLEL), default=1,
+                        metavar="{" + ",".join(map(str, TENSOR_PARALLEL)) + "}",
+                        help="tensor-parallel workers, each a process with its own canary over its KV-head shard; "
+                        "each fault is injected on one rank and reported per rank (default: %(default)s)")
     engine.add_argument("--backend", choices=["auto", *BACKEND_NAMES], default="auto",
                         help="canary implementation: auto (cuda with a GPU, else host where g++ compiles it, "
                         "else numpy), numpy (reference), cuda (CuPy kernels), host (the CUDA kernels compiled for "

@@ -75,6 +75,9 @@ _TIERS_IN_TRANSFORMERS = ("the tiers are simulated with the synthetic engine (--
                           "own CPU offload (cpu_offload_space) needs pinned memory, which CPU-only torch refuses")
 _TIERS_IN_VLLM = ("the tiers are simulated with the synthetic engine (--engine synthetic); the vLLM run has no KV "
                   "connector or CPU offload to write back to")
+_VLLM_MODEL = ("the synthetic engine has no model: it writes synthetic KV",
+               "the transformers engine runs its Llama-style model in fp32 on one process; model kinds, dtypes, "
+               "speculative decoding and tensor parallel are vLLM's (--engine vllm)")
 _LAYOUT_IN_DISAGG = "its engines keep req_to_token"
 _LAYOUT_IN_ENGINES = "the slot layout is the engine's own block table"
 
@@ -84,6 +87,13 @@ SCOPE: dict[str, Scope] = {
     "--engine": _everywhere(),
     "--model-size": _only(_ENGINES, synthetic="the synthetic engine has no model: it writes synthetic KV",
                           disaggregated="the synthetic engine has no model: it writes synthetic KV"),
+    "--model-arch": _only(("vllm",), synthetic=_VLLM_MODEL[0], disaggregated=_VLLM_MODEL[0],
+                          transformers=_VLLM_MODEL[1]),
+    "--dtype": _only(("vllm",), synthetic=_VLLM_MODEL[0], disaggregated=_VLLM_MODEL[0], transformers=_VLLM_MODEL[1]),
+    "--speculative": _only(("vllm",), synthetic=_VLLM_MODEL[0], disaggregated=_VLLM_MODEL[0],
+                           transformers=_VLLM_MODEL[1]),
+    "--tensor-parallel": _only(("vllm",), synthetic=_VLLM_MODEL[0], disaggregated=_VLLM_MODEL[0],
+                               transformers=_VLLM_MODEL[1]),
     "--backend": _everywhere(),
     # workload
     "--preset": _only(("synthetic", "disaggregated"), engines="it runs its own workloads, not the presets"),

@@ -76,21 +76,30 @@ def _any_text(raw: str) -> str:
     return raw
 
 
-def _fault(raw: str) -> tuple[str, int] | None:
-    """``<kind>[@<step>]``: a fault kind of the vLLM integration, armed at ``step`` (default 3)."""
+def _fault(raw: str) -> tuple[str, int, int | None] | None:
+    """``<kind>[@<step>][:rank<R>]``: a fault kind of the vLLM integration, armed at ``step`` (default 3), in the
+    worker of tensor-parallel rank ``R`` only when given (else in every worker)."""
     from .integrations.vllm.faults import FAULT_KINDS
 
-    kind, at, step = raw.partition("@")
+    spec, colon, where = raw.partition(":")
+    rank: int | None = None
+    if colon:
+        if not where.startswith("rank") or not _DIGITS.fullmatch(where[4:]):
+            return None
+        rank = int(where[4:])
+        if rank > _INT32_MAX:
+            return None
+    kind, at, step = spec.partition("@")
     if kind not in FAULT_KINDS or (at and not _DIGITS.fullmatch(step)):
         return None
     value = int(step) if at else 3
-    return (kind, value) if value <= _INT32_MAX else None
+    return (kind, value, rank) if value <= _INT32_MAX else None
 
 
 _INT32_MAX = (1 << 31) - 1
 _BOOL_WORDS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
-_FAULT_KINDS_TEXT = ("<kind>[@<step>] with a kind of kvcanary_cupy.integrations.vllm.faults.FAULT_KINDS "
-                     "and a step from 0 to 2147483647")
+_FAULT_KINDS_TEXT = ("<kind>[@<step>][:rank<R>] with a kind of kvcanary_cupy.integrations.vllm.faults.FAULT_KINDS, "
+                     "a step and a rank from 0 to 2147483647")
 
 #: Every ``KVCANARY_*`` variable the package reads (tests' own variables are not the package's).
 SETTINGS: dict[str, Setting] = {s.name: s for s in (

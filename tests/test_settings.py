@@ -39,10 +39,13 @@ CASES: dict[str, tuple[dict[str, object], list[str]]] = {
     "KVCANARY_VLLM_SWEEP_INTERVAL": ({"0": 0, "8": 8}, ["-1", "often", "8.5", "2147483648"]),
     "KVCANARY_VLLM_LOG_ROWS": ({"0": 0, "5": 5, "1000": 1000}, ["-1", "1001", "5.0", "few", " 5"]),
     "KVCANARY_VLLM_ALLOW_UNTESTED": ({"1": True, "0": False, "yes": True, "false": False}, ["maybe", "2", "True"]),
-    "KVCANARY_VLLM_FAULT": ({"wrong-token": ("wrong-token", 3), "kv-bitflip@0": ("kv-bitflip", 0),
-                             "slot-mapping@60": ("slot-mapping", 60)},
+    "KVCANARY_VLLM_FAULT": ({"wrong-token": ("wrong-token", 3, None), "kv-bitflip@0": ("kv-bitflip", 0, None),
+                             "slot-mapping@60": ("slot-mapping", 60, None),
+                             "kv-bitflip@3:rank1": ("kv-bitflip", 3, 1), "wrong-token:rank0": ("wrong-token", 3, 0)},
                             ["junk", "wrong-token@x", "wrong-token@", "wrong-token@-1", "@3", "wrong-token@3.5",
-                             "Wrong-Token", "wrong-token@2147483648", "wrong-token@3@4"]),
+                             "Wrong-Token", "wrong-token@2147483648", "wrong-token@3@4", "kv-bitflip@3:rank",
+                             "kv-bitflip@3:1", "kv-bitflip@3:rank-1", "kv-bitflip@3:rank1:rank2",
+                             "kv-bitflip@3:Rank1", "kv-bitflip@3:rank2147483648"]),
 }
 
 

@@ -33,7 +33,8 @@ def sample(option: str, mode: str, tmp: Path) -> tuple[list[str], list[str]]:
     if option == "--tier-dir":
         context = ["--tiers", "host,disk"]
     values: dict[str, list[str]] = {
-        "--model-size": ["medium"], "--backend": ["numpy"],
+        "--model-size": ["medium"], "--backend": ["numpy"], "--model-arch": ["gemma3"], "--dtype": ["fp16"],
+        "--speculative": ["ngram"], "--tensor-parallel": ["2"],
         "--preset": ["prefill" if mode == "disaggregated" else "decode"], "--steps": ["100"],
         "--requests": ["20"], "--seed": ["5"], "--warmup": ["2"], "--cooldown": ["3"], "--layout": ["block"],
         "--block-size": ["8"], "--block-stride": ["32"],
@@ -99,7 +100,30 @@ def test_every_option_is_applied_or_refused_with_a_reason_in_every_mode(mode, tm
 
 
 @pytest.mark.parametrize(("argv", "message"), [
+    (["--model-arch", "gemma3", "--model-size", "medium"],
+     "--model-size medium applies to --model-arch llama only"),
+    (["--model-arch", "qwen3-next", "--dtype", "fp32"],
+     "--dtype fp32 does not run --model-arch qwen3-next: vLLM's CPU build runs that model kind in bf16 only"),
+])
+def test_vllm_model_options_that_cannot_run_together_are_refused_before_any_engine(argv, message, capsys,
+                                                                                   vllm_version_gate_open):
+    assert cli.main(["simulate", "--engine", "vllm", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_vllm_model_options_reach_the_run_configuration(vllm_version_gate_open):
+    cfg = plan(["--engine", "vllm", "--model-arch", "deepseek-mla", "--dtype", "bf16", "--speculative", "draft",
+                "--tensor-parallel", "2"]).config
+    assert (cfg.model_arch, cfg.dtype, cfg.speculative, cfg.tensor_parallel) == ("deepseek-mla", "bf16", "draft", 2)
+    assert (plan(["--engine", "vllm"]).config.model_arch, plan(["--engine", "vllm"]).config.dtype) == ("llama", None)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
     (["--engine", "vllm", "--tiers", "host"], "--tiers does not apply to --engine vllm"),
+    (["--engine", "transformers", "--tensor-parallel", "2"], "--tensor-parallel does not apply to --engine "
+                                                             "transformers"),
+    (["--model-arch", "llama"], "--model-arch does not apply to the synthetic engine"),
     (["--engine", "vllm", "--tier-dir", "x"], "--tier-dir does not apply to --engine vllm"),
     (["--engine", "vllm", "--max-verify-entries", "4"], "--max-verify-entries does not apply to --engine vllm"),
     (["--engine", "vllm", "--kill-decode-worker", "1@2"], "--kill-decode-worker does not apply to --engine vllm"),

@@ -85,12 +85,14 @@ def test_mode_off_launches_nothing_and_changes_nothing(llm):
 # The workload each fault needs: a decoding request next to others, a prefix-cache hit, a preemption.
 FAULT_WORKLOAD = {"kv-bitflip": "mixed-lengths", "block-table": "mixed-lengths", "slot-mapping": "mixed-lengths",
                   "prefix-unwritten": "shared-prefix", "prefix-foreign": "shared-prefix",
-                  "preempt-reuse": "preemption", "wrong-token": "mixed-lengths", "position-shift": "mixed-lengths"}
+                  "preempt-reuse": "preemption", "wrong-token": "mixed-lengths", "position-shift": "mixed-lengths",
+                  "kv-element-size": "mixed-lengths", "rank-kv-bitflip": "mixed-lengths"}
 # The reason each fault must raise (an independent statement of what the canary checks for it).
 FAULT_REASON = {"kv-bitflip": "VERIFY_REAL_KV_HASH_MISMATCH", "block-table": "VERIFY_TOKEN_MISMATCH",
                 "slot-mapping": "VERIFY_TOKEN_MISMATCH", "prefix-unwritten": "VERIFY_TOKEN_MISMATCH",
                 "prefix-foreign": "VERIFY_TOKEN_MISMATCH", "preempt-reuse": "VERIFY_TOKEN_MISMATCH",
-                "wrong-token": "WRITE_TOKEN_MISMATCH", "position-shift": "WRITE_POSITION_MISMATCH"}
+                "wrong-token": "WRITE_TOKEN_MISMATCH", "position-shift": "WRITE_POSITION_MISMATCH",
+                "kv-element-size": "VERIFY_REAL_KV_HASH_MISMATCH", "rank-kv-bitflip": "VERIFY_REAL_KV_HASH_MISMATCH"}
 
 
 def test_every_fault_kind_has_a_workload_and_a_reason():
@@ -113,3 +115,57 @@ def test_fault_is_detected_with_its_reason_and_step(llm, kind):
     first = min(v.step for v in canary.violations)
     assert first >= fault.fault.step  # nothing flagged before the fault took effect: no false positive
     assert any(v.step <= fault.fault.step + 2 for v in canary.violations if FAULT_REASON[kind] in v.violation.reasons)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_wrong_element_size_write_is_caught_on_the_token_it_overwrote_on_every_seed(llm, seed):
+    """``kv-element-size`` rewrites one token's K/V at half-size element offsets: the victim (a token of a request
+    with tokens still to generate, which the injector names) is reported with a real-KV mismatch at its slot, and
+    no violation comes before the fault."""
+    canary = kv.install(llm, backend="numpy", sweep_interval=0, real_kv_hash="all")
+    fault = injector("kv-element-size", at=2 + seed, seed=seed)
+    canary.observers.append(fault)
+    try:
+        WORKLOADS["mixed-lengths"].run(llm)
+        canary.finish()
+    finally:
+        canary.remove()
+    assert fault.fault is not None
+    assert canary.violations and min(v.step for v in canary.violations) >= fault.fault.step
+    hits = [v.violation for v in canary.violations if v.violation.slot == fault.fault.slot]
+    assert any("VERIFY_REAL_KV_HASH_MISMATCH" in x.reasons for x in hits), (fault.fault, canary.violations[:3])
+    assert {r for v in canary.violations for r in v.violation.reasons} == {"VERIFY_REAL_KV_HASH_MISMATCH"}
+
+
+def _kv_dtype_run(tiny_model, kv_dtype: str) -> dict:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = subprocess.run([sys.executable, str(Path(__file__).parent / "kv_dtype_run.py"), str(tiny_model), kv_dtype,
+                          "mixed-lengths"], capture_output=True, text=True, timeout=500)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    result = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert result, run.stderr[-4000:]
+    return json.loads(result[-1][len("RESULT "):])
+
+
+def test_a_kv_cache_written_at_the_wrong_element_size_is_caught_as_real_kv_corruption(tiny_model):
+    """vLLM's CPU build accepts ``kv_cache_dtype="int8_per_token_head"`` for an fp32 model, allocates an int8 cache
+    and lets its kernel write fp32 elements at fp32 offsets into it: each token's K/V lands over other tokens'
+    bytes. The canary, unchanged, reports it from the first steps as real-KV mismatches alone (token ids, positions
+    and chain records all agree). (Whether the completions change depends on which tokens the misplaced writes
+    hit, so they are not compared here.)"""
+    got = _kv_dtype_run(tiny_model, "int8_per_token_head")
+    assert got["cache_dtype"] == "torch.int8" and got["disabled"] is None
+    assert got["violations"] > 100 and got["reasons"] == ["VERIFY_REAL_KV_HASH_MISMATCH"]
+    assert got["first_step"] <= 3
+
+
+def test_an_fp8_kv_cache_vllm_supports_is_checked_with_no_false_positive(tiny_model):
+    """The control: fp8 (e4m3 bytes in uint8 storage), which the CPU kernel does write at 1-byte offsets, runs
+    clean under the same canary, and the completions do not depend on the blocks."""
+    got = _kv_dtype_run(tiny_model, "fp8")
+    assert got["cache_dtype"] == "torch.uint8" and got["disabled"] is None and got["exact"]
+    assert got["steps"] > 10 and got["violations"] == 0

@@ -13,6 +13,26 @@ def test_every_internal_the_integration_uses_is_present_in_the_installed_vllm():
     assert problems() == []
 
 
+def test_a_missing_internal_a_changed_signature_or_a_missing_field_is_reported(monkeypatch):
+    """The check would fail for a vLLM that dropped or changed what the integration relies on: a hooked method
+    removed, a called method's parameters renamed, a read config field gone (each planted here)."""
+    from vllm.entrypoints.llm import LLM
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from kvcanary_cupy.integrations.vllm import internals
+
+    monkeypatch.delattr(GPUModelRunner, "_model_forward")
+    monkeypatch.setattr(LLM, "collective_rpc", lambda self, func, timeout=None: [])
+    monkeypatch.setattr(internals, "INTERNALS", (*internals.INTERNALS, internals.Internal(
+        "vllm.config:ParallelConfig", "planted", attributes=("rank", "no_such_field"))))
+    found = problems()
+    assert any(p.startswith(f"{internals.RUNNER}._model_forward: missing") for p in found), found
+    assert any(p.startswith("vllm.entrypoints.llm:LLM.collective_rpc: parameters ('self', 'func', 'timeout')")
+               for p in found), found
+    assert "vllm.config:ParallelConfig: attributes ['no_such_field'] missing" in found
+    assert len(found) == 3
+
+
 def test_the_internals_list_names_the_methods_the_hooks_patch():
     targets = {i.target.rsplit(".", 1)[-1] for i in INTERNALS}
     assert {"execute_model", "_model_forward", "get_forward_context"} <= {t.split(":")[-1] for t in targets}

@@ -143,3 +143,30 @@ def test_a_cuda_runner_is_refused_with_a_clear_error():
     runner = types.SimpleNamespace(kv_caches=[torch.zeros(4, 2, 32, 64, device="cuda")])
     with pytest.raises(ValueError, match=r"^kv-canary: the vLLM integration runs on vLLM's CPU build only"):
         VllmCanaryState(runner, CanaryOptions())
+
+
+def test_tensor_parallel_2_checks_each_rank_and_reports_a_one_rank_fault_on_that_rank_only(llm, tiny_model):
+    """``tensor_parallel_size=2``: the plugin installs a canary in both workers (each checks its own KV-head shard),
+    the completions equal those of the single-worker engine, and a bit flipped in rank 1's shard (armed at step 20,
+    in the second workload) is reported by rank 1 alone, from that step on; rank 0 reports nothing."""
+    from kvcanary_cupy.integrations.vllm.distributed import thread_binding
+
+    want = _baseline(llm, "mixed-lengths")  # 17 steps: the fault, armed at step 20, fires in the next workload
+    env = _env(KVCANARY_VLLM="log", KVCANARY_VLLM_BACKEND="numpy", KVCANARY_VLLM_FAULT="kv-bitflip@20:rank1",
+               VLLM_CPU_OMP_THREADS_BIND=thread_binding(2))
+    run = subprocess.run([sys.executable, str(HERE / "tp_run.py"), str(tiny_model), "2", "mixed-lengths",
+                          "shared-prefix"], env=env, capture_output=True, text=True, timeout=500)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert result and json.loads(result[-1][len("RESULT "):])["mixed-lengths"] == want
+    installed = re.findall(r"\[pid (\d+) rank (\d)\] kvcanary_cupy\.vllm: kv-canary installed in CPUModelRunner",
+                           run.stderr)
+    assert sorted(rank for _, rank in installed) == ["0", "1"] and len({pid for pid, _ in installed}) == 2
+    lines = [line for line in run.stderr.splitlines() if "kv_canary=" in line]
+    records = [json.loads(line.split("kv_canary=", 1)[1]) for line in lines]
+    assert records, run.stderr[-3000:]
+    assert {r["rank"] for r in records} == {1} and all(" rank 1] " in line for line in lines)
+    assert min(r["step"] for r in records) >= 20
+    rows = [r for r in records if "first_rows" in r]  # the per-group records (the step summary has no rows)
+    assert rows and all(set(r["reasons"]) == {"VERIFY_REAL_KV_HASH_MISMATCH"} for r in rows)
+    assert not [line for line in run.stderr.splitlines() if " rank 0] " in line and "violation" in line]

@@ -31,3 +31,56 @@ def test_simulate_engine_vllm_passes_and_writes_its_reports(tmp_path):
     assert report["violations"]["false_positives"] == 0
     assert "fault kind" in run.stdout and "PASS" in run.stdout
     assert "<h1>kv-canary in vLLM</h1>" in out_html.read_text()
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _simulate(**fields) -> dict:
+    """The report of a simulation with ``fields`` (one workload, numpy backend, its own process)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM")}
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # the simulation splits the CPUs itself
+    run = subprocess.run([sys.executable, os.path.join(HERE, "sim_run.py"), json.dumps(
+        {"model_size": "small", "backend": "numpy", "workloads": ["mixed-lengths"], **fields})], env=env,
+        capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    result = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert result, run.stderr[-3000:]
+    return json.loads(result[-1][len("RESULT "):])
+
+
+def test_simulate_tensor_parallel_2_injects_each_fault_on_one_rank_and_reports_it_per_rank():
+    report = _simulate(tensor_parallel=2, inject=["kv-bitflip", "wrong-token", "rank-kv-bitflip"])
+    assert report["outcome"] == "passed", (report["kinds"], report["violations"])
+    assert report["config"]["tensor_parallel"] == 2 and report["config"]["thread_binding"].count("|") == 1
+    (w,) = report["workloads"]
+    assert w["token_exact"] and w["violations_by_rank"] == {"0": 0, "1": 0}
+    ranks = {f["kind"]: f["rank"] for f in report["faults"]}
+    assert ranks == {"kv-bitflip": 0, "wrong-token": 1, "rank-kv-bitflip": 1}  # the ranks take turns
+    for f in report["faults"]:
+        assert f["detected"], f
+        others = [n for r, n in f["violations_by_rank"].items() if int(r) != f["rank"]]
+        assert f["violations_by_rank"][str(f["rank"])] > 0 and others == [0], f
+    assert report["violations"]["false_positives"] == 0
+
+
+def test_simulate_a_hybrid_model_checks_both_groups_and_catches_its_own_fault_kinds():
+    report = _simulate(model_arch="gemma3", inject=["wrong-token", "kv-element-size", "window-reuse",
+                                                    "group-handover"])
+    assert report["config"]["model_arch"] == "gemma3" and report["workloads"][0]["arch"] == "gemma3"
+    assert report["outcome"] == "passed", (report["kinds"], report["unchecked"])
+    assert report["workloads"][0]["token_exact"] and report["violations"]["false_positives"] == 0
+    assert report["canary_disabled"] is None
+    assert [f["kind"] for f in report["faults"] if f["detected"]] == ["wrong-token", "kv-element-size",
+                                                                      "window-reuse", "group-handover"]
+    # both attention groups checked: the one line left is the hybrid model's sweep, off
+    assert len(report["unchecked"]) == 1 and "prefix-cache sweep off" in report["unchecked"][0]
+
+
+def test_simulate_with_speculative_decoding_checks_it_and_catches_a_rejected_draft_kept():
+    report = _simulate(speculative="ngram", inject=["wrong-token", "draft-rejected-kept"])
+    assert report["config"]["speculative"] == "ngram" and report["workloads"][0]["token_exact"]
+    assert report["canary_disabled"] is None and report["unchecked"] == []
+    assert report["outcome"] == "passed", (report["kinds"], report["violations"])
+    assert report["violations"]["false_positives"] == 0
+    assert [f["kind"] for f in report["faults"] if f["detected"]] == ["wrong-token", "draft-rejected-kept"]

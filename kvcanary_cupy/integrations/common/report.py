@@ -77,6 +77,18 @@ def build_engine_report(sim: EngineSimulation[Any, Any], *, schema: str, fault_k
                 fp_total += 1
                 if len(false_positives) < MAX_FALSE_POSITIVE_ROWS:
                     false_positives.append(violation_row(v, run))
+        # violations no fault of the run can explain (a distributed engine: those of a worker the fault was not
+        # injected in) are false positives whatever their step
+        for v in getattr(run, "unexplained", ()):
+            read = run.step_offset + v.step + 1
+            tl["violations"][read] += 1
+            tl["false_positives"][read] += 1
+            by_tag[v.violation.launch_tag] += 1
+            for r in v.violation.reasons:
+                by_reason[r] += 1
+            fp_total += 1
+            if len(false_positives) < MAX_FALSE_POSITIVE_ROWS:
+                false_positives.append(violation_row(v, run))
         if run.kind is None:
             continue
         if fault is None:

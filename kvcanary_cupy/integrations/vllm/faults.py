@@ -21,11 +21,19 @@ KV cache tensor), so the engine really runs with the fault:
 * ``wrong-token`` -- a token id in the forward's ``input_ids`` replaced by another id;
 * ``position-shift`` -- one token's position in the forward's ``positions`` shifted by one;
 * ``draft-rejected-kept`` (speculative decoding only) -- a rejected draft token's K/V left in place and read as
-  the token sampled for its position (vllm#47466).
+  the token sampled for its position (vllm#47466);
 * ``window-reuse`` -- a sliding-window block freed and handed to another request while a request still attends
   to it: the other request's write goes into the block holding the first request's last cached position;
 * ``group-handover`` -- a block handed from one KV cache group of a hybrid model to the other while the first
   group's request still reads it: the other group's layers write their K/V over its bytes (the groups alias).
+* ``kv-element-size`` -- the K/V a step wrote written again by a kernel that takes the cache's elements for half
+  their size (the geometry of vLLM CPU's unsupported ``kv_cache_dtype`` bug, mirrored so that it stays inside the
+  tensor): every element lands at half its byte offset, over other tokens' K/V;
+* ``rank-kv-bitflip`` -- ``kv-bitflip`` on the last tensor-parallel rank only: the other ranks' shards stay intact
+  and must stay silent.
+
+Any injector can be confined to one rank (``rank=``; the plugin's ``KVCANARY_VLLM_FAULT=<kind>@<step>:rank<R>``):
+it fires only in the worker of that rank (:func:`.distributed.worker_rank`).
 """
 
 from __future__ import annotations
@@ -46,6 +54,9 @@ FAULT_KINDS: dict[str, str] = {
     "preempt-reuse": "a resumed request still maps a block freed on preemption and now another request's",
     "wrong-token": "the forward receives a wrong token id",
     "position-shift": "one token's position is shifted by one",
+    "kv-element-size": "a step's K/V written at the wrong element size, over other tokens' K/V (vLLM CPU's "
+                       "unsupported kv_cache_dtype bug)",
+    "rank-kv-bitflip": "a bit flips in the KV shard of one tensor-parallel rank only (the last)",
 }
 # Faults that need a model kind of their own (a sliding-window group; two KV cache groups): they find no target
 # in a full-attention model, so they are not among the kinds every model runs.
@@ -92,8 +103,9 @@ class Injector:
 
     kind = ""
 
-    def __init__(self, at: int = 0, seed: int = 0) -> None:
+    def __init__(self, at: int = 0, seed: int = 0, rank: int | None = None) -> None:
         self.at = at
+        self.rank = rank  # None: every worker; else only the worker of that rank fires
         self.rng = np.random.default_rng(seed)
         self.fault: InjectedFault | None = None
         self._restore: list[tuple[Any, int, int, int]] = []  # (tensor, row, col, value) put back after the step
@@ -102,8 +114,14 @@ class Injector:
     def armed(self) -> bool:
         return self.fault is None
 
+    def here(self, canary: Any) -> bool:
+        """This worker is the one the injector fires in (its rank, or any worker)."""
+        from .distributed import worker_rank
+
+        return self.rank is None or worker_rank(canary.runner)[0] == self.rank
+
     def before_forward(self, canary: Any, step: int, kwargs: dict[str, Any], metadata: dict[str, Any]) -> None:
-        if self.armed and step >= self.at:
+        if self.armed and step >= self.at and self.here(canary):
             rows, md = _rows(canary, metadata)
             self.fire(canary, step, kwargs, metadata, rows, md)
 
@@ -144,7 +162,7 @@ class KvBitflip(Injector):
 
     def after_forward(self, canary: Any, step: int, batch: Any) -> None:
         super().after_forward(canary, step, batch)
-        if not self.armed or step < self.at:
+        if not self.armed or step < self.at or not self.here(canary):
             return
         import torch
 
@@ -255,8 +273,8 @@ class PrefixForeign(Injector):
 class PreemptReuse(Injector):
     kind = "preempt-reuse"
 
-    def __init__(self, at: int = 0, seed: int = 0) -> None:
-        super().__init__(at, seed)
+    def __init__(self, at: int = 0, seed: int = 0, rank: int | None = None) -> None:
+        super().__init__(at, seed, rank)
         self.history: dict[str, list[int]] = {}  # request -> its first block list (before any preemption)
 
     def fire(self, canary, step, kwargs, metadata, rows, md):
@@ -316,8 +334,8 @@ class RejectedDraftKept(Injector):
 
     kind = "draft-rejected-kept"
 
-    def __init__(self, at: int = 0, seed: int = 0) -> None:
-        super().__init__(at, seed)
+    def __init__(self, at: int = 0, seed: int = 0, rank: int | None = None) -> None:
+        super().__init__(at, seed, rank)
         self.drafted: dict[str, tuple[int, list[int]]] = {}  # request -> (its first draft position, the drafts)
 
     def after_forward(self, canary: Any, step: int, batch: Any) -> None:
@@ -363,6 +381,8 @@ class RejectedDraftKept(Injector):
                                        f"rejected draft {drafts[accepted]} kept at position {row.past} (slot {old}); "
                                        f"the sampled token's K/V went to block {spare}")
             return
+
+
 class _Handover(Injector):
     """Hands the block that holds a request's last cached position (inside any window: a window reads at least
     the position before the query) to another request of the step, in ``writer``'s group: that request's block
@@ -453,9 +473,107 @@ class GroupHandover(_Handover):
         return victim, next(g for g in geos if g is not victim)
 
 
+def _vec_elements(cache: Any, block: int, offset: int) -> np.ndarray:
+    """The flat element indices of one token's K and V, every head, in a CPU ``vec`` cache ``[blocks, heads,
+    block_size, 2 * head_size]`` (per block and head: K column-major ``[head_size, block_size]``, then V
+    row-major ``[block_size, head_size]``)."""
+    _, heads, bs, width = (int(n) for n in cache.shape)
+    d = width // 2
+    planes = (block * heads + np.arange(heads, dtype=np.int64))[:, None] * bs * width
+    dims = np.arange(d, dtype=np.int64)[None, :]
+    k = planes + dims * bs + offset
+    v = planes + bs * d + offset * d + dims
+    return np.concatenate([k.reshape(-1), v.reshape(-1)])
+
+
+class KvElementSize(Injector):
+    """After a step's forward, the K/V the step wrote in the group's first layer written again as a kernel would
+    that takes the cache's elements for half their size: element ``e``'s first half lands at byte ``e * size / 2``.
+    It fires at a step whose misplaced bytes cover fingerprinted bytes (with ``real_kv_hash="partial"`` the first
+    elements of head 0, with ``"all"`` any) of a token written before the step, of a request with tokens still to
+    generate: the victim (detected when that request's next step verifies it)."""
+
+    kind = "kv-element-size"
+
+    def after_forward(self, canary: Any, step: int, batch: Any) -> None:
+        super().after_forward(canary, step, batch)
+        if not self.armed or step < self.at or not self.here(canary):
+            return
+        import torch
+
+        st = canary.state
+        geo = st.geos[0]
+        if not st.support.checked_groups[0].real_kv or canary.options.real_kv_hash == "none":
+            return  # no K/V bytes fingerprinted: the canary could not see this fault, so it is not injected
+        cache = geo.caches[0]
+        size = cache.element_size()
+        if size < 2 or not cache.is_contiguous() or cache.dim() != 4:
+            return
+        half = size // 2
+        heads, bs, width = (int(n) for n in cache.shape[1:])
+        # every token written before this step, of a request that runs on after it (so its next step verifies it):
+        # slot -> (request, position)
+        live: dict[int, tuple[str, int]] = {}
+        for i, rid in enumerate(batch.request_ids):
+            if _runs_on(canary, rid):
+                for position in range(int(batch.prefix_lens[i])):
+                    live[int(batch.slot(geo, i, position))] = (rid, position)
+        fingerprinted = 16 // size  # the first elements of head 0 the partial real-KV hash reads (its 16 bytes)
+        written = [int(batch.slot(geo, i, p)) for i in range(len(batch.request_ids))
+                   for p in range(int(batch.prefix_lens[i]), int(batch.prefix_lens[i] + batch.extend_lens[i]))]
+        if not written:
+            return
+        # the kernel with the wrong element size writes every token of the step misplaced
+        elements = np.concatenate([_vec_elements(cache, *divmod(slot, geo.block_size)) for slot in written])
+        landing = (elements * half) // size  # the element each misplaced first half falls in
+        plane, within = np.divmod(landing, bs * width)
+        k_side = within < bs * (width // 2)
+        dim = np.where(k_side, within // bs, (within - bs * (width // 2)) % (width // 2))
+        offset = np.where(k_side, within % bs, (within - bs * (width // 2)) // (width // 2))
+        if canary.options.real_kv_hash == "all":  # every byte of every head is fingerprinted
+            hit = k_side | bool(canary.options.with_v)
+        else:  # the first bytes of head 0
+            hit = (plane % heads == 0) & (dim < fingerprinted) & (k_side | bool(canary.options.with_v))
+        victims = sorted({int(v) for v in ((plane[hit] // heads) * bs + offset[hit]).tolist()} & set(live)
+                         - set(written))
+        if not victims:
+            return  # no token of this step would land on one the canary can see: tried again next step
+        flat = cache.view(torch.uint8).reshape(-1)
+        src = torch.from_numpy((elements[:, None] * size + np.arange(half)).reshape(-1))
+        dst = torch.from_numpy((elements[:, None] * half + np.arange(half)).reshape(-1))
+        flat[dst] = flat[src].clone()
+        rid, position = live[victims[0]]
+        self.fault = InjectedFault(self.kind, step + 1, rid, position, victims[0],
+                                   f"the step's {len(written)} token(s) written at {half}-byte element offsets in "
+                                   f"{geo.layer_names[0]} ({size}-byte elements), over {len(victims)} "
+                                   f"fingerprinted token(s) written before")
+
+
+def _runs_on(canary: Any, rid: str) -> bool:
+    """The request has at least one more step after this one (it has tokens left to generate)."""
+    state = canary.runner.requests.get(rid)
+    params = getattr(state, "sampling_params", None)
+    limit = getattr(params, "max_tokens", None)
+    if state is None or not isinstance(limit, int):
+        return False
+    return len(state.output_token_ids) + 1 < limit
+
+
+class RankKvBitflip(KvBitflip):
+    """``kv-bitflip`` confined to the last tensor-parallel rank (any ``rank`` given overrides it)."""
+
+    kind = "rank-kv-bitflip"
+
+    def here(self, canary: Any) -> bool:
+        from .distributed import worker_rank
+
+        rank, world = worker_rank(canary.runner)
+        return rank == (world - 1 if self.rank is None else self.rank)
+
+
 INJECTORS: dict[str, type[Injector]] = {cls.kind: cls for cls in (
     KvBitflip, BlockTableRedirect, SlotMappingRedirect, PrefixUnwritten, PrefixForeign, PreemptReuse, WrongToken,
-    PositionShift, WindowReuse, GroupHandover)}
+    PositionShift, KvElementSize, RankKvBitflip, WindowReuse, GroupHandover)}
 
 # Faults that need an engine with speculative decoding (``speculative_config``: ngram or draft_model).
 SPECULATIVE_FAULT_KINDS: dict[str, str] = {
@@ -465,12 +583,15 @@ SPECULATIVE_FAULT_KINDS: dict[str, str] = {
 SPECULATIVE_INJECTORS: dict[str, type[Injector]] = {RejectedDraftKept.kind: RejectedDraftKept}
 
 
-def injector(kind: str, at: int = 0, seed: int = 0) -> Injector:
+def injector(kind: str, at: int = 0, seed: int = 0, rank: int | None = None) -> Injector:
     """An armed injector of ``kind`` (one of :data:`FAULT_KINDS`, :data:`MODEL_FAULT_KINDS`, or of
-    :data:`SPECULATIVE_FAULT_KINDS` on an engine with speculative decoding)."""
+    :data:`SPECULATIVE_FAULT_KINDS` on an engine with speculative decoding), firing in every worker or in the
+    worker of ``rank`` only."""
     from ..._errors import fail
 
     kinds = {**INJECTORS, **SPECULATIVE_INJECTORS}
     if kind not in kinds:
         fail(f"fault kind must be one of {sorted(kinds)}, got {kind!r}")
-    return kinds[kind](at, seed)
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        fail(f"rank must be a non-negative integer or None, got {rank!r}")
+    return kinds[kind](at, seed, rank)

@@ -77,8 +77,14 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("vllm.config:VllmConfig", "read at install (runner.vllm_config): pipeline parallel, KV connectors; "
              "runner.speculative_config and runner.use_async_scheduling are the runner's copies",
              attributes=("parallel_config", "kv_transfer_config", "speculative_config")),
-    Internal("vllm.config:ParallelConfig", "read at install: pipeline_parallel_size",
-             attributes=("pipeline_parallel_size",)),
+    Internal("vllm.config:ParallelConfig", "read at install: pipeline_parallel_size; the worker's rank and "
+             "world_size (runner.vllm_config.parallel_config: a rank's log lines and one-rank faults)",
+             attributes=("pipeline_parallel_size", "tensor_parallel_size", "rank", "world_size")),
+    Internal("vllm.v1.worker.worker_base:WorkerBase.__init__", "sets parallel_config.rank in each worker: what "
+             "tells the ranks apart", ("self", "vllm_config", "local_rank", "rank")),
+    Internal("vllm.entrypoints.llm:LLM.collective_rpc", "called by `kvcanary simulate --tensor-parallel 2`: a "
+             "canary installed in, and read back from, each worker's model_runner",
+             ("self", "method", "timeout", "args", "kwargs")),
     Internal("vllm.config:SpeculativeConfig", "read at install (runner.speculative_config): method (ngram and "
              "draft_model checked, any other disables the canary)", attributes=("method", "num_speculative_tokens")),
     Internal("vllm.v1.spec_decode.draft_model:DraftModelProposer", "read at install (runner.drafter): "

@@ -3,8 +3,8 @@ process builds the model runner, with no code change, when ``KVCANARY_VLLM`` ask
 
 ``KVCANARY_VLLM=log|raise|off`` turns it on (unset or empty: the plugin does nothing at all);
 ``KVCANARY_VLLM_REAL_KV_HASH``, ``_WITH_V``, ``_BACKEND``, ``_RING_CAPACITY``, ``_SWEEP_INTERVAL``, ``_LOG_ROWS``
-set the other :class:`~.canary.CanaryOptions`; ``KVCANARY_VLLM_FAULT=<kind>[@step]`` injects one fault of
-:mod:`.faults` (for drills: it corrupts the engine on purpose).
+set the other :class:`~.canary.CanaryOptions`; ``KVCANARY_VLLM_FAULT=<kind>[@step][:rank<R>]`` injects one fault of
+:mod:`.faults` (for drills: it corrupts the engine on purpose), in the worker of rank ``R`` only when given.
 
 vLLM calls :func:`register` in every process it starts (API server, engine core, worker); it refuses any
 ``KVCANARY_VLLM*`` value outside its documented range, a backend the build's device cannot run, or a name it does
@@ -34,11 +34,17 @@ _state: dict[str, Any] = {}
 
 
 class _StructuredFormatter(logging.Formatter):
-    """``kv-canary: ... kv_canary={json}``: the record's structured fields, machine-readable on one line."""
+    """``kv-canary: ... kv_canary={json}``: the record's structured fields, machine-readable on one line. In a
+    worker of a distributed engine (more than one rank) each line names the worker's rank after its pid, and the
+    structured fields carry it as ``rank``: every rank checks and reports its own shard."""
 
     def format(self, record: logging.LogRecord) -> str:
+        rank = _state.get("rank")
+        record.kv_rank = "" if rank is None else f" rank {rank}"
         text = super().format(record)
         fields = getattr(record, "kv_canary", None)
+        if fields is not None and rank is not None:
+            fields = {**fields, "rank": rank}
         return f"{text} kv_canary={json.dumps(fields, sort_keys=True)}" if fields is not None else text
 
 
@@ -46,7 +52,8 @@ def _logger(name: str) -> None:
     logger = logging.getLogger(name)
     if not any(isinstance(h.formatter, _StructuredFormatter) for h in logger.handlers):
         handler = logging.StreamHandler()
-        handler.setFormatter(_StructuredFormatter(f"%(levelname)s [pid {os.getpid()}] %(name)s: %(message)s"))
+        handler.setFormatter(
+            _StructuredFormatter(f"%(levelname)s [pid {os.getpid()}%(kv_rank)s] %(name)s: %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False
@@ -92,12 +99,17 @@ def register() -> None:
     GPUModelRunner.initialize_kv_cache = initialize_kv_cache
 
 
-def _install_after_kv_cache(runner: Any, options: CanaryOptions, fault: tuple[str, int] | None) -> None:
+def _install_after_kv_cache(runner: Any, options: CanaryOptions, fault: tuple[str, int, int | None] | None
+                            ) -> None:
     """Install the canary in ``runner``, whose KV cache has just been built (before any request is served). What
     the canary cannot check here (a model or cache it does not handle) is logged and left unchecked: the monitor
     never stops the engine."""
+    from .distributed import worker_rank
     from .hooks import VllmCanary
 
+    rank, world = worker_rank(runner)
+    if world > 1:  # the log lines of this process name its rank from now on
+        _state["rank"] = rank
     logger = logging.getLogger(options.logger)
     old = getattr(runner, "_kvcanary", None)
     if old is not None:  # the KV cache was built again: the canary follows the new one
@@ -117,7 +129,8 @@ def _install_after_kv_cache(runner: Any, options: CanaryOptions, fault: tuple[st
     if fault is not None:
         from .faults import injector
 
-        canary.observers.append(injector(*fault))
+        kind, at, fault_rank = fault
+        canary.observers.append(injector(kind, at, rank=fault_rank))
     options.log_install(type(runner).__name__, "cpu")
 
 

@@ -84,6 +84,14 @@ RULES: tuple[Rule, ...] = (
                                "the GPU MLA backends)", PARTIAL,
          "that backend's latent cache layout is not verified here: token ids, positions and chain hashes are "
          "checked, the latent bytes are not"),
+    Rule("kv-fp8", "dtype", "`kv_cache_dtype` `fp8`, `fp8_e4m3`, `fp8_e5m2` (uint8 storage)", CHECKED,
+         "the cache's own element size (1 byte) is the layout's: every token's K/V bytes are read in place"),
+    Rule("kv-unsupported", "dtype", "`kv_cache_dtype` vLLM's CPU kernel does not support but accepts "
+                                    "(`int8_per_token_head`, `fp8_per_token_head`, a 2-byte cache under an fp32 "
+                                    "model)", CHECKED,
+         "the kernel writes fp32 elements at fp32 offsets into the smaller cache, over other tokens' K/V (a vLLM "
+         "bug): the canary reads each token where the cache's layout puts it and reports the overwrites as "
+         "`VERIFY_REAL_KV_HASH_MISMATCH`"),
     # whole-engine features
     Rule("speculative", "speculative decoding", "`speculative_config` with method `ngram` or `draft_model`", CHECKED,
          "draft positions expect the scheduler's draft tokens (`scheduled_spec_decode_tokens`) and are stamped as "
@@ -110,7 +118,8 @@ RULES: tuple[Rule, ...] = (
          "its attention metadata and caches live on the device, which this integration does not copy yet"),
     Rule("runner-cpu", "runner", "V1 `CPUModelRunner` (vLLM's CPU build)", CHECKED, "the tested runner"),
     Rule("tp", "tensor parallel", "`tensor_parallel_size > 1` (plugin in each worker)", CHECKED,
-         "each rank checks its own KV-head shard; vLLM's CPU build needs `VLLM_CPU_OMP_THREADS_BIND` set by hand"),
+         "each rank checks its own KV-head shard and logs with its rank; vLLM's CPU build needs each rank's cores "
+         "in `VLLM_CPU_OMP_THREADS_BIND` (`0-31|32-63`) where it has fewer NUMA nodes than workers"),
     Rule("pp", "pipeline parallel", "`pipeline_parallel_size > 1`", DISABLED,
          "untested: a later stage's forward gets intermediate tensors, not token ids"),
     Rule("kv-transfer", "KV connectors", "`kv_transfer_config` set (offloading, disaggregated prefill)", DISABLED,

@@ -164,3 +164,54 @@ def save_arch(directory: Path, arch: str, *, seed: int = 0) -> Path:
 def arch_engine_args(arch: str) -> dict[str, Any]:
     """The engine arguments (beyond :data:`ENGINE_ARGS`) a model of ``arch`` runs with on vLLM's CPU build."""
     return dict(MODEL_ARCHS[arch][3]) if arch in MODEL_ARCHS else {}
+
+
+# What ``kvcanary simulate --engine vllm`` varies beyond the model size: the model kind (``llama`` or a
+# :data:`MODEL_ARCHS` key), its dtype, speculative decoding and the tensor-parallel size.
+DTYPES: dict[str, str] = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+SPECULATIVE = ("ngram", "draft")
+TENSOR_PARALLEL = (1, 2)
+
+
+def arch_dtype(arch: str) -> str | None:
+    """The one dtype (a :data:`DTYPES` key) vLLM's CPU build runs ``arch`` in, None when any runs."""
+    dtype = arch_engine_args(arch).get("dtype")
+    return None if dtype is None else next(k for k, v in DTYPES.items() if v == dtype)
+
+
+def speculative_config(method: str, model_dir: Path) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` for a :data:`SPECULATIVE` method: n-gram prompt lookup, or the model itself
+    as its own draft model (both run token-exact on vLLM's CPU build)."""
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    return {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 2}
+
+
+def _kv_geometry(arch: str, size: str) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of a full-attention-style model kind (the KV bytes a block costs)."""
+    if arch == "llama":
+        d = MODEL_SIZES[size]
+        return d["num_hidden_layers"], d["num_key_value_heads"], d["hidden_size"] // d["num_attention_heads"]
+    fields = MODEL_ARCHS[arch][2]
+    return fields["num_hidden_layers"], fields["num_key_value_heads"], fields["head_dim"]
+
+
+def sim_engine_args(model_dir: Path, arch: str = "llama", size: str = "small", dtype: str | None = None,
+                    speculative: str | None = None, tensor_parallel: int = 1,
+                    blocks: int = KV_BLOCKS) -> dict[str, Any]:
+    """The ``vllm.LLM`` arguments of a simulation: :data:`ENGINE_ARGS`, the model kind's own, its dtype, and a
+    KV budget of ``blocks`` blocks per worker (each of ``tensor_parallel`` workers holds its share of the KV
+    heads; an MLA or Mamba hybrid keeps the budget its kind needs to run)."""
+    args: dict[str, Any] = {**ENGINE_ARGS, **arch_engine_args(arch)}
+    if dtype is not None:
+        args["dtype"] = DTYPES[dtype]
+    if "kv_cache_memory_bytes" not in args:
+        layers, heads, head_dim = _kv_geometry(arch, size)
+        element = 4 if args["dtype"] == "float32" else 2
+        args["kv_cache_memory_bytes"] = blocks * BLOCK_SIZE * 2 * layers * max(1, heads // tensor_parallel) \
+            * head_dim * element
+    if speculative is not None:
+        args["speculative_config"] = speculative_config(speculative, model_dir)
+    if tensor_parallel > 1:
+        args["tensor_parallel_size"] = tensor_parallel
+    return args
