@@ -43,6 +43,10 @@ CASES: dict[str, tuple[dict[str, object], list[str]]] = {
                              "slot-mapping@60": ("slot-mapping", 60)},
                             ["junk", "wrong-token@x", "wrong-token@", "wrong-token@-1", "@3", "wrong-token@3.5",
                              "Wrong-Token", "wrong-token@2147483648", "wrong-token@3@4"]),
+    "KVCANARY_VLLM_CONNECTOR": ({"ExampleConnector": "ExampleConnector", "LMCacheConnectorV1": "LMCacheConnectorV1"},
+                                ["CanaryConnector", "Example Connector", "a.b:C", "1Connector", "Conn;rm"]),
+    "KVCANARY_VLLM_CONNECTOR_ON_REFUSED": ({"report": "report", "load-error": "load-error"},
+                                           ["recompute", "Report", "1"]),
 }
 
 

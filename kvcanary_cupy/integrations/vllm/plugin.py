@@ -75,7 +75,13 @@ def register() -> None:
     if options is None or "original" in _state:
         return
     fault = settings.read("KVCANARY_VLLM_FAULT")
+    wrapped = settings.read("KVCANARY_VLLM_CONNECTOR")
+    settings.read("KVCANARY_VLLM_CONNECTOR_ON_REFUSED")
     _check_platform(options)
+    if wrapped is not None:  # vLLM's connector factory builds the canary connector around that connector
+        from .connector import wrap_factory
+
+        wrap_factory(wrapped)
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     _logger(options.logger)
