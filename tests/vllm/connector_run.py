@@ -4,7 +4,7 @@ transfer group is one per process): the plugin turned on through the environment
 with "RESULT " holding the completions, the canary's ring rows and the connector's findings as JSON.
 
 The spec (JSON, argv[1]): ``model``, ``store`` (the ExampleConnector folder), ``prompts`` (token-id lists),
-``max_tokens``, ``engine`` (engine arguments over the tests' defaults), ``canary`` (false: no canary, no wrapper:
+``max_tokens``, ``batch`` (true: all prompts in one ``generate``), ``engine`` (engine arguments over the tests' defaults), ``canary`` (false: no canary, no wrapper:
 the plain connector), ``env`` (more KVCANARY_VLLM_* variables), ``wrong_blocks`` (rotate the block ids of every
 load in the connector's metadata: a load into the wrong blocks), ``policy`` (vLLM's kv_load_failure_policy)."""
 
@@ -57,9 +57,10 @@ def main() -> None:
     llm = engine(spec["model"], kv_transfer_config=transfer, **spec.get("engine", {}))
     params = SamplingParams(max_tokens=spec.get("max_tokens", 4), temperature=0.0, ignore_eos=True)
     outputs = []
-    for prompt in spec["prompts"]:  # one at a time: each request's load is a step of its own
-        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-        outputs.append(list(out[0].outputs[0].token_ids))
+    batches = [spec["prompts"]] if spec.get("batch") else [[p] for p in spec["prompts"]]
+    for batch in batches:  # by default one at a time: each request's load is a step of its own
+        out = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        outputs += [list(o.outputs[0].token_ids) for o in out]
     result: dict = {"outputs": outputs, "violations": [], "findings": []}
     canary = getattr(find_runner(llm), "_kvcanary", None)
     if canary is not None:
@@ -74,6 +75,7 @@ def main() -> None:
             result["findings"] = [f.fields() for f in connector.findings]
             result["saved_files"] = connector.saved_files
             result["restored_tokens"] = connector.restored_tokens
+            result["internal_errors"] = connector.internal_errors
         result["unchecked"] = canary.disabled
     print("RESULT " + json.dumps(result), flush=True)
 

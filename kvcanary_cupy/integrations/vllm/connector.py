@@ -50,6 +50,7 @@ import numpy as np
 from ... import settings
 from ..._errors import fail
 from ...constants import CANARY_FIELD_POSITION, CANARY_FIELD_TOKEN, CANARY_FIELDS_PER_SLOT
+from ...runtime import CanaryViolationError
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
@@ -103,7 +104,8 @@ class Transfer:
 
     ``token_ids``: the tokens whose KV moves (block-aligned); ``block_ids``: for a load, the blocks the scheduler
     allocated (where the KV must land), for a save, the blocks saved; ``written``: for a save, the positions the
-    engine has written by the end of this step; ``key``: what the record store keys the transfer by."""
+    engine has written by the end of this step; ``slots``: for a save, the slots the wrapped connector saved (it
+    may save fewer than ``token_ids``); ``key``: what the record store keys the transfer by."""
 
     kind: str  # "save" or "load"
     request_id: str
@@ -111,6 +113,7 @@ class Transfer:
     block_ids: list[int]
     written: int
     key: Any
+    slots: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -161,12 +164,12 @@ class ExampleRecordStore(RecordStore):
                 block_size = self.inner._block_size
                 slots = meta.slot_mapping.numpy()
                 blocks = [int(b) for b in dict.fromkeys((slots // block_size).tolist())]
-                out.append(Transfer(kind, "?", tokens, blocks, len(tokens), (tokens, mm)))
+                out.append(Transfer(kind, "?", tokens, blocks, len(tokens), (tokens, mm), slots.tolist()))
                 continue
             taken.add(match.req_id)
             written = int(match.num_computed_tokens) + int(scheduled.get(match.req_id, 0))
             out.append(Transfer(kind, match.req_id, tokens, [int(b) for b in match.block_ids[0]], written,
-                                (tokens, mm)))
+                                (tokens, mm), [int(x) for x in meta.slot_mapping.tolist()]))
         return out
 
     def _folder(self, key: Any) -> Path:
@@ -257,9 +260,13 @@ def read_records(path: Path) -> SavedRecords | tuple[LoadReason, str]:
             return LoadReason.LOAD_RECORDS_DAMAGED, f"{path}: its content does not match its digest"
         if int(arrays["version"][0]) != RECORDS_VERSION:
             return LoadReason.LOAD_RECORDS_DAMAGED, f"{path}: records version {int(arrays['version'][0])}"
-        count = int(arrays["tokens"].shape[0])
+        keys = arrays["keys"].tolist()
+        count = int(arrays["records_0"].shape[0]) if keys else 0  # the saved slots: at most the key's tokens
+        written = int(arrays["written"][0])
+        if not 0 <= written <= count <= int(arrays["tokens"].shape[0]):
+            return LoadReason.LOAD_RECORDS_DAMAGED, f"{path}: {written} written of {count} saved records"
         records = {}
-        for i, key in enumerate(arrays["keys"].tolist()):
+        for i, key in enumerate(keys):
             group, _, b = str(key).rpartition("|")
             arr = arrays[f"records_{i}"]
             if arr.dtype != np.int64 or arr.shape != (count, CANARY_FIELDS_PER_SLOT):
@@ -328,6 +335,7 @@ class CanaryConnector(KVConnectorBase_V1):
         self.saved_files = 0
         self.saved_bytes = 0  # records bytes written
         self.restored_tokens = 0
+        self.internal_errors = 0  # the wrapper's own failures (logged; the engine went on)
         self.seconds = {"save": 0.0, "load": 0.0}
         self._loads: dict[str, Any] = {}  # scheduler side: requests whose load was allocated this step
         self._pending: list[Transfer] = []  # worker side: loads not verified yet this step
@@ -358,7 +366,14 @@ class CanaryConnector(KVConnectorBase_V1):
         return logging.getLogger(name)
 
     def _save_records(self) -> None:
-        meta = self._connector_metadata
+        try:
+            self._save(self._connector_metadata)
+        except Exception:  # the canary's own failure never fails the engine's save: said, counted, left
+            self.internal_errors += 1
+            self._logger().exception("kv-canary: the canary connector could not save this step's records; a later "
+                                     "load of these blocks will be refused as missing its records")
+
+    def _save(self, meta: Any) -> None:
         state = self._state()
         if state is None or self.store is None or not isinstance(meta, CanaryConnectorMetadata):
             return
@@ -369,14 +384,15 @@ class CanaryConnector(KVConnectorBase_V1):
         for t in meta.transfers:
             if t.kind != "save" or not t.token_ids:
                 continue
-            n = len(t.token_ids)
-            slots = geo.slots_of(t.block_ids, n)
+            # the slots the wrapped connector saved, in position order (it may save fewer than the key's tokens)
+            slots = np.asarray(t.slots[: len(t.token_ids)], np.int64)
             held = state.rt.offload(slots, model=geo.name)
             path = self.store.records_path(t.key)
             if not path.parent.is_dir():  # the wrapped connector saved nothing for it
                 continue
-            self.saved_bytes += write_records(path, model=geo.name, tokens=t.token_ids, written=min(t.written, n),
-                                              records=held.records, kv_files=self.store.kv_files(t.key))
+            self.saved_bytes += write_records(path, model=geo.name, tokens=t.token_ids,
+                                              written=min(t.written, int(slots.shape[0])), records=held.records,
+                                              kv_files=self.store.kv_files(t.key))
             self.saved_files += 1
         self.seconds["save"] += time.perf_counter() - start
 
@@ -390,6 +406,13 @@ class CanaryConnector(KVConnectorBase_V1):
         start = time.perf_counter()
         try:
             self._verify(state, pending)
+        except CanaryViolationError:  # raise mode: a real violation fails the step, as the forward's would
+            self.canary._hook_failed = True
+            raise
+        except Exception:  # the canary's own failure never fails the engine's load: said, counted, left
+            self.internal_errors += 1
+            self._logger().exception("kv-canary: the canary connector could not verify this step's loads; they "
+                                     "are left unchecked")
         finally:
             self.seconds["load"] += time.perf_counter() - start
 
@@ -440,8 +463,7 @@ class CanaryConnector(KVConnectorBase_V1):
                              f"KV files changed since their records were saved: {', '.join(changed)}")
                 continue
             if saved.written < n:
-                first = saved.written // bs
-                self._refuse(t, LoadReason.LOAD_SAVED_BEFORE_WRITTEN, blocks[first:], (saved.written, n),
+                self._refuse(t, LoadReason.LOAD_SAVED_BEFORE_WRITTEN, blocks[saved.written // bs:], (saved.written, n),
                              f"saved when positions {saved.written}..{n - 1} had not been written yet")
             keys = set(state.rt.offload(np.zeros(0, np.int64), model=geo.name).records)
             if saved.model != geo.name or set(saved.records) != keys:
@@ -449,22 +471,23 @@ class CanaryConnector(KVConnectorBase_V1):
                              f"records of canary buffers {sorted(saved.records)} of {saved.model}, this engine has "
                              f"{sorted(keys)} of {geo.name}")
                 continue
-            first_buf = saved.records[min(saved.records)]
-            bad_pos = np.flatnonzero((first_buf[:, CANARY_FIELD_TOKEN] != saved.tokens)
-                                     | (first_buf[:, CANARY_FIELD_POSITION] != np.arange(n)))
-            held = OffloadedRecords(geo.name, n, saved.records)
-            prev = np.concatenate([[-1], slots[:-1]]).astype(np.int64)
+            m = saved.written  # the positions whose records were written when the blocks were saved
+            if m == 0:
+                continue
+            first_buf = saved.records[min(saved.records)][:m]
+            bad_pos = np.flatnonzero((first_buf[:, CANARY_FIELD_TOKEN] != saved.tokens[:m])
+                                     | (first_buf[:, CANARY_FIELD_POSITION] != np.arange(m)))
+            held = OffloadedRecords(geo.name, m, {k: np.ascontiguousarray(a[:m]) for k, a in saved.records.items()})
+            prev = np.concatenate([[-1], slots[: m - 1]]).astype(np.int64)
             before = len(state.violations)
-            state.rt.restore(held, slots, np.arange(n, dtype=np.int64), prev)
-            self.restored_tokens += n
-            report = state.rt.flush()
-            state._collect(report)
-            loaded = dict(zip(slots.tolist(), range(n), strict=True))
+            state.rt.restore(held, slots[:m], np.arange(m, dtype=np.int64), prev)
+            self.restored_tokens += m
+            # the restore's verify rows, read now (not one step late): they decide this load before the forward
+            state._collect(state.rt.flush())
+            loaded = dict(zip(slots[:m].tolist(), range(m), strict=True))
             rows = [v.violation for v in state.violations[before:] if v.violation.launch_tag.startswith("SWEEP")
                     and v.violation.slot in loaded]
             bad = sorted({loaded[v.slot] for v in rows} | set(bad_pos.tolist()))
-            if saved.written < n:
-                bad = [p for p in bad if p < saved.written]  # those past it are refused above already
             if bad:
                 reasons = sorted({r for v in rows for r in v.labels})
                 self._refuse(t, LoadReason.LOAD_VERIFY_FAILED, {blocks[p // bs] for p in bad}, (bad[0], bad[-1] + 1),
