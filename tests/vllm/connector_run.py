@@ -6,7 +6,7 @@ with "RESULT " holding the completions, the canary's ring rows and the connector
 The spec (JSON, argv[1]): ``model``, ``store`` (the ExampleConnector folder), ``prompts`` (token-id lists),
 ``max_tokens``, ``batch`` (true: all prompts in one ``generate``), ``engine`` (engine arguments over the tests' defaults), ``canary`` (false: no canary, no wrapper:
 the plain connector), ``env`` (more KVCANARY_VLLM_* variables), ``wrong_blocks`` (rotate the block ids of every
-load in the connector's metadata: a load into the wrong blocks), ``policy`` (vLLM's kv_load_failure_policy)."""
+load of these prompts (indexes) in the connector's metadata: a load into the wrong blocks), ``policy`` (vLLM's kv_load_failure_policy)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def main() -> None:
     else:
         os.environ.pop("KVCANARY_VLLM", None)
 
-    if spec.get("wrong_blocks"):
+    wrong = [tuple(p[:8]) for i, p in enumerate(spec["prompts"]) if i in spec.get("wrong_blocks", [])]
+    if wrong:
         from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
 
         original = ExampleConnector.start_load_kv
@@ -35,7 +36,7 @@ def main() -> None:
         def start_load_kv(self, forward_context, **kwargs):  # the fault: each load lands one block over
             block_size = self._block_size
             for req in self._get_connector_metadata().requests:
-                if not req.is_store:
+                if not req.is_store and tuple(req.token_ids[:8].tolist()) in wrong:
                     blocks = req.slot_mapping // block_size
                     order = list(dict.fromkeys(blocks.tolist()))
                     if len(order) > 1:
@@ -56,13 +57,26 @@ def main() -> None:
         transfer["kv_load_failure_policy"] = spec["policy"]
     llm = engine(spec["model"], kv_transfer_config=transfer, **spec.get("engine", {}))
     params = SamplingParams(max_tokens=spec.get("max_tokens", 4), temperature=0.0, ignore_eos=True)
-    outputs = []
+    canary = getattr(find_runner(llm), "_kvcanary", None)
+    seen: list[int] = []  # per forward: the connector's findings made before it began
+
+    class Watch:
+        def before_forward(self, canary, step, kwargs, metadata):
+            seen.append(len(canary.connector.findings) if canary.connector is not None else 0)
+
+        def after_forward(self, canary, step, batch):
+            pass
+
+    if canary is not None:
+        canary.observers.append(Watch())
+    outputs, request_ids = [], []
     batches = [spec["prompts"]] if spec.get("batch") else [[p] for p in spec["prompts"]]
     for batch in batches:  # by default one at a time: each request's load is a step of its own
         out = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         outputs += [list(o.outputs[0].token_ids) for o in out]
-    result: dict = {"outputs": outputs, "violations": [], "findings": []}
-    canary = getattr(find_runner(llm), "_kvcanary", None)
+        request_ids += [o.request_id for o in out]
+    result: dict = {"outputs": outputs, "request_ids": request_ids, "violations": [], "findings": [],
+                    "findings_before_forward": seen}
     if canary is not None:
         canary.finish()
         result["violations"] = [{"step": v.step, "tag": v.violation.launch_tag, "slot": v.violation.slot,

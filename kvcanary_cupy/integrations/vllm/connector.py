@@ -77,6 +77,8 @@ class LoadReason(enum.Enum):
     LOAD_RECORDS_DAMAGED = "the records file is truncated, bit-rotted or not a records file"
     LOAD_RECORDS_STALE = "the KV files changed since their records were saved"
     LOAD_RECORDS_FOREIGN = "the records belong to another token sequence than the one loaded under this key"
+    LOAD_RECORDS_INCOMPATIBLE = ("the records were saved by a canary configured otherwise (real-KV hash mode, V "
+                                 "endpoints, KV cache shape or dtype): their fingerprints cannot be compared")
     LOAD_SAVED_BEFORE_WRITTEN = "the blocks were saved before the engine had written all of their positions"
     LOAD_VERIFY_FAILED = "the restored records do not verify against the loaded KV (position, chain, real KV)"
 
@@ -217,12 +219,13 @@ def _file_stats(paths: Iterable[Path]) -> tuple[list[str], np.ndarray]:
     return names, np.asarray(stats, np.int64).reshape(-1, 2)
 
 
-def write_records(path: Path, *, model: str, tokens: list[int], written: int, records: dict[tuple[str, int], Any],
-                  kv_files: list[Path]) -> int:
+def write_records(path: Path, *, model: str, profile: str, tokens: list[int], written: int,
+                  records: dict[tuple[str, int], Any], kv_files: list[Path]) -> int:
     """Write one records file (atomically: a temporary file renamed over it); returns its size in bytes."""
     names, stats = _file_stats(kv_files)
     arrays: dict[str, np.ndarray] = {
         "version": np.asarray([RECORDS_VERSION], np.int64), "model": np.asarray(model),
+        "profile": np.asarray(profile),
         "tokens": np.asarray(tokens, np.int64), "written": np.asarray([written], np.int64),
         "kv_names": np.asarray(names, dtype=str), "kv_stats": stats,
         "keys": np.asarray([f"{g}|{b}" for g, b in records], dtype=str),
@@ -241,6 +244,7 @@ def write_records(path: Path, *, model: str, tokens: list[int], written: int, re
 @dataclass
 class SavedRecords:
     model: str
+    profile: str
     tokens: np.ndarray
     written: int
     kv_names: list[str]
@@ -272,11 +276,20 @@ def read_records(path: Path) -> SavedRecords | tuple[LoadReason, str]:
             if arr.dtype != np.int64 or arr.shape != (count, CANARY_FIELDS_PER_SLOT):
                 return LoadReason.LOAD_RECORDS_DAMAGED, f"{path}: records of {key} have shape {arr.shape}"
             records[(group, int(b))] = np.ascontiguousarray(arr)
-        return SavedRecords(str(arrays["model"]), arrays["tokens"], int(arrays["written"][0]),
+        return SavedRecords(str(arrays["model"]), str(arrays["profile"]), arrays["tokens"], int(arrays["written"][0]),
                             [str(n) for n in arrays["kv_names"].tolist()], arrays["kv_stats"].reshape(-1, 2),
                             records)
     except Exception as exc:  # a truncated zip, a bit flipped in a header, a missing member: all one reason
         return LoadReason.LOAD_RECORDS_DAMAGED, f"{path}: {type(exc).__name__}: {exc}"
+
+
+def _profile(state: Any) -> str:
+    """What a record's real-KV fingerprint depends on besides the bytes: the hash mode, the V endpoints and the
+    shape and dtype of the checked KV cache (a record saved under another profile cannot be compared)."""
+    geo = state.geos[0]
+    cache = geo.caches[0]
+    return (f"real_kv_hash={state.opts.real_kv_hash} with_v={state.opts.with_v} block_size={geo.block_size} "
+            f"layers={len(geo.caches)} cache={tuple(cache.shape[1:])}:{str(cache.dtype).removeprefix('torch.')}")
 
 
 # ---- the connector -------------------------------------------------------------------------------------------
@@ -390,7 +403,7 @@ class CanaryConnector(KVConnectorBase_V1):
             path = self.store.records_path(t.key)
             if not path.parent.is_dir():  # the wrapped connector saved nothing for it
                 continue
-            self.saved_bytes += write_records(path, model=geo.name, tokens=t.token_ids,
+            self.saved_bytes += write_records(path, model=geo.name, profile=_profile(state), tokens=t.token_ids,
                                               written=min(t.written, int(slots.shape[0])), records=held.records,
                                               kv_files=self.store.kv_files(t.key))
             self.saved_files += 1
@@ -465,6 +478,10 @@ class CanaryConnector(KVConnectorBase_V1):
             if saved.written < n:
                 self._refuse(t, LoadReason.LOAD_SAVED_BEFORE_WRITTEN, blocks[saved.written // bs:], (saved.written, n),
                              f"saved when positions {saved.written}..{n - 1} had not been written yet")
+            if saved.profile != _profile(state):
+                self._refuse(t, LoadReason.LOAD_RECORDS_INCOMPATIBLE, blocks, everything,
+                             f"saved by a canary with {saved.profile}, this one has {_profile(state)}")
+                continue
             keys = set(state.rt.offload(np.zeros(0, np.int64), model=geo.name).records)
             if saved.model != geo.name or set(saved.records) != keys:
                 self._refuse(t, LoadReason.LOAD_RECORDS_DAMAGED, blocks, everything,
