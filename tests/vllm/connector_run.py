@@ -4,9 +4,10 @@ transfer group is one per process): the plugin turned on through the environment
 with "RESULT " holding the completions, the canary's ring rows and the connector's findings as JSON.
 
 The spec (JSON, argv[1]): ``model``, ``store`` (the ExampleConnector folder), ``prompts`` (token-id lists),
-``max_tokens``, ``batch`` (true: all prompts in one ``generate``), ``engine`` (engine arguments over the tests' defaults), ``canary`` (false: no canary, no wrapper:
-the plain connector), ``env`` (more KVCANARY_VLLM_* variables), ``wrong_blocks`` (rotate the block ids of every
-load of these prompts (indexes) in the connector's metadata: a load into the wrong blocks), ``policy`` (vLLM's kv_load_failure_policy)."""
+``max_tokens``, ``batch`` (true: all prompts in one ``generate``), ``engine`` (engine arguments over the tests'
+defaults), ``canary`` (false: no canary, no wrapper: the plain connector), ``env`` (more KVCANARY_VLLM_*
+variables), ``wrong_blocks`` (prompt indexes whose load the connector's metadata sends one block over: a load into
+the wrong block ids), ``policy`` (vLLM's kv_load_failure_policy)."""
 
 from __future__ import annotations
 
