@@ -7,7 +7,8 @@ The spec (JSON, argv[1]): ``model``, ``store`` (the ExampleConnector folder), ``
 ``max_tokens``, ``batch`` (true: all prompts in one ``generate``), ``engine`` (engine arguments over the tests'
 defaults), ``canary`` (false: no canary, no wrapper: the plain connector), ``env`` (more KVCANARY_VLLM_*
 variables), ``wrong_blocks`` (prompt indexes whose load the connector's metadata sends one block over: a load into
-the wrong block ids), ``policy`` (vLLM's kv_load_failure_policy)."""
+the wrong block ids), ``policy`` (vLLM's kv_load_failure_policy), ``route`` (``plugin``, or ``install``: the wrapper named by
+``kv_connector_module_path`` and the canary put in by ``install()``)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    if spec.get("canary", True):
+    route = spec.get("route", "plugin")
+    if route == "install":  # no plugin: the config names the wrapper, install() puts the canary in
+        os.environ.pop("KVCANARY_VLLM", None)
+    elif spec.get("canary", True):
         os.environ["KVCANARY_VLLM"] = "log"
         os.environ["KVCANARY_VLLM_CONNECTOR"] = "ExampleConnector"
         os.environ.update(spec.get("env", {}))
@@ -54,9 +58,17 @@ def main() -> None:
 
     transfer = {"kv_connector": "ExampleConnector", "kv_role": spec.get("role", "kv_both"),
                 "kv_connector_extra_config": {"shared_storage_path": spec["store"]}}
+    if route == "install":
+        transfer["kv_connector"] = "CanaryConnector"
+        transfer["kv_connector_module_path"] = "kvcanary_cupy.integrations.vllm.connector"
+        transfer["kv_connector_extra_config"]["kvcanary_wraps"] = "ExampleConnector"
     if spec.get("policy"):
         transfer["kv_load_failure_policy"] = spec["policy"]
     llm = engine(spec["model"], kv_transfer_config=transfer, **spec.get("engine", {}))
+    if route == "install":
+        from kvcanary_cupy.integrations.vllm import install
+
+        install(llm, real_kv_hash=spec.get("env", {}).get("KVCANARY_VLLM_REAL_KV_HASH", "partial"))
     params = SamplingParams(max_tokens=spec.get("max_tokens", 4), temperature=0.0, ignore_eos=True)
     canary = getattr(find_runner(llm), "_kvcanary", None)
     seen: list[int] = []  # per forward: the connector's findings made before it began

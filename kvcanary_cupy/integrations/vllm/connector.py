@@ -40,6 +40,7 @@ import hashlib
 import io
 import logging
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -349,7 +350,9 @@ class CanaryConnector(KVConnectorBase_V1):
         self.saved_bytes = 0  # records bytes written
         self.restored_tokens = 0
         self.internal_errors = 0  # the wrapper's own failures (logged; the engine went on)
-        self.seconds = {"save": 0.0, "load": 0.0}
+        # wall time of the records' save and load, and of the wrapped connector's own save and load calls
+        self.seconds = {"save": 0.0, "load": 0.0, "inner_save": 0.0, "inner_load": 0.0}
+        self.kv_bytes_saved = 0  # the KV files the wrapped connector left for the saves whose records were written
         self._loads: dict[str, Any] = {}  # scheduler side: requests whose load was allocated this step
         self._pending: list[Transfer] = []  # worker side: loads not verified yet this step
         self._refused_blocks: set[int] = set()
@@ -390,8 +393,6 @@ class CanaryConnector(KVConnectorBase_V1):
         state = self._state()
         if state is None or self.store is None or not isinstance(meta, CanaryConnectorMetadata):
             return
-        import time
-
         start = time.perf_counter()
         geo = state.geos[0]
         for t in meta.transfers:
@@ -403,9 +404,11 @@ class CanaryConnector(KVConnectorBase_V1):
             path = self.store.records_path(t.key)
             if not path.parent.is_dir():  # the wrapped connector saved nothing for it
                 continue
+            kv_files = self.store.kv_files(t.key)
             self.saved_bytes += write_records(path, model=geo.name, profile=_profile(state), tokens=t.token_ids,
                                               written=min(t.written, int(slots.shape[0])), records=held.records,
-                                              kv_files=self.store.kv_files(t.key))
+                                              kv_files=kv_files)
+            self.kv_bytes_saved += sum(f.stat().st_size for f in kv_files)
             self.saved_files += 1
         self.seconds["save"] += time.perf_counter() - start
 
@@ -414,8 +417,6 @@ class CanaryConnector(KVConnectorBase_V1):
         state = self._state()
         if state is None or self.store is None or not pending:
             return
-        import time
-
         start = time.perf_counter()
         try:
             self._verify(state, pending)
@@ -565,7 +566,9 @@ class CanaryConnector(KVConnectorBase_V1):
         self.inner.handle_preemptions(inner)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        start = time.perf_counter()
         self.inner.start_load_kv(forward_context, **kwargs)
+        self.seconds["inner_load"] += time.perf_counter() - start
         if self._pending and not self._async_loads():
             self._verify_loads()  # a synchronous load: its KV is in place now, before the forward
 
@@ -579,10 +582,14 @@ class CanaryConnector(KVConnectorBase_V1):
             self._verify_loads()
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        start = time.perf_counter()
         self.inner.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+        self.seconds["inner_save"] += time.perf_counter() - start
 
     def wait_for_save(self) -> None:
+        start = time.perf_counter()
         self.inner.wait_for_save()
+        self.seconds["inner_save"] += time.perf_counter() - start
         self._save_records()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
