@@ -7,8 +7,8 @@ The spec (JSON, argv[1]): ``model``, ``store`` (the ExampleConnector folder), ``
 ``max_tokens``, ``batch`` (true: all prompts in one ``generate``), ``engine`` (engine arguments over the tests'
 defaults), ``canary`` (false: no canary, no wrapper: the plain connector), ``env`` (more KVCANARY_VLLM_*
 variables), ``wrong_blocks`` (prompt indexes whose load the connector's metadata sends one block over: a load into
-the wrong block ids), ``policy`` (vLLM's kv_load_failure_policy), ``route`` (``plugin``, or ``install``: the wrapper named by
-``kv_connector_module_path`` and the canary put in by ``install()``)."""
+the wrong block ids), ``policy`` (vLLM's kv_load_failure_policy), ``route`` (``plugin``, or ``install``: the
+wrapper named by ``kv_connector_module_path`` and the canary put in by ``install()``)."""
 
 from __future__ import annotations
 
