@@ -6,9 +6,10 @@ with "RESULT " holding the completions, the canary's ring rows and the connector
 The spec (JSON, argv[1]): ``model``, ``store`` (the ExampleConnector folder), ``prompts`` (token-id lists),
 ``max_tokens``, ``batch`` (true: all prompts in one ``generate``), ``engine`` (engine arguments over the tests'
 defaults), ``canary`` (false: no canary, no wrapper: the plain connector), ``env`` (more KVCANARY_VLLM_*
-variables), ``wrong_blocks`` (prompt indexes whose load the connector's metadata sends one block over: a load into
-the wrong block ids), ``policy`` (vLLM's kv_load_failure_policy), ``route`` (``plugin``, or ``install``: the
-wrapper named by ``kv_connector_module_path`` and the canary put in by ``install()``)."""
+variables), ``wrap`` (KVCANARY_VLLM_CONNECTOR; "": unset), ``wrong_blocks`` (prompt indexes whose load the
+connector's metadata sends one block over: a load into the wrong block ids), ``policy`` (vLLM's
+kv_load_failure_policy), ``route`` (``plugin``, or ``install``: the wrapper named by ``kv_connector_module_path``
+and the canary put in by ``install()``)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ def main() -> None:
         os.environ.pop("KVCANARY_VLLM", None)
     elif spec.get("canary", True):
         os.environ["KVCANARY_VLLM"] = "log"
-        os.environ["KVCANARY_VLLM_CONNECTOR"] = "ExampleConnector"
+        os.environ["KVCANARY_VLLM_CONNECTOR"] = spec.get("wrap", "ExampleConnector")
+        if not os.environ["KVCANARY_VLLM_CONNECTOR"]:
+            del os.environ["KVCANARY_VLLM_CONNECTOR"]
         os.environ.update(spec.get("env", {}))
     else:
         os.environ.pop("KVCANARY_VLLM", None)

@@ -172,7 +172,7 @@ def test_a_new_process_loads_the_kv_with_its_records_token_exact_and_without_a_r
     # saved through the plugin's setting, loaded through the other route: kv_connector_module_path and install()
     loaded = run_engine({"model": str(tiny_model), "store": str(store), "prompts": ps, "max_tokens": 5,
                          "engine": {"max_num_batched_tokens": 512}, "env": ALL_BYTES, "route": "install"})
-    assert loaded["connector"] == "CanaryConnector"
+    assert loaded["connector"] == "CanaryConnector" and loaded["unchecked"] is None
     assert loaded["outputs"] == saved["outputs"]
     assert loaded["restored_tokens"] == sum((len(p) - 1) // BLOCK * BLOCK for p in ps)  # every load restored
     assert loaded["violations"] == [] and loaded["findings"] == [] and loaded["internal_errors"] == 0
@@ -294,3 +294,16 @@ def test_blocks_saved_before_they_were_written_are_reported_at_the_load_and_reco
     else:  # handed back to vLLM as a load error: recomputed, token-exact, and no row after the load's step
         assert result["outputs"] == saved["outputs"]
         assert all(v["step"] == 0 for v in result["violations"])
+
+
+@pytest.mark.parametrize("wrap", ["", "OffloadingConnector"])
+def test_a_connector_the_canary_does_not_wrap_leaves_the_engine_unchecked_saying_what_to_set(tiny_model, tmp_path,
+                                                                                              wrap):
+    ps = prompts(3, [40])
+    result = run_engine({"model": str(tiny_model), "store": str(tmp_path / "store"), "prompts": ps, "max_tokens": 2,
+                         "wrap": wrap, "engine": {"max_num_batched_tokens": 512}})
+    assert result["connector"] is None and result["violations"] == [] and result["steps"] == 0
+    assert "KVCANARY_VLLM_CONNECTOR=<kv_connector>" in result["unchecked"]
+    assert ("names another connector" in result["unchecked"]) == bool(wrap)
+    assert not (folder_of(tmp_path / "store", ps[0]) / RECORDS_FILE).exists()  # the KV saved, no records
+    assert (folder_of(tmp_path / "store", ps[0]) / "model.layers.0.self_attn.attn.safetensors").exists()

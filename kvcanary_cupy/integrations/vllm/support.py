@@ -225,8 +225,15 @@ def assess(runner: Any) -> Support:
         if carrier is not None and carrier.carries_records:
             engine.append((RULE["kv-transfer-canary"], f"kv_connector={connector} wrapping {carrier.wrapped}"))
         else:
-            wrapped = "" if carrier is None else f" wrapping {carrier.wrapped}, which has no record store"
-            engine.append((RULE["kv-transfer"], f"kv_connector={connector}{wrapped}"))
+            from ... import settings
+
+            named = settings.read("KVCANARY_VLLM_CONNECTOR")
+            seen = f"kv_connector={connector}"
+            if carrier is not None:
+                seen += f" wrapping {carrier.wrapped}, which has no record store"
+            elif named is not None:
+                seen += f", but KVCANARY_VLLM_CONNECTOR={named} names another connector"
+            engine.append((RULE["kv-transfer"], seen))
     caches = getattr(runner, "kv_caches", None) or []
     device = getattr(getattr(caches[0], "device", None), "type", "cpu") if caches else "cpu"
     if device != "cpu":
