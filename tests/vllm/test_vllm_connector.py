@@ -178,6 +178,19 @@ def test_a_new_process_loads_the_kv_with_its_records_token_exact_and_without_a_r
     assert loaded["violations"] == [] and loaded["findings"] == [] and loaded["internal_errors"] == 0
 
 
+def test_a_prefill_instance_hands_its_kv_and_records_to_a_decode_instance(clean_store, tiny_model, tmp_path):
+    _, ps, saved = clean_store
+    store = tmp_path / "handoff"
+    common = {"model": str(tiny_model), "store": str(store), "prompts": ps,
+              "engine": {"max_num_batched_tokens": 512}, "env": ALL_BYTES}
+    producer = run_engine({**common, "role": "kv_producer", "max_tokens": 1})
+    assert producer["saved_files"] == len(ps) and producer["violations"] == [] and producer["findings"] == []
+    consumer = run_engine({**common, "role": "kv_consumer", "max_tokens": 5})
+    assert consumer["outputs"] == saved["outputs"]  # decoded from the producer's KV, token-exact
+    assert consumer["restored_tokens"] == sum((len(p) - 1) // BLOCK * BLOCK for p in ps)
+    assert consumer["violations"] == [] and consumer["findings"] == [] and consumer["internal_errors"] == 0
+
+
 def _swap_halves(t):
     """K and V swapped: per saved block, the 16 rows of its K plane and the 16 rows of its V plane (vLLM's CPU
     layout as ExampleConnector's ``[B, H, N, C]`` view sees it: K column-major in rows 0-15, V in rows 16-31)."""
