@@ -174,8 +174,8 @@ def test_a_new_process_loads_the_kv_with_its_records_token_exact_and_without_a_r
                          "engine": {"max_num_batched_tokens": 512}, "env": ALL_BYTES, "route": "install"})
     assert loaded["connector"] == "CanaryConnector" and loaded["unchecked"] is None
     assert loaded["outputs"] == saved["outputs"]
-    assert loaded["restored_tokens"] == sum((len(p) - 1) // BLOCK * BLOCK for p in ps)  # every load restored
     assert loaded["violations"] == [] and loaded["findings"] == [] and loaded["internal_errors"] == 0
+    assert loaded["restored_tokens"] == sum((len(p) - 1) // BLOCK * BLOCK for p in ps)  # every load restored
 
 
 def test_a_prefill_instance_hands_its_kv_and_records_to_a_decode_instance(clean_store, tiny_model, tmp_path):

@@ -108,6 +108,10 @@ class VllmCanary(InstanceOverrides):
         self.connector = canary_connector_of()  # the canary connector of this worker: it carries the records
         if self.connector is not None:
             self.connector.attach(self)
+            if self.connector.carries_records and self.state is not None:
+                logging.getLogger(self.options.logger).info(
+                    "kv-canary: the canary connector wraps %s: the records travel with the KV it saves and are "
+                    "verified when it loads (refused loads: %s)", self.connector.wrapped, self.connector.on_refused)
         # Blocks vLLM's prefix cache holds from before the install carry no canary records: a later hit on one
         # would read as corruption. Drop them (the public LLM API; the plugin installs before any step).
         reset = getattr(target, "reset_prefix_cache", None)
