@@ -60,7 +60,7 @@ except ImportError:  # the module is importable without vLLM (docs, settings); t
     KVConnectorMetadata = object
 
 __all__ = ["CONNECTOR_SETTING", "ON_REFUSED_CHOICES", "ON_REFUSED_SETTING", "RECORDS_FILE", "WRAPS_KEY",
-           "CanaryConnector", "LoadFinding", "LoadReason", "canary_connector_of", "wrap_factory"]
+           "CanaryConnector", "LoadFinding", "LoadReason", "canary_connector_of", "unwrap_factory", "wrap_factory"]
 
 CONNECTOR_SETTING = "KVCANARY_VLLM_CONNECTOR"
 ON_REFUSED_SETTING = "KVCANARY_VLLM_CONNECTOR_ON_REFUSED"
@@ -296,6 +296,7 @@ def _profile(state: Any) -> str:
 # ---- the connector -------------------------------------------------------------------------------------------
 
 _original_get_connector_class: list[Any] = []
+_original_descriptor: list[Any] = []  # the factory's own classmethod, put back by unwrap_factory()
 
 
 def _inner_class(kv_transfer_config: Any, name: str) -> Any:
@@ -727,6 +728,7 @@ def wrap_factory(name: str) -> None:
         return
     original = KVConnectorFactory.get_connector_class
     _original_get_connector_class.append(original)
+    _original_descriptor.append(vars(KVConnectorFactory)["get_connector_class"])
     wrapper = type(f"Canary{name}", (CanaryConnector,), {"wrapped_name": name})
 
     def get_connector_class(kv_transfer_config: Any) -> Any:
@@ -737,6 +739,15 @@ def wrap_factory(name: str) -> None:
         return wrapper
 
     KVConnectorFactory.get_connector_class = staticmethod(get_connector_class)
+
+
+def unwrap_factory() -> None:
+    """Put vLLM's connector factory back as :func:`wrap_factory` found it (tests; connectors built stay)."""
+    if _original_get_connector_class:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        _original_get_connector_class.pop()
+        KVConnectorFactory.get_connector_class = _original_descriptor.pop()
 
 
 def canary_connector_of(runner: Any = None) -> CanaryConnector | None:

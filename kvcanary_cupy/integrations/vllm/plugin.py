@@ -129,6 +129,9 @@ def _install_after_kv_cache(runner: Any, options: CanaryOptions, fault: tuple[st
 
 def unregister() -> None:
     """Put ``GPUModelRunner.initialize_kv_cache`` back (tests; runners already hooked keep their canary)."""
+    from .connector import unwrap_factory
+
+    unwrap_factory()
     original = _state.pop("original", None)
     if original is not None:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
