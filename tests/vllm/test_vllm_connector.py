@@ -84,6 +84,7 @@ def test_every_instance_hook_reaches_the_wrapped_connector():
     inner = Recorder()
     wrapper.inner, wrapper.store, wrapper.canary, wrapper.on_refused = inner, None, None, "report"
     wrapper._loads, wrapper._pending, wrapper._refused_blocks, wrapper._connector_metadata = {}, [], set(), None
+    wrapper.seconds = {"save": 0.0, "load": 0.0, "inner_save": 0.0, "inner_load": 0.0}
     for name, member in vars(KVConnectorBase_V1).items():
         if name.startswith("__") or isinstance(member, classmethod) or name == "__init__":
             continue
