@@ -96,6 +96,13 @@ def _fault(raw: str) -> tuple[str, int, int | None] | None:
     return (kind, value, rank) if value <= _INT32_MAX else None
 
 
+def _connector_name(raw: str) -> str | None:
+    """A connector class name as vLLM's factory registers them (letters, digits, ``_``), not the wrapper's own."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", raw) or raw == "CanaryConnector":
+        return None
+    return raw
+
+
 _INT32_MAX = (1 << 31) - 1
 _BOOL_WORDS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 _FAULT_KINDS_TEXT = ("<kind>[@<step>][:rank<R>] with a kind of kvcanary_cupy.integrations.vllm.faults.FAULT_KINDS, "
@@ -127,6 +134,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting(f"{VLLM_PREFIX}_LOG_ROWS", "an integer from 0 to 1000", _integer(0, 1000)),
     Setting(f"{VLLM_PREFIX}_ALLOW_UNTESTED", "1 or 0 (or true/false, yes/no)", _choice(_BOOL_WORDS)),
     Setting(f"{VLLM_PREFIX}_FAULT", _FAULT_KINDS_TEXT, _fault),
+    # the kv_connector of --kv-transfer-config that the canary connector wraps (integrations/vllm/connector.py)
+    Setting(f"{VLLM_PREFIX}_CONNECTOR", "the name of a vLLM KV connector (the kv_connector of --kv-transfer-config)",
+            _connector_name),
+    Setting(f"{VLLM_PREFIX}_CONNECTOR_ON_REFUSED", "report or load-error",
+            _choice({m: m for m in ("report", "load-error")})),
 )}
 
 

@@ -23,13 +23,14 @@ from kvcanary_cupy.constants import (
     FailReason,
     PlanStatus,
 )
+from kvcanary_cupy.integrations.vllm.connector import LoadReason
 from kvcanary_cupy.runtime.reporting import StepReport
 from kvcanary_cupy.sim.report import short_reason
 from kvcanary_cupy.violations import decode_row
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNBOOK = ROOT / "docs" / "violations.md"
-ANCHOR = re.compile(r'<a id="((?:reason|status|report)-[^"]+)"></a>\n+#{2,6} (.+)')
+ANCHOR = re.compile(r'<a id="((?:reason|status|report|load)-[^"]+)"></a>\n+#{2,6} (.+)')
 # What the runtime reports besides ring rows and status bits (StepReport fields), each with a runbook section.
 REPORT_FIELDS = ("overflowed", "dropped", "health_problems")
 
@@ -56,6 +57,8 @@ def code_anchors() -> dict[str, str]:
     for name in REPORT_FIELDS:
         assert name in fields, f"StepReport has no field {name}: update the runbook and this list"
         wanted[f"report-{anchor_name(name)}"] = f"StepReport.{name}"
+    for load in LoadReason:  # the canary KV connector's refused loads
+        wanted[f"load-{anchor_name(load.name.removeprefix('LOAD_'))}"] = load.name
     return wanted
 
 
@@ -69,7 +72,7 @@ def page_anchors() -> dict[str, str]:
 
 def test_every_reason_and_status_bit_has_exactly_one_runbook_section_named_after_it():
     wanted, have = code_anchors(), page_anchors()
-    assert len(wanted) == len(FailReason) + len(CanaryStatus) + len(PlanStatus) + len(REPORT_FIELDS)
+    assert len(wanted) == len(FailReason) + len(CanaryStatus) + len(PlanStatus) + len(REPORT_FIELDS) + len(LoadReason)
     assert sorted(set(wanted) - set(have)) == [], "the code reports these; the runbook lacks their sections"
     assert sorted(set(have) - set(wanted)) == [], "the runbook has sections for names the code lacks"
     for anchor, name in wanted.items():

@@ -46,6 +46,10 @@ CASES: dict[str, tuple[dict[str, object], list[str]]] = {
                              "Wrong-Token", "wrong-token@2147483648", "wrong-token@3@4", "kv-bitflip@3:rank",
                              "kv-bitflip@3:1", "kv-bitflip@3:rank-1", "kv-bitflip@3:rank1:rank2",
                              "kv-bitflip@3:Rank1", "kv-bitflip@3:rank2147483648"]),
+    "KVCANARY_VLLM_CONNECTOR": ({"ExampleConnector": "ExampleConnector", "LMCacheConnectorV1": "LMCacheConnectorV1"},
+                                ["CanaryConnector", "Example Connector", "a.b:C", "1Connector", "Conn;rm"]),
+    "KVCANARY_VLLM_CONNECTOR_ON_REFUSED": ({"report": "report", "load-error": "load-error"},
+                                           ["recompute", "Report", "1"]),
 }
 
 

@@ -103,6 +103,15 @@ class VllmCanary(InstanceOverrides):
             self._set(self.runner, "_model_forward", self._wrap_forward(self.runner._model_forward))
         self._set(self.runner, "_kvcanary", self)
         self.installed = True
+        from .connector import canary_connector_of
+
+        self.connector = canary_connector_of()  # the canary connector of this worker: it carries the records
+        if self.connector is not None:
+            self.connector.attach(self)
+            if self.connector.carries_records and self.state is not None:
+                logging.getLogger(self.options.logger).info(
+                    "kv-canary: the canary connector wraps %s: the records travel with the KV it saves and are "
+                    "verified when it loads (refused loads: %s)", self.connector.wrapped, self.connector.on_refused)
         # Blocks vLLM's prefix cache holds from before the install carry no canary records: a later hit on one
         # would read as corruption. Drop them (the public LLM API; the plugin installs before any step).
         reset = getattr(target, "reset_prefix_cache", None)
@@ -115,6 +124,9 @@ class VllmCanary(InstanceOverrides):
         """Remove every instance override; the runner runs its class's methods again."""
         if not self.installed:
             return
+        connector = getattr(self, "connector", None)
+        if connector is not None and connector.canary is self:
+            connector.attach(None)
         self._unset_all()
 
     def _new_state(self) -> VllmCanaryState:

@@ -22,6 +22,8 @@ class Internal:
 
 
 RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+FACTORY = "vllm.distributed.kv_transfer.kv_connector.factory:KVConnectorFactory"
+EXAMPLE = "vllm.distributed.kv_transfer.kv_connector.v1.example_connector"
 
 INTERNALS: tuple[Internal, ...] = (
     Internal(f"{RUNNER}.execute_model", "patched per instance: the step's SchedulerOutput, real steps only",
@@ -105,6 +107,20 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("vllm.plugins:load_general_plugins", "calls the entry points of group vllm.general_plugins"),
     Internal("vllm.platforms:current_platform", "read by the plugin at registration: device_type (the backend "
              "checked against it)", attributes=("device_type",)),
+    # the canary KV connector (connector.py)
+    Internal(f"{FACTORY}.get_connector_class", "patched by the plugin when KVCANARY_VLLM_CONNECTOR is set: the "
+             "named connector's class answered with the canary connector wrapping it", ("kv_transfer_config",)),
+    Internal("vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1", "the canary connector's "
+             "base class: every hook delegated to the wrapped connector (a test lists them)"),
+    Internal("vllm.distributed.kv_transfer:get_kv_transfer_group", "read at install: the worker's connector, "
+             "attached to the canary when it is the canary connector"),
+    Internal(f"{EXAMPLE}:ExampleConnector._generate_foldername_debug", "called: the prompt's folder, where the "
+             "records file goes", ("self", "token_ids", "mm_hashes", "create_folder")),
+    Internal(f"{EXAMPLE}:ReqMeta", "read in its metadata: what ExampleConnector saves and loads",
+             attributes=("token_ids", "slot_mapping", "is_store", "mm_hashes")),
+    Internal("vllm.v1.core.sched.output:NewRequestData", "read by the canary connector's scheduler side: the "
+             "request a save or load belongs to, its allocated blocks and computed tokens",
+             attributes=("req_id", "prompt_token_ids", "block_ids", "num_computed_tokens")),
 )
 
 

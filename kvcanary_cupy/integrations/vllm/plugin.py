@@ -82,7 +82,13 @@ def register() -> None:
     if options is None or "original" in _state:
         return
     fault = settings.read("KVCANARY_VLLM_FAULT")
+    wrapped = settings.read("KVCANARY_VLLM_CONNECTOR")
+    settings.read("KVCANARY_VLLM_CONNECTOR_ON_REFUSED")
     _check_platform(options)
+    if wrapped is not None:  # vLLM's connector factory builds the canary connector around that connector
+        from .connector import wrap_factory
+
+        wrap_factory(wrapped)
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     _logger(options.logger)
@@ -136,6 +142,9 @@ def _install_after_kv_cache(runner: Any, options: CanaryOptions, fault: tuple[st
 
 def unregister() -> None:
     """Put ``GPUModelRunner.initialize_kv_cache`` back (tests; runners already hooked keep their canary)."""
+    from .connector import unwrap_factory
+
+    unwrap_factory()
     original = _state.pop("original", None)
     if original is not None:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner

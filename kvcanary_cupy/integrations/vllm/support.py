@@ -122,8 +122,14 @@ RULES: tuple[Rule, ...] = (
          "in `VLLM_CPU_OMP_THREADS_BIND` (`0-31|32-63`) where it has fewer NUMA nodes than workers"),
     Rule("pp", "pipeline parallel", "`pipeline_parallel_size > 1`", DISABLED,
          "untested: a later stage's forward gets intermediate tensors, not token ids"),
-    Rule("kv-transfer", "KV connectors", "`kv_transfer_config` set (offloading, disaggregated prefill)", DISABLED,
-         "blocks a connector loads carry no canary records and would all read as corruption"),
+    Rule("kv-transfer", "KV connectors", "`kv_transfer_config` set (offloading, disaggregated prefill) without the "
+                                          "canary connector, or around a connector it has no record store for",
+         DISABLED, "blocks a connector loads carry no canary records and would all read as corruption; set "
+                   "`KVCANARY_VLLM_CONNECTOR=<kv_connector>` to wrap it (record stores: `ExampleConnector`)"),
+    Rule("kv-transfer-canary", "KV connectors", "the canary connector wrapping `ExampleConnector` "
+                                                "(`KVCANARY_VLLM_CONNECTOR`)", CHECKED,
+         "the records travel with the saved KV; a load is verified (token, position, chain, real KV) before the "
+         "first layer reads it"),
 )
 RULE: dict[str, Rule] = {r.key: r for r in RULES}
 
@@ -284,8 +290,22 @@ def assess(runner: Any) -> Support:
         engine.append((RULE["pp"], f"pipeline_parallel_size={pp}"))
     transfer = getattr(vllm_config, "kv_transfer_config", None)
     if transfer is not None:
+        from .connector import canary_connector_of
+
         connector = getattr(transfer, "kv_connector", None)
-        engine.append((RULE["kv-transfer"], f"kv_connector={connector}"))
+        carrier = canary_connector_of()
+        if carrier is not None and carrier.carries_records:
+            engine.append((RULE["kv-transfer-canary"], f"kv_connector={connector} wrapping {carrier.wrapped}"))
+        else:
+            from ... import settings
+
+            named = settings.read("KVCANARY_VLLM_CONNECTOR")
+            seen = f"kv_connector={connector}"
+            if carrier is not None:
+                seen += f" wrapping {carrier.wrapped}, which has no record store"
+            elif named is not None:
+                seen += f", but KVCANARY_VLLM_CONNECTOR={named} names another connector"
+            engine.append((RULE["kv-transfer"], seen))
     caches = getattr(runner, "kv_caches", None) or []
     device = getattr(getattr(caches[0], "device", None), "type", "cpu") if caches else "cpu"
     if device != "cpu":
