@@ -14,6 +14,16 @@ WORKLOADS = workloads()
 _baselines: dict[str, list[list[int]]] = {}
 
 
+def wipe_kv(llm) -> None:
+    """Empty the shared engine's prefix cache and zero its KV caches after a fault that wrote raw bytes into
+    them: the bytes a fault leaves (a half-size element copy can make NaN patterns) would otherwise stay in blocks
+    a later test's requests get but never write in full, and vLLM's CPU attention reads a block's unwritten rows
+    too (masked, but NaN survives the mask), so later tests would not be token-exact."""
+    assert llm.reset_prefix_cache()
+    for cache in kv.find_runner(llm).kv_caches:
+        cache.zero_()
+
+
 def baseline(llm, name: str) -> list[list[int]]:
     """The workload's completions without the canary, from an empty prefix cache."""
     if name not in _baselines:
@@ -109,6 +119,7 @@ def test_fault_is_detected_with_its_reason_and_step(llm, kind):
         canary.finish()
     finally:
         canary.remove()
+        wipe_kv(llm)
     assert fault.fault is not None, f"{kind} found no target"
     reasons = {r for v in canary.violations for r in v.violation.reasons}
     assert FAULT_REASON[kind] in reasons, (fault.fault, reasons)
@@ -130,6 +141,7 @@ def test_a_wrong_element_size_write_is_caught_on_the_token_it_overwrote_on_every
         canary.finish()
     finally:
         canary.remove()
+        wipe_kv(llm)
     assert fault.fault is not None
     assert canary.violations and min(v.step for v in canary.violations) >= fault.fault.step
     hits = [v.violation for v in canary.violations if v.violation.slot == fault.fault.slot]
