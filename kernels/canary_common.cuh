@@ -125,30 +125,21 @@ struct RealKvSources {
         kv_mode                                                                                        \
   }
 
-// First byte of logical element `element` of a token whose first byte is `token`.
-KVC_DEVICE const unsigned char* element_address(const RealKvSource& src, const unsigned char* token, i64 element) {
+// The little-endian u64 at logical byte `offset` (a multiple of 8) of a token's stream, for elements of 8 bytes
+// or more: the word lies inside one element. Every element is naturally aligned (host-checked).
+KVC_DEVICE u64 wide_element_word(const RealKvSource& src, const unsigned char* token, i64 offset) {
+  const i64 eb = src.element_bytes;
+  const i64 element = offset / eb;
   const i64 head = element / src.elements_per_head;
-  return token + head * src.head_stride + (element - head * src.elements_per_head) * src.element_stride;
+  const unsigned char* first = token + head * src.head_stride + (element - head * src.elements_per_head) * src.element_stride;
+  return *reinterpret_cast<const u64*>(first + (offset - element * eb));
 }
 
-// The little-endian u64 at logical byte `offset` (a multiple of 8) of a token's stream, element by element.
-// Every element is naturally aligned (host-checked), so each load is one aligned load of its width.
-KVC_DEVICE u64 gather_word(const RealKvSource& src, const unsigned char* token, i64 offset) {
-  const i64 eb = src.element_bytes;
-  if (eb >= 8) {  // the word lies inside one element
-    const i64 element = offset / eb;
-    return *reinterpret_cast<const u64*>(element_address(src, token, element) + (offset - element * eb));
-  }
-  u64 word = 0;
-  const i64 first = offset / eb;
-  for (i64 j = 0; j < 8 / eb; ++j) {
-    const unsigned char* p = element_address(src, token, first + j);
-    const u64 value = eb == 4   ? (u64)*reinterpret_cast<const unsigned int*>(p)
-                      : eb == 2 ? (u64)*reinterpret_cast<const unsigned short*>(p)
-                                : (u64)*p;
-    word |= value << (8 * eb * j);
-  }
-  return word;
+// One element of 1, 2 or 4 bytes, zero-extended.
+KVC_DEVICE u64 narrow_element(const unsigned char* p, i64 eb) {
+  return eb == 4 ? (u64)*reinterpret_cast<const unsigned int*>(p)
+       : eb == 2 ? (u64)*reinterpret_cast<const unsigned short*>(p)
+                 : (u64)*p;
 }
 
 KVC_DEVICE u64 fold_pair(u64 acc, const unsigned char* bytes) {
@@ -172,8 +163,35 @@ KVC_DEVICE u64 real_kv_fold_source(const RealKvSource& src, i64 slot, i64 length
         acc = fold_pair(acc, head + within);
       }
     }
-  } else {  // any layout: one word at a time (e.g. K stored column-major inside a block)
-    for (i64 offset = 0; offset < length; offset += 8) acc = splitmix64(acc ^ gather_word(src, token, offset));
+  } else if (src.element_bytes >= 8) {  // any layout of wide elements: each word inside one element
+    for (i64 offset = 0; offset < length; offset += 8) acc = splitmix64(acc ^ wide_element_word(src, token, offset));
+  } else {  // any layout of narrow elements (e.g. K stored column-major inside a block): element by element
+    // The elements in stream order, packed little-endian into u64 words (8 / eb of them a word; `length` is a
+    // multiple of 16, so the last word is full). The walk steps from element to element and from head to
+    // head by the strides: no division per element.
+    const i64 eb = src.element_bytes;
+    const i64 per_word = 8 / eb;
+    const i64 elements = length / eb;
+    const unsigned char* head = token;
+    const unsigned char* p = token;
+    i64 within = 0;
+    i64 packed = 0;
+    u64 word = 0;
+    for (i64 e = 0; e < elements; ++e) {
+      word |= narrow_element(p, eb) << (8 * eb * packed);
+      if (++packed == per_word) {
+        acc = splitmix64(acc ^ word);
+        word = 0;
+        packed = 0;
+      }
+      if (++within == src.elements_per_head) {
+        within = 0;
+        head += src.head_stride;
+        p = head;
+      } else {
+        p += src.element_stride;
+      }
+    }
   }
   return acc;
 }
