@@ -190,14 +190,15 @@ class KernelBackend:
             self._functions[key] = fn
         return fn
 
-    def _kernel(self, file: str, name: str, grid: Any, block: Any, args: tuple[Any, ...], *,
-                work: Callable[[], Any] | None = None, **launch: Any) -> None:
-        """Launch (or, inside :meth:`prepare`, record) one kernel; ``launch``: the host backend's ``threads``.
-        ``work``: reads, at call time, how many items the launch really has (its capacity sized the grid); a
-        prepared launch uses it to run small calls on the calling thread alone (:meth:`_threads_by_work`)."""
+    def _kernel(self, file: str, name: str, grid: Any, block: Any, args: tuple[Any, ...], **launch: Any) -> None:
+        """Launch (or, inside :meth:`prepare`, record) one kernel; ``launch``: the host backend's ``threads``, and
+        optionally ``work``: a callable that reads, at call time, how many items the launch really has (its
+        capacity sized the grid); a prepared launch uses it to run small calls on the calling thread alone
+        (:meth:`_threads_by_work`)."""
         if self._recording is not None:
-            self._recording.append((file, name, grid, block, args, dict(launch, work=work)))
+            self._recording.append((file, name, grid, block, args, launch))
             return
+        launch.pop("work", None)
         self.function(file, name)(grid, block, args, **launch)
 
     def _threads_by_work(self, threads: int | None, work: Callable[[], Any] | None) -> Callable[[], int] | None:
