@@ -13,16 +13,18 @@ Workloads, on a ~57M-parameter Llama (hidden 768, 8 layers, 4 KV heads of 64, vo
 * ``shared-prefix``: 12 requests sharing a 256-token system prompt, each with 64 tokens of its own, + 32 new
   tokens (prefix-cache hits on the system prompt's blocks).
 
-A round is one ``LLM.generate`` of the workload with or without the canary, from an empty prefix cache. Before
-the timed call each round runs one short untimed request (with the canary, the runtime is created at install
-and lives as long as the engine: its one-time setup is reported apart, ``setup_s``). Rounds
-go in ABBA order (without, with, with, without, ...), so a drift of the machine's speed cancels; a pair is one
-round without and one with the canary, and the figure is the median over the pairs of ``with / without - 1``,
-with its spread. Next to it, per step, where the time goes: the forward of vLLM (timed in every round, with and
-without), the canary's phase timers, and wall clocks around each part of the canary's step (building the step,
-the slot table, staging, plan/HEAD, TAIL, the block index, the ring read and sweep, the observers), the rest of
-the hook being the hook's own Python. ``scaling`` (full size only): the canary's time per decode step against
-vLLM's own forward per step, for 1, 4 and 8 requests at 64- and 448-token contexts.
+A round is one ``LLM.generate`` of the workload with or without the canary, from an empty prefix cache. Before the
+timed call each round runs one short untimed request (with the canary, the runtime is created at install and lives
+as long as the engine: its one-time setup is reported apart, ``setup_s``). Rounds go in ABBA order (without, with,
+with, without, ...), so a drift of the machine's speed cancels; a pair is one round without and one with the canary,
+and the figure is the median over the pairs of ``with / without - 1``, with its spread; next to it the same median
+of the process's CPU time (``time.process_time``, every thread of the engine), which other work on the machine
+disturbs less (a round that waits for a core loses wall time, not CPU time); the 1-minute load average before and
+after is recorded. Next to it, per step, where the time goes: the forward of vLLM (timed in every round, with and
+without), the canary's phase timers, and wall clocks around each part of the canary's step (building the step, the
+slot table, staging, plan/HEAD, TAIL, the block index, the ring read and sweep, the observers), the rest of the hook
+being the hook's own Python. ``scaling`` (full size only): the canary's time per decode step against vLLM's own
+forward per step, for 1, 4 and 8 requests at 64- and 448-token contexts.
 
 vLLM keeps process-wide state (one engine per process), so the measurement runs in a subprocess of its own:
 ``python bench/bench_vllm.py [--tiny] [--pairs N]`` prints one JSON object. Under ``--benchmark-disable``
@@ -164,11 +166,12 @@ def measure(spec: dict[str, Any], backend: str, profile: bool = True) -> dict[st
                 instrument(canary, clock)
         current["clock"] = clock
         params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         out = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
+        cpu = time.process_time() - cpu_start
         current["clock"] = None
-        result: dict[str, Any] = {"wall": wall, "tokens": [list(o.outputs[0].token_ids) for o in out],
+        result: dict[str, Any] = {"wall": wall, "cpu": cpu, "tokens": [list(o.outputs[0].token_ids) for o in out],
                                   "parts": dict(clock.seconds), "steps": clock.steps}
         if canary is not None:
             canary.finish()
@@ -182,6 +185,7 @@ def measure(spec: dict[str, Any], backend: str, profile: bool = True) -> dict[st
         return result
 
     out: dict[str, Any] = {"params": num_params(spec["size"]), "spec": spec, "backend": backend,
+                           "load_before": os.getloadavg()[0],
                            "options": {k: getattr(options, k) for k in ("mode", "real_kv_hash", "with_v",
                                                                           "backend", "sweep_interval")},
                            "workloads": {}}
@@ -201,6 +205,7 @@ def measure(spec: dict[str, Any], backend: str, profile: bool = True) -> dict[st
         for r in ons + offs:
             assert r["tokens"] == offs[0]["tokens"], "the canary changed a token"
         shares = [on["wall"] / off["wall"] - 1 for on, off in zip(ons, offs, strict=True)]
+        cpu_shares = [on["cpu"] / off["cpu"] - 1 for on, off in zip(ons, offs, strict=True)]
         steps = statistics.median(len(r["steps"]) for r in ons) if profile else ons[0]["canary_steps"]
         per_step = {k: statistics.median(r["parts"].get(k, 0.0) for r in ons) / steps * 1e3
                     for k in sorted({k for r in ons for k in r["parts"]})}
@@ -211,6 +216,8 @@ def measure(spec: dict[str, Any], backend: str, profile: bool = True) -> dict[st
             "workload": w, "pairs": len(shares), "steps": steps,
             "median_share": statistics.median(shares), "min_share": min(shares), "max_share": max(shares),
             "quartiles": [float(q) for q in np.percentile(shares, [25, 75])],
+            "median_cpu_share": statistics.median(cpu_shares),
+            "cpu_quartiles": [float(q) for q in np.percentile(cpu_shares, [25, 75])],
             "median_off_s": statistics.median(r["wall"] for r in offs),
             "median_on_s": statistics.median(r["wall"] for r in ons),
             "timer_share": statistics.median(sum(r["timers"].values()) / r["wall"] for r in ons),
@@ -220,6 +227,7 @@ def measure(spec: dict[str, Any], backend: str, profile: bool = True) -> dict[st
         }
     if spec["scaling"] and profile:
         out["scaling"] = scaling(run, vocab)
+    out["load_after"] = os.getloadavg()[0]
     return out
 
 
@@ -243,14 +251,22 @@ PARTS = ["build step", "slot table", "step batches", "stage + scatter", "plan + 
          "ring read + sweep", "fresh blocks", "observers"]
 
 
+def _cpu_share(w: dict[str, Any]) -> str:
+    if "median_cpu_share" not in w:  # a result saved before the CPU clocks were taken
+        return "-"
+    q = w["cpu_quartiles"]
+    return f"{w['median_cpu_share']:+.1%} ({q[0]:+.1%} .. {q[1]:+.1%})"
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The result's tables: the end-to-end share per workload, the per-step breakdown, the scaling."""
-    lines = ["| workload | pairs | share, median | middle half | spread (min..max) | canary timers | hook less "
-             "forward | without (median) | with (median) |", "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    lines = ["| workload | pairs | share, median | middle half | spread (min..max) | CPU share, median (middle half) "
+             "| canary timers | hook less forward | without (median) | with (median) |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for name, w in result["workloads"].items():
         q = w["quartiles"]
         lines.append(f"| {name} | {w['pairs']} | {w['median_share']:+.1%} | {q[0]:+.1%} .. {q[1]:+.1%} | "
-                     f"{w['min_share']:+.1%} .. {w['max_share']:+.1%} | {w['timer_share']:.1%} | "
+                     f"{w['min_share']:+.1%} .. {w['max_share']:+.1%} | {_cpu_share(w)} | {w['timer_share']:.1%} | "
                      f"{w['hook_share'] - w['per_step_ms']['forward'] * w['steps'] / 1e3 / w['median_on_s']:.1%} | "
                      f"{w['median_off_s']:.2f} s | {w['median_on_s']:.2f} s |")
     names = list(result["workloads"])

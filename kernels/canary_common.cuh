@@ -156,24 +156,19 @@ KVC_DEVICE const unsigned char* element_address(const RealKvSource& src, const u
                     src.element_stride);
 }
 
-// The little-endian u64 at logical byte `offset` (a multiple of 8) of a token's stream, element by element.
-// Every element is naturally aligned (host-checked), so each load is one aligned load of its width.
-KVC_DEVICE u64 gather_word(const RealKvSource& src, const unsigned char* token, i64 offset) {
+// The little-endian u64 at logical byte `offset` (a multiple of 8) of a token's stream, for elements of 8 bytes
+// or more: the word lies inside one element. Every element is naturally aligned (host-checked).
+KVC_DEVICE u64 wide_element_word(const RealKvSource& src, const unsigned char* token, i64 offset) {
   const i64 eb = src.element_bytes;
-  if (eb >= 8) {  // the word lies inside one element
-    const i64 element = offset / eb;
-    return *reinterpret_cast<const u64*>(element_address(src, token, element) + (offset - element * eb));
-  }
-  u64 word = 0;
-  const i64 first = offset / eb;
-  for (i64 j = 0; j < 8 / eb; ++j) {
-    const unsigned char* p = element_address(src, token, first + j);
-    const u64 value = eb == 4   ? (u64)*reinterpret_cast<const unsigned int*>(p)
-                      : eb == 2 ? (u64)*reinterpret_cast<const unsigned short*>(p)
-                                : (u64)*p;
-    word |= value << (8 * eb * j);
-  }
-  return word;
+  const i64 element = offset / eb;
+  return *reinterpret_cast<const u64*>(element_address(src, token, element) + (offset - element * eb));
+}
+
+// One element of 1, 2 or 4 bytes, zero-extended.
+KVC_DEVICE u64 narrow_element(const unsigned char* p, i64 eb) {
+  return eb == 4 ? (u64)*reinterpret_cast<const unsigned int*>(p)
+       : eb == 2 ? (u64)*reinterpret_cast<const unsigned short*>(p)
+                 : (u64)*p;
 }
 
 KVC_DEVICE u64 fold_pair(u64 acc, const unsigned char* bytes) {
@@ -196,8 +191,38 @@ KVC_DEVICE u64 real_kv_fold_source(const RealKvSource& src, i64 slot, i64 length
         acc = fold_pair(acc, head + within);
       }
     }
-  } else {  // any layout: one word at a time (e.g. K stored column-major inside a block)
-    for (i64 offset = 0; offset < length; offset += 8) acc = splitmix64(acc ^ gather_word(src, token, offset));
+  } else if (src.element_bytes >= 8) {  // any layout of wide elements: each word inside one element
+    for (i64 offset = 0; offset < length; offset += 8) acc = splitmix64(acc ^ wide_element_word(src, token, offset));
+  } else {  // any layout of narrow elements (e.g. K stored column-major inside a block): element by element
+    // The elements in stream order, packed little-endian into u64 words (8 / eb of them a word; `length` is a
+    // multiple of 16, so the last word is full). Without element groups the walk steps from element to element
+    // and from head to head by the strides: no division per element.
+    const i64 eb = src.element_bytes;
+    const i64 per_word = 8 / eb;
+    const i64 elements = length / eb;
+    const unsigned char* head = token;
+    const unsigned char* p = token;
+    i64 within = 0;
+    i64 packed = 0;
+    u64 word = 0;
+    // A layout that groups elements (amx: pairs) takes each element's address from its digits instead.
+    const bool grouped = src.elements_per_group != 0;
+    for (i64 e = 0; e < elements; ++e) {
+      if (grouped) p = element_address(src, token, e);
+      word |= narrow_element(p, eb) << (8 * eb * packed);
+      if (++packed == per_word) {
+        acc = splitmix64(acc ^ word);
+        word = 0;
+        packed = 0;
+      }
+      if (++within == src.elements_per_head) {
+        within = 0;
+        head += src.head_stride;
+        p = head;
+      } else {
+        p += src.element_stride;
+      }
+    }
   }
   return acc;
 }

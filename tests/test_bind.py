@@ -220,3 +220,41 @@ def test_host_bound_calls_pack_their_kernel_arguments_once(monkeypatch):
         monkeypatch.undo()
         run_unbound(reference, step)
         assert_same_state(bound.state(), reference.state(), step)
+
+
+@pytest.mark.skipif(unavailable_reason("host") is not None, reason=f"host backend: {unavailable_reason('host')}")
+def test_host_bound_verify_wakes_the_pool_only_for_a_call_with_enough_entries(monkeypatch):
+    # The grid is sized at bind time by the plan's capacity; the thread count of each call follows the entries
+    # the call really verifies: a step that fills a small share of a large plan runs on the calling thread.
+    from chain_helpers import context, verify_plan
+
+    from kvcanary_cupy.backends.host import HOST_MIN_WORK_PER_BLOCK
+    from kvcanary_cupy.hostcuda import set_host_threads
+
+    capacity = 8 * HOST_MIN_WORK_PER_BLOCK
+    ctx = context(num_slots=capacity + 1)
+    plan = verify_plan(list(range(1, capacity + 1)), [0] * capacity, [0] * capacity, capacity=capacity)
+    set_host_threads(2)
+    try:
+        launch = bind_verify(context=ctx, plan=plan, check_verify_expected_token=False, backend="host",
+                             on_invalid="flag")
+        lib = launch.backend._load_module("verify.cu")._lib
+        real = lib.kvc_host_abi_launch
+        asked: list[int] = []
+
+        def spy(index, grid, block, shared, argv, threads, err, errlen):
+            asked.append(threads)
+            return real(index, grid, block, shared, argv, threads, err, errlen)
+
+        monkeypatch.setattr(lib, "kvc_host_abi_launch", spy)
+        launch = bind_verify(context=ctx, plan=plan, check_verify_expected_token=False, backend="host",
+                             on_invalid="flag")
+        for entries in (0, 16, 2 * HOST_MIN_WORK_PER_BLOCK - 1, 2 * HOST_MIN_WORK_PER_BLOCK, capacity, -5):
+            plan.verify_num_valid[0] = entries
+            launch()
+        assert asked == [1, 1, 1, 2, 2, 1]
+        # every call verified its entries (empty records at position 0: nothing to report), whatever its threads
+        assert int(ctx.slot_run_counter[0]) == 16 + 4 * HOST_MIN_WORK_PER_BLOCK - 1 + capacity
+        assert int(ctx.violation_write_index[0]) == 0
+    finally:
+        set_host_threads(None)

@@ -490,6 +490,31 @@ def test_write_then_verify_with_a_strided_source_catches_one_flipped_kv_element(
     assert len(bad) == 1 and bad[0][1] == 40 and bad[0][7] == kc.FailReason.VERIFY_REAL_KV_HASH_MISMATCH
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("dtype", "d"), [(np.uint8, 16), (np.float16, 8), (np.float32, 4)])
+def test_write_fingerprints_narrow_strided_elements_across_heads_like_the_oracle(backend, mode, dtype, d):
+    # K column-major: every element on its own stride; 16 bytes a head, so a 16-byte read word pair ends on
+    # a head boundary and the full read crosses three of them. Seeds 0..5: any element out of place shows.
+    bs, heads = 4, 4
+    for seed in range(6):
+        if dtype == np.uint8:
+            k = np.random.default_rng(seed).integers(0, 256, (2 * bs, heads, d), dtype=np.uint8)
+        else:
+            k = per_token_kv(2 * bs, heads, d, dtype, seed)
+        cache = vllm_cpu_cache(k, k, bs)
+        read = heads * d * np.dtype(dtype).itemsize
+        source = vllm_cpu_source(cache, block_size=bs, num_kv_heads=heads, head_size=d, which="k", read_bytes=read,
+                                 isa="vec")
+        assert source.layout.access_kind() == ACCESS_ELEMENTS
+        ctx = context(num_slots=2 * bs, real_kv_sources=(source,), real_kv_hash_mode=mode)
+        slots = [1, 2, 5, 7]
+        write(ctx, [4], [-1], slots, [10, 11, 12, 13], [0, 1, 2, 3], backend=backend)
+        oracle = oracle_source(source)
+        assert [int(v) for v in fields(ctx)[slots, 3]] == [to_i64(real_kv_hash(s, [oracle], int(mode)))
+                                                          for s in slots], seed
+
+
 def test_public_names():
     assert kc.KvByteLayout.__module__ == "kvcanary_cupy.kv_bytes"
     assert kc.kv_layouts.KvByteLayout is kc.KvByteLayout  # the presets module re-exports it

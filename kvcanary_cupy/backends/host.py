@@ -15,8 +15,10 @@ from typing import Any
 from .kernel_backend import KernelBackend, LaunchShape, kernel_source, kernels_dir, source_hash
 
 # Few threads per block: each host thread is a fiber that runs its share of a block's work after the one
-# before it, so more of them only add fiber starts and switches (8 where a kernel has no warp operation,
-# 32 for the plan's warp scans), and the kernels are correct for any grid and block. On a pool of
+# before it, so more of them only add fiber starts and switches (one for the write, whose barriers would
+# switch every fiber of a block, and for the scatter; 8 for the verify and the plan's entries, 32 for the
+# plan's warp scans), and the kernels are correct for any grid and block. A decode step's write of 8 tokens:
+# 2.8 us of CPU with one thread a block, 9.9 us with 8 (the bench geometry of docs/costs.md, "vLLM"). On a pool of
 # OS threads (docs/host-threads.md) a launch with at least 2 x HOST_MIN_WORK_PER_BLOCK entries, tokens or
 # records gets one block per HOST_MIN_WORK_PER_BLOCK of them, at most HOST_BLOCKS_PER_THREAD per OS thread (a
 # few, so that a thread the OS delays holds up only a small share of the launch); a smaller launch keeps
@@ -30,9 +32,9 @@ HOST_SHAPE = LaunchShape(
     verify_grid=2,
     verify_block=8,
     write_grid_max=8,
-    write_block=8,
+    write_block=1,
     scatter_grid_max=8,
-    scatter_block=8,
+    scatter_block=1,
     scatter_column_tiles_max=1,
     transfer_grid_max=4,
     transfer_block=64,

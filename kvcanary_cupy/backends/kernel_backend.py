@@ -119,6 +119,27 @@ def _paged_args(paged: Any) -> tuple[Any, ...]:
             _I32(paged.batch_rows), _I64(paged.block_size), _I64(paged.block_stride), _I64(paged.num_blocks))
 
 
+# A token the expected-token scatter copies costs about an eighth of what a verify entry costs (the unit of
+# ``LaunchShape.min_work_per_block``): 2,400 tokens take 8 us of CPU, 1,024 verify entries 9 us.
+SCATTER_TOKENS_PER_ITEM = 8
+
+# Readers of a launch's real work at call time (only prepared host launches call them: host memory). A hostile
+# device value only changes the thread count, never what the kernels do.
+def _first(words: Any) -> Callable[[], Any]:
+    """The first word of ``words`` (a count the plan wrote)."""
+    return lambda: words.reshape(-1)[0]
+
+
+def _scaled(work: Callable[[], Any], per_item: int) -> Callable[[], Any]:
+    """``work`` counted in items of ``per_item`` of its own."""
+    return lambda: work() // per_item
+
+
+def _write_tokens(offsets: Any, num_valid_reqs: Any, capacity: int) -> Callable[[], Any]:
+    """The tokens a write's plan holds: the offset past its last valid request."""
+    return lambda: offsets[min(max(int(num_valid_reqs.reshape(-1)[0]), 0), capacity)]
+
+
 class KernelBackend:
     """Plan / write / verify / scatter / record transfer as kernel launches on modules from ``load_module(file)``.
 
@@ -175,11 +196,30 @@ class KernelBackend:
         return fn
 
     def _kernel(self, file: str, name: str, grid: Any, block: Any, args: tuple[Any, ...], **launch: Any) -> None:
-        """Launch (or, inside :meth:`prepare`, record) one kernel; ``launch``: the host backend's ``threads``."""
+        """Launch (or, inside :meth:`prepare`, record) one kernel; ``launch``: the host backend's ``threads``, and
+        optionally ``work``: a callable that reads, at call time, how many items the launch really has (its
+        capacity sized the grid); a prepared launch uses it to run small calls on the calling thread alone
+        (:meth:`_threads_by_work`)."""
         if self._recording is not None:
             self._recording.append((file, name, grid, block, args, launch))
             return
+        launch.pop("work", None)
         self.function(file, name)(grid, block, args, **launch)
+
+    def _threads_by_work(self, threads: int | None, work: Callable[[], Any] | None) -> Callable[[], int] | None:
+        """A prepared launch's thread count at call time: its grid was sized at bind time by the capacity (a
+        verify by every entry the plan can hold), but a step usually fills a small share of it. A call whose
+        real work is below 2 x ``min_work_per_block`` runs on the calling thread alone, as :meth:`pool_grid` does
+        for an unbound launch of that size (waking a pool worker would cost more than it saves); a larger one
+        keeps the bound thread count. The kernels give the same results on any number of threads."""
+        if work is None or threads is None or threads <= 1 or self.shape.min_work_per_block <= 0:
+            return None
+        least = 2 * self.shape.min_work_per_block
+
+        def threads_now() -> int:
+            return threads if work() >= least else 1
+
+        return threads_now
 
     def prepare(self, step: str, launch: Any) -> Callable[[], None]:
         """``step``'s kernel launches for ``launch`` with their arguments built once (and, on the host, packed
@@ -193,9 +233,11 @@ class KernelBackend:
             self._recording = None
         calls: list[Callable[[], None]] = []
         for file, name, grid, block, args, launch_kw in recorded:
+            work = launch_kw.pop("work", None)
             kernel = self._load_module(file).get_function(name)
             if self._null is None and hasattr(kernel, "prepared"):
-                calls.append(kernel.prepared(grid, block, args, **launch_kw))
+                threads_of = self._threads_by_work(launch_kw.get("threads"), work)
+                calls.append(kernel.prepared(grid, block, args, threads_of=threads_of, **launch_kw))
             else:
                 calls.append(functools.partial(self.function(file, name), grid, block, args, **launch_kw))
         if len(calls) == 1:
@@ -238,7 +280,7 @@ class KernelBackend:
              _I32(launch.kv_token_id_vs_position_offset), wp.verify_offsets, vp.enable,
              _I64(launch.verify_capacity), vp.verify_slot_indices, vp.verify_expected_tokens,
              vp.verify_expected_positions, vp.verify_prev_slot_indices, vp.status),
-            **threads,
+            work=_first(vp.verify_num_valid), **threads,
         )
 
     def verify(self, launch: Any) -> None:
@@ -251,7 +293,7 @@ class KernelBackend:
              _I64(launch.capacity), _I32(launch.check_verify_expected_token), _I64(ctx.kernel_kind), ctx.ring,
              _I64(ctx.ring.shape[0]), ctx.write_index, ctx.slot_run_counter, ctx.kernel_run_counter, ctx.status,
              launch.twin, *_real_kv_args(ctx)),
-            **threads,
+            work=_first(launch.num_valid), **threads,
         )
 
     def write(self, launch: Any) -> None:
@@ -267,7 +309,7 @@ class KernelBackend:
              launch.expected_input_positions, ctx.chain_assert, _I64(ctx.kernel_kind), ctx.ring,
              _I64(ctx.ring.shape[0]), ctx.write_index, ctx.slot_run_counter, ctx.kernel_run_counter, ctx.status,
              *_real_kv_args(ctx)),
-            **threads,
+            work=_write_tokens(launch.write_offsets, launch.write_num_valid_reqs, capacity), **threads,
         )
 
     def scatter(self, launch: Any) -> None:
@@ -281,7 +323,7 @@ class KernelBackend:
             (requests, column_tiles), (block,),
             (launch.flat_in, _I64(total), launch.offsets, launch.req_pool_indices, _I64(bs), launch.pool_out,
              _I64(rows), _I64(width), launch.status),
-            **threads,
+            work=_scaled(_first(launch.offsets[bs:]), SCATTER_TOKENS_PER_ITEM), **threads,
         )
 
     def _transfer_grid(self, n: int) -> tuple[int, int, dict[str, int]]:

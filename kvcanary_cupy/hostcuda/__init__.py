@@ -970,21 +970,29 @@ class HostKernel:
             raise HostLaunchError(packed.error.value.decode(errors="replace"))
 
     def prepared(self, grid: int | tuple[int, ...], block: int | tuple[int, ...], args: tuple[Any, ...], *,
-                 shared_mem: int = 0, threads: int | None = None) -> Callable[[], None]:
+                 shared_mem: int = 0, threads: int | None = None,
+                 threads_of: Callable[[], int] | None = None) -> Callable[[], None]:
         """A launch of fixed shape and arguments, marshalled once: calling it runs the kernel to completion
         like ``kern(grid, block, args)``, without re-packing the argument block (for launches bound once and
         called every step; the arrays in ``args`` are kept alive and read afresh by every call). The thread
-        count is resolved at each call, as for ``kern(...)``."""
+        count is resolved at each call, as for ``kern(...)``; ``threads_of``, when given, is asked for it at
+        each call instead (e.g. by the work the call really has). A one-block launch runs on one thread."""
         if operator.index(shared_mem) != 0:
             raise ValueError("prepared launches take no dynamic shared memory")
         packed = self._marshal(args, _ArgumentBlock(self._block_bytes, self._offsets, self.num_params))
-        packed.grid[0], packed.grid[1], packed.grid[2] = _dims(grid, "grid")
+        grid3 = _dims(grid, "grid")
+        packed.grid[0], packed.grid[1], packed.grid[2] = grid3
         packed.block[0], packed.block[1], packed.block[2] = _dims(block, "block")
         launch, index, held = self.module._lib.kvc_host_abi_launch, self._index, tuple(args)
         fixed = None if threads is None else _threads_value(threads, "threads")  # checked once, not per call
+        if grid3[0] * grid3[1] * grid3[2] == 1:
+            fixed, threads_of = 1, None  # no block for a helper thread: no per-call look-up either
 
         def run() -> None:
-            nthreads = fixed if fixed is not None else self._thread_count(None)
+            if threads_of is not None:
+                nthreads = threads_of()
+            else:
+                nthreads = fixed if fixed is not None else self._thread_count(None)
             if launch(index, packed.grid, packed.block, 0, packed.argv, nthreads, packed.error, _ERROR_BUFFER) != 0:
                 raise HostLaunchError(packed.error.value.decode(errors="replace"))
 
