@@ -134,11 +134,13 @@ class Injector:
             tensor[row, col] = value
         self._restore.clear()
 
-    def _set_block(self, metadata: dict[str, Any], row: int, col: int, block: int) -> int:
-        """Point ``block_table[row, col]`` at ``block`` in every distinct metadata table; the old id."""
+    def _set_block(self, metadata: dict[str, Any], row: int, col: int, block: int,
+                   layer_names: list[str] | None = None) -> int:
+        """Point ``block_table[row, col]`` at ``block`` in every distinct metadata table (of ``layer_names``'
+        layers only, when given: one KV cache group's), put back after the step; the old id."""
         seen: set[int] = set()
         old = -1
-        for md in metadata.values():
+        for md in metadata.values() if layer_names is None else (metadata[name] for name in layer_names):
             table = getattr(md, "block_table", None)
             if table is None or id(table) in seen:
                 continue
@@ -415,7 +417,7 @@ class _Handover(Injector):
                 hits = [t for t in range(writer.query) if (first + t) // bs == col and (first + t) % bs <= last % bs]
                 if not hits or int(wmd.block_table[j, col]) == block:
                     continue
-                old = self._set_group_block(metadata, writer_geo, j, col, block)
+                old = self._set_block(metadata, j, col, block, writer_geo.layer_names)
                 for t in hits:
                     self._set_group_slot(metadata, writer_geo, writer.start + t, block * bs + (first + t) % bs)
                 self.fault = InjectedFault(self.kind, step, victim.rid, last, block * bs + last % bs,
@@ -423,20 +425,6 @@ class _Handover(Injector):
                                            f"{victim_geo.name} block {block} (positions "
                                            f"{col * bs}..{col * bs + bs - 1} of {victim.rid} still read)")
                 return
-
-    def _set_group_block(self, metadata: dict[str, Any], geo: Any, row: int, col: int, block: int) -> int:
-        """Point ``block_table[row, col]`` of the group's layers at ``block`` (put back after the step)."""
-        seen: set[int] = set()
-        old = -1
-        for name in geo.layer_names:
-            table = metadata[name].block_table
-            if id(table) in seen:
-                continue
-            seen.add(id(table))
-            old = int(table[row, col])
-            self._restore.append((table, row, col, old))
-            table[row, col] = block
-        return old
 
     @staticmethod
     def _set_group_slot(metadata: dict[str, Any], geo: Any, token: int, slot: int) -> None:
