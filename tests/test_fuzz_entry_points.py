@@ -1589,7 +1589,8 @@ ENV_DOCUMENTED: dict[str, tuple[int, int] | tuple[str, ...] | None] = {
     "KVCANARY_VLLM_BACKEND": ("auto", "numpy", "host", "cuda"), "KVCANARY_VLLM_RING_CAPACITY": (1, 2147483647),
     "KVCANARY_VLLM_SWEEP_INTERVAL": (0, 2147483647), "KVCANARY_VLLM_LOG_ROWS": (0, 1000),
     "KVCANARY_VLLM_ALLOW_UNTESTED": ("1", "0", "true", "false", "yes", "no"),
-    "KVCANARY_VLLM_FAULT": ("<kind>@<step>",),
+    "KVCANARY_VLLM_FAULT": ("<kind>@<step>:rank<R>",),
+    "KVCANARY_VLLM_CONNECTOR": None, "KVCANARY_VLLM_CONNECTOR_ON_REFUSED": ("report", "load-error"),
 }
 _ENV_PIECES = ["0", "1", "7", "256", "257", "-", "+", ".", "5", "e", "E3", "inf", "nan", "Infinity", " ", "\t", "_",
                "x", "0x1f", "\u00b2", "\u0665", "\uff11", "1000000", "1048577", "9" * 25, "thread", "log", "host",
@@ -1608,8 +1609,12 @@ def _documented(name: str, raw: str, value: Any) -> bool:
     if name == "KVCANARY_VLLM_FAULT":
         from kvcanary_cupy.integrations.vllm.faults import FAULT_KINDS
 
-        kind, _, step = raw.partition("@")
-        return kind in FAULT_KINDS and value == (kind, int(step) if step else 3) and (not step or step.isdigit())
+        spec, _, where = raw.partition(":")
+        kind, _, step = spec.partition("@")
+        rank = int(where[len("rank"):]) if where else None
+        return kind in FAULT_KINDS and value == (kind, int(step) if step else 3, rank) and (not step or step.isdigit())
+    if name == "KVCANARY_VLLM_CONNECTOR":  # a connector class name, not the canary's own wrapper
+        return raw.isascii() and raw.isidentifier() and raw != "CanaryConnector" and value == raw
     if isinstance(spec[0], str):
         return raw in spec
     lo, hi = spec

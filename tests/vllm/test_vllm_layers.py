@@ -121,7 +121,7 @@ def test_mla_metadata_is_read_as_one_batch_decodes_first(decodes, context):
     keep prefix caching on, is in ``chunked_context``): the step read gets the whole block table and each row's
     sequence length (a prefill's: its query plus its cached context). vLLM's CPU_MLA turns prefix caching off, so
     the context case is built here by hand."""
-    from kvcanary_cupy.integrations.vllm.layers import attention_metadata
+    from kvcanary_cupy.integrations.vllm.metadata import attention_metadata
 
     table = torch.arange(4 * 6, dtype=torch.int32).reshape(4, 6)  # rows: requests in the batch's order
     decode = None if decodes == 0 else SimpleNamespace(block_table=table[:decodes], seq_lens=torch.tensor([17, 40]))

@@ -1,8 +1,9 @@
 """The canary in vLLM's distributed engine: which worker a canary runs in, the CPU build's thread binding for
-more than one worker, and the per-worker side of ``kvcanary simulate --engine vllm --tensor-parallel N``.
+more than one worker.
 
 Every worker process of a tensor-parallel engine builds its own model runner over its own KV-head shard; the
-plugin (or :func:`rpc_install`, through ``LLM.collective_rpc``) installs one canary in each, and each checks its
+plugin (or ``kvcanary simulate --engine vllm --tensor-parallel N`` through ``LLM.collective_rpc``:
+:func:`.simulate.rpc_install`) installs one canary in each, and each checks its
 own shard against the request state it holds (every rank holds every request's token ids). Nothing crosses
 ranks: a rank's findings are its own, logged by its own process and tagged with its rank.
 
@@ -56,52 +57,3 @@ def thread_binding(workers: int, cpus: list[int] | None = None) -> str:
                 start = prev = cpu
         parts.append(",".join(runs))
     return "|".join(parts)
-
-
-# -- the worker side of a tensor-parallel simulation (each function runs in every worker, via collective_rpc) -----
-
-
-def rpc_install(worker: Any, options: Any, kind: str | None, inject_at: int, seed: int,
-                fault_rank: int) -> tuple[int, str | None, list[str]]:
-    """Install a canary (``options``, a ``CanaryOptions``) in ``worker``'s model runner, with the run's statistics
-    observer and, on ``fault_rank`` only, an injector of ``kind``. Returns the worker's rank, why the canary is
-    disabled there (None: it checks), and its install-time lines."""
-    import logging
-
-    from .hooks import VllmCanary
-    from .simulate import WorkloadStats
-
-    # the simulation's report carries every finding (as the in-process run's does): the worker's per-step
-    # lines are held back
-    logging.getLogger(options.logger).setLevel(logging.ERROR)
-    runner = worker.model_runner
-    canary = VllmCanary(runner, options)
-    rank, _ = worker_rank(runner)
-    canary.observers.append(WorkloadStats())
-    if kind is not None and rank == fault_rank:
-        from .faults import injector
-
-        canary.observers.append(injector(kind, inject_at, seed=seed, rank=fault_rank))
-    return rank, canary.disabled, canary.support.unchecked(options.real_kv_hash)
-
-
-def rpc_collect(worker: Any) -> dict[str, Any]:
-    """Read what the last step appended, remove the canary from ``worker``'s runner and return what it saw (plain
-    data: it travels back to the engine's process)."""
-    from .faults import Injector
-    from .simulate import WorkloadStats
-
-    runner = worker.model_runner
-    canary = runner._kvcanary
-    try:
-        canary.finish()
-    finally:
-        canary.remove()
-    st = canary.state
-    stats = next(o for o in canary.observers if isinstance(o, WorkloadStats))
-    fault = next((o.fault for o in canary.observers if isinstance(o, Injector)), None)
-    rank, world = worker_rank(runner)
-    return {"rank": rank, "world": world, "steps": canary.steps, "violations": canary.violations, "fault": fault,
-            "stats": stats, "seconds": dict(st.seconds) if st else {}, "counters": st.counters() if st else {},
-            "status_bits": st.status_bits if st else 0, "dropped": st.dropped if st else 0,
-            "health_problems": list(st.health_problems) if st else [], "preemptions": canary.preemptions}

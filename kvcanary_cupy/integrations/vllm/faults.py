@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from .layers import attention_metadata
+from .metadata import attention_metadata
 
 FAULT_KINDS: dict[str, str] = {
     "kv-bitflip": "a bit flips in a live request's V bytes in a layer's KV cache tensor",
@@ -569,6 +569,26 @@ SPECULATIVE_FAULT_KINDS: dict[str, str] = {
                            "(vllm#47466)",
 }
 SPECULATIVE_INJECTORS: dict[str, type[Injector]] = {RejectedDraftKept.kind: RejectedDraftKept}
+
+
+# the model kinds with a sliding-window group, and those with two attention groups that alias each other
+WINDOWED_ARCHS = ("mistral-sw", "gemma3")
+HYBRID_ARCHS = ("gemma3",)
+
+
+def fault_kinds(model_arch: str = "llama", speculative: str | None = None) -> dict[str, str]:
+    """The fault kinds a run of ``model_arch`` (with ``speculative`` decoding or not) can inject, what
+    ``--inject all`` stands for: every kind of :data:`FAULT_KINDS`, the window faults where the model has
+    a sliding-window group (``group-handover`` where it also has a second group), the rejected-draft fault with
+    speculative decoding."""
+    kinds = dict(FAULT_KINDS)
+    if model_arch in WINDOWED_ARCHS:
+        kinds["window-reuse"] = MODEL_FAULT_KINDS["window-reuse"]
+    if model_arch in HYBRID_ARCHS:
+        kinds["group-handover"] = MODEL_FAULT_KINDS["group-handover"]
+    if speculative is not None:
+        kinds.update(SPECULATIVE_FAULT_KINDS)
+    return kinds
 
 
 def injector(kind: str, at: int = 0, seed: int = 0, rank: int | None = None) -> Injector:

@@ -19,6 +19,7 @@ from ..common.report import (
     verdict,
     write_json,
 )
+from .faults import fault_kinds
 
 if TYPE_CHECKING:
     from ..common.records import EngineSimulation
@@ -58,11 +59,9 @@ def build_report(sim: EngineSimulation[Any, Any]) -> dict[str, Any]:
               "dtype": cfg.dtype, "speculative": cfg.speculative, "tensor_parallel": cfg.tensor_parallel,
               "thread_binding": getattr(sim, "thread_binding", None)}
     # vLLM's injected faults name no group: each is reported in the first KV cache group the canary checks
-    from .simulate import fault_kinds
-
-    report = build_engine_report(sim, schema=SCHEMA_ID, fault_kinds=fault_kinds(cfg.model_arch, cfg.speculative),
-                                 config=config,
-                                 workload_row=workload_row, fault_group=lambda fault: "G0")
+    kinds = fault_kinds(cfg.model_arch, cfg.speculative)
+    report = build_engine_report(sim, schema=SCHEMA_ID, fault_kinds=kinds, config=config, workload_row=workload_row,
+                                 fault_group=lambda fault: "G0")
     faulted = [run for run in sim.runs if run.kind is not None]  # the order build_engine_report lists faults in
     for row, run in zip(report["faults"], faulted, strict=True):
         row["rank"] = run.fault_rank if run.fault is not None else None

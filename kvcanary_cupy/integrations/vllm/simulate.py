@@ -36,8 +36,9 @@ from ..common.records import (
     run_workloads,
 )
 from .canary import CanaryOptions
-from .faults import FAULT_KINDS, MODEL_FAULT_KINDS, SPECULATIVE_FAULT_KINDS, injector
-from .hooks import install
+from .distributed import worker_rank
+from .faults import Injector, fault_kinds, injector
+from .hooks import VllmCanary, install
 from .report import build_report
 from .workloads import (
     DTYPES,
@@ -55,24 +56,6 @@ from .workloads import (
 )
 
 ARCHS = ("llama", *MODEL_ARCHS)
-# the model kinds with a sliding-window group, and those with two attention groups that alias each other
-WINDOWED_ARCHS = ("mistral-sw", "gemma3")
-HYBRID_ARCHS = ("gemma3",)
-
-
-def fault_kinds(model_arch: str = "llama", speculative: str | None = None) -> dict[str, str]:
-    """The fault kinds a run of ``model_arch`` (with ``speculative`` decoding or not) can inject, what
-    ``--inject all`` stands for: every kind of :data:`.faults.FAULT_KINDS`, the window faults where the model has
-    a sliding-window group (``group-handover`` where it also has a second group), the rejected-draft fault with
-    speculative decoding."""
-    kinds = dict(FAULT_KINDS)
-    if model_arch in WINDOWED_ARCHS:
-        kinds["window-reuse"] = MODEL_FAULT_KINDS["window-reuse"]
-    if model_arch in HYBRID_ARCHS:
-        kinds["group-handover"] = MODEL_FAULT_KINDS["group-handover"]
-    if speculative is not None:
-        kinds.update(SPECULATIVE_FAULT_KINDS)
-    return kinds
 
 
 @dataclass(frozen=True)
@@ -189,8 +172,6 @@ class VllmSimulation(EngineSimulation[VllmSimConfig, RunResult]):
     def _run_ranks(self, llm: Any, w: Workload, kind: str | None, offset: int, seed: int,
                    fault_rank: int) -> RunResult:
         """One run of a tensor-parallel engine: a canary in every worker, the fault (if any) on ``fault_rank``."""
-        from .distributed import rpc_collect, rpc_install
-
         opts = self._options()
         installed = llm.collective_rpc(rpc_install, args=(opts, kind, self.cfg.inject_at, seed, fault_rank))
         self._note_install(installed[0][1], installed[0][2])
@@ -321,3 +302,44 @@ def run_quietly(cfg: VllmSimConfig, *, progress: bool = True) -> dict[str, Any]:
         return sim.run(show)
     finally:
         canary_logger.setLevel(level)
+
+
+# -- the worker side of a tensor-parallel simulation (each function runs in every worker, via collective_rpc) -----
+
+
+def rpc_install(worker: Any, options: Any, kind: str | None, inject_at: int, seed: int,
+                fault_rank: int) -> tuple[int, str | None, list[str]]:
+    """Install a canary (``options``, a ``CanaryOptions``) in ``worker``'s model runner, with the run's statistics
+    observer and, on ``fault_rank`` only, an injector of ``kind``. Returns the worker's rank, why the canary is
+    disabled there (None: it checks), and its install-time lines."""
+    import logging
+
+    # the simulation's report carries every finding (as the in-process run's does): the worker's per-step
+    # lines are held back
+    logging.getLogger(options.logger).setLevel(logging.ERROR)
+    runner = worker.model_runner
+    canary = VllmCanary(runner, options)
+    rank, _ = worker_rank(runner)
+    canary.observers.append(WorkloadStats())
+    if kind is not None and rank == fault_rank:
+        canary.observers.append(injector(kind, inject_at, seed=seed, rank=fault_rank))
+    return rank, canary.disabled, canary.support.unchecked(options.real_kv_hash)
+
+
+def rpc_collect(worker: Any) -> dict[str, Any]:
+    """Read what the last step appended, remove the canary from ``worker``'s runner and return what it saw (plain
+    data: it travels back to the engine's process)."""
+    runner = worker.model_runner
+    canary = runner._kvcanary
+    try:
+        canary.finish()
+    finally:
+        canary.remove()
+    st = canary.state
+    stats = next(o for o in canary.observers if isinstance(o, WorkloadStats))
+    fault = next((o.fault for o in canary.observers if isinstance(o, Injector)), None)
+    rank, world = worker_rank(runner)
+    return {"rank": rank, "world": world, "steps": canary.steps, "violations": canary.violations, "fault": fault,
+            "stats": stats, "seconds": dict(st.seconds) if st else {}, "counters": st.counters() if st else {},
+            "status_bits": st.status_bits if st else 0, "dropped": st.dropped if st else 0,
+            "health_problems": list(st.health_problems) if st else [], "preemptions": canary.preemptions}

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..._errors import fail
 from ..common.state import host_array
-from .layers import attention_metadata
+from .metadata import attention_metadata
 
 __all__ = ["RequestHistories", "VllmStep", "build_step"]
 
