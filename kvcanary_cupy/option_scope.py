@@ -2,9 +2,10 @@
 
 A run takes one of five modes (:data:`MODES`): the synthetic engine, the synthetic engine disaggregated into
 prefill and decode processes, Hugging Face transformers, vLLM, and vLLM's KV connector runs (``--engine vllm
---connector``: an engine process saves, another loads, the canary connector between them). :data:`SCOPE` says for every option which modes
-apply it and, for each other mode, why it cannot; :func:`refusals` checks the options a user actually gave (not
-argparse's defaults) against it, so an option is either applied or refused with a reason, never dropped.
+--connector``: an engine process saves, another loads, the canary connector between them). :data:`SCOPE` says for
+every option which modes apply it and, for each other mode, why it cannot; :func:`refusals` checks the options a
+user actually gave (not argparse's defaults) against it, so an option is either applied or refused with a reason,
+never dropped.
 :func:`inject_items` checks ``--inject KIND[:RATE]`` the same way for every mode (the rate's syntax and range),
 and refuses a rate where the mode injects each kind once instead of at a rate.
 """

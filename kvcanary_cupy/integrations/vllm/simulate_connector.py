@@ -35,8 +35,17 @@ import numpy as np
 from ..._errors import fail
 from .connector import RECORDS_FILE, LoadReason
 
-__all__ = ["CONNECTORS", "CONNECTOR_FAULT_KINDS", "SCHEMA_ID", "ConnectorSimConfig", "ConnectorFault",
-           "folder_of", "inject_store_fault", "run_connector_simulation", "run_engine"]
+__all__ = [
+    "CONNECTORS",
+    "CONNECTOR_FAULT_KINDS",
+    "SCHEMA_ID",
+    "ConnectorFault",
+    "ConnectorSimConfig",
+    "folder_of",
+    "inject_store_fault",
+    "run_connector_simulation",
+    "run_engine",
+]
 
 SCHEMA_ID = "kvcanary-vllm-connector-report/1"
 CONNECTORS = {"example": "ExampleConnector"}  # --connector value -> vLLM's kv_connector name
@@ -191,7 +200,7 @@ def _send_loads_one_block_over(prompt_heads: list[tuple[int, ...]]) -> None:
                     req.slot_mapping = req.slot_mapping % block_size + block_size * blocks.apply_(rotate.get)
         original(self, forward_context, **kwargs)
 
-    ExampleConnector.start_load_kv = start_load_kv  # type: ignore[method-assign]
+    ExampleConnector.start_load_kv = start_load_kv
 
 
 def spawn_engine(spec: dict[str, Any], timeout: float = RUN_TIMEOUT_S) -> dict[str, Any]:
@@ -553,8 +562,8 @@ def build_report(sim: ConnectorSimulation) -> dict[str, Any]:
             for v in res["violations"]:
                 at = base + ph.offset + int(v["step"])
                 if is_load and fault_step is not None and (
-                        int(v["step"]) >= fault_step or int(v["step"]) == fault_step - 1
-                        and str(v["tag"]).startswith("SWEEP") and int(v["slot"]) // BLOCK_SIZE in load_blocks):
+                        int(v["step"]) >= fault_step or (int(v["step"]) == fault_step - 1
+                        and str(v["tag"]).startswith("SWEEP") and int(v["slot"]) // BLOCK_SIZE in load_blocks)):
                     explained += 1
                     timeline_rows.append(("explained", at + 1))
                     continue
