@@ -566,7 +566,11 @@ def _run_connector(cfg: Any, out: Output) -> int:
     from .integrations.vllm import simulate_connector as sc
 
     _check_outputs(out)
-    report = sc.run_connector_simulation(cfg, progress=not out.quiet)
+    try:
+        report = sc.run_connector_simulation(cfg, progress=not out.quiet)
+    except sc.EngineProcessError as exc:  # the run has no verdict: say why, fail it
+        print(f"{PROG} simulate: error: the connector run failed: {exc}", file=sys.stderr)
+        return 1
     _emit(out, report, sc.print_report, sc.write_json, sc.write_html)
     return int(report["exit_code"])
 

@@ -348,3 +348,19 @@ def test_random_option_mixes_either_plan_a_run_with_only_applicable_options_or_a
         typed = cli.parse(["simulate", *argv]).given_options
         assert built.mode == mode and all(mode in SCOPE[o].applies for o in typed), argv
         assert not (tmp_path / "out").exists(), argv  # planning writes nothing
+
+
+def test_a_connector_run_whose_engine_process_fails_exits_1_saying_why_and_writes_no_report(
+        monkeypatch, tmp_path, capsys, vllm_version_gate_open):
+    from kvcanary_cupy.integrations.vllm import simulate_connector as sc
+
+    def spawn(spec, timeout=sc.RUN_TIMEOUT_S):
+        raise sc.EngineProcessError(f"an engine process ran past {timeout:g} s and was killed")
+
+    monkeypatch.setattr(sc, "spawn_engine", spawn)
+    monkeypatch.setattr("kvcanary_cupy.integrations.vllm.workloads.save_llama", lambda folder, size, seed: folder)
+    out = tmp_path / "r.json"
+    assert cli.main(["simulate", *MODE_ARGV["vllm-connector"], "--quiet", "--json", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "the connector run failed: an engine process ran past 600 s and was killed" in err, err
+    assert "Traceback" not in err and not out.exists()

@@ -41,6 +41,7 @@ __all__ = [
     "SCHEMA_ID",
     "ConnectorFault",
     "ConnectorSimConfig",
+    "EngineProcessError",
     "folder_of",
     "inject_store_fault",
     "run_connector_simulation",
@@ -203,18 +204,26 @@ def _send_loads_one_block_over(prompt_heads: list[tuple[int, ...]]) -> None:
     ExampleConnector.start_load_kv = start_load_kv
 
 
+class EngineProcessError(RuntimeError):
+    """An engine process of the simulation died, failed or ran past its deadline."""
+
+
 def spawn_engine(spec: dict[str, Any], timeout: float = RUN_TIMEOUT_S) -> dict[str, Any]:
     """:func:`run_engine` in a child process of this Python (this package first on its path, none of this
-    process's KVCANARY_VLLM* variables); its result, or RuntimeError with the end of its output."""
+    process's KVCANARY_VLLM* variables); its result, or :class:`EngineProcessError` with the end of its output
+    (the child is killed at ``timeout`` seconds)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCANARY_VLLM")}
     package_root = str(Path(__file__).resolve().parents[3])
     env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    proc = subprocess.run([sys.executable, "-m", __name__, json.dumps(spec)], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    try:
+        proc = subprocess.run([sys.executable, "-m", __name__, json.dumps(spec)], env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise EngineProcessError(f"an engine process ran past {timeout:g} s and was killed") from None
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"the engine process exited with status {proc.returncode}:\n{proc.stdout[-3000:]}\n"
+        raise EngineProcessError(f"the engine process exited with status {proc.returncode}:\n{proc.stdout[-3000:]}\n"
                            f"{proc.stderr[-6000:]}")
     return dict(json.loads(lines[-1].removeprefix("RESULT ")))
 
@@ -415,6 +424,7 @@ class ConnectorRun:
 class ConnectorSimulation:
     cfg: ConnectorSimConfig
     prompts: list[list[int]] = field(default_factory=list)
+    partial_prompts: list[list[int]] = field(default_factory=list)  # the partial-save fault's two prompts
     reference: list[dict[str, Any]] = field(default_factory=list)  # the two phases without the canary
     runs: list[ConnectorRun] = field(default_factory=list)
     wall: float = 0.0
