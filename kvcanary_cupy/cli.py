@@ -103,6 +103,7 @@ def _simulate_epilog() -> str:
     from .integrations.transformers.faults import FAULT_KINDS as TRANSFORMERS_KINDS
     from .integrations.vllm.faults import FAULT_KINDS as VLLM_KINDS
     from .integrations.vllm.faults import MODEL_FAULT_KINDS, SPECULATIVE_FAULT_KINDS
+    from .integrations.vllm.simulate_connector import CONNECTOR_FAULT_KINDS
     from .sim.disagg.faults import DEFAULT_TRANSFER_RATE, TRANSFER_KINDS
     from .sim.faults import DEFAULT_RATE, FAULT_KINDS, TIER_FAULT_KINDS
     from .sim.runner import PRESETS
@@ -112,6 +113,7 @@ def _simulate_epilog() -> str:
     tier_kinds = "\n".join(f"  {name:<22} {kind.title}" + ("  (needs host,disk)" if kind.needs == "disk" else "")
                            for name, kind in TIER_FAULT_KINDS.items())
     transfer_kinds = "\n".join(f"  {name:<20} {kind.title} ({kind.side} side)" for name, kind in TRANSFER_KINDS.items())
+    connector_kinds = "\n".join(f"  {name:<18} {kind.title}" for name, kind in CONNECTOR_FAULT_KINDS.items())
     presets = "\n".join(f"  {p.name:<8} {p.description}" for p in PRESETS.values())
     engine_kinds = "\n".join(textwrap.wrap(", ".join(TRANSFORMERS_KINDS), 110, initial_indent="  transformers: ",
                                            subsequent_indent=" " * 16, break_on_hyphens=False)
@@ -132,6 +134,7 @@ examples:
   {PROG} simulate --engine transformers --inject all   (the canary inside transformers' continuous batching)
   {PROG} simulate --engine vllm --inject all --backend host   (inside vLLM's V1 engine, CPU build)
   {PROG} simulate --engine vllm --model-arch gemma3 --tensor-parallel 2 --inject all   (per rank)
+  {PROG} simulate --engine vllm --connector example --disaggregated --inject all   (KV through a connector)
   {PROG} replay report/dumps/kv-bitflip-seed7-step7-TAIL_K_FULL-verify.npz --backend host --sanitize
   {PROG} simulate --disaggregated --decode-workers 2 --inject all --steps 60 --requests 16
 
@@ -151,6 +154,10 @@ before its request's first decode step):
 fault kinds of --engine transformers and vllm (--inject KIND, no rate: each requested kind is armed once in
 every workload run; 'all' = every kind of the engine; docs/transformers.md and docs/vllm.md describe them):
 {engine_kinds}
+
+fault kinds of --engine vllm --connector example (injected into the connector's files and metadata between the
+save and the load; each must be refused with its reason before the load's forward):
+{connector_kinds}
 
 presets:
 {presets}
@@ -248,6 +255,12 @@ def _add_simulate(sub: Any) -> None:
                         metavar="{" + ",".join(map(str, TENSOR_PARALLEL)) + "}",
                         help="tensor-parallel workers, each a process with its own canary over its KV-head shard; "
                         "each fault is injected on one rank and reported per rank (default: %(default)s)")
+    engine.add_argument("--connector", choices=["example"], default=None,
+                        help="run vLLM through a KV connector with the canary connector around it: example "
+                        "(vLLM's ExampleConnector, a file store); one engine process saves each prompt's KV with "
+                        "its canary records, a new one loads and verifies them (with --disaggregated: a kv_producer "
+                        "instance, then a kv_consumer instance); the connector fault kinds for --inject "
+                        "(default: none, no connector)")
     engine.add_argument("--backend", choices=["auto", *BACKEND_NAMES], default="auto",
                         help="canary implementation: auto (cuda with a GPU, else host where g++ compiles it, "
                         "else numpy), numpy (reference), cuda (CuPy kernels), host (the CUDA kernels compiled for "
@@ -428,7 +441,7 @@ def plan_simulate(args: argparse.Namespace) -> SimulatePlan:
     :class:`BadArguments` naming the option for anything that cannot run. Nothing is started or written."""
     from .option_scope import inject_items, mode_of, refusals
 
-    mode = mode_of(args.engine, args.disaggregated)
+    mode = mode_of(args.engine, args.disaggregated, args.connector)
     problems = refusals(mode, args.given_options)
     if problems:
         raise BadArguments("; ".join(problems))
@@ -490,8 +503,16 @@ def _engine_config(engine: str) -> Any:
     return build
 
 
+def _connector_config(args: argparse.Namespace, inject: list[str]) -> Any:
+    _engine_modules("vllm")  # vLLM importable, or the engine's own refusal
+    from .integrations.vllm.simulate_connector import config_from_args
+
+    return config_from_args(args)
+
+
 _CONFIG_OF_MODE = {"synthetic": _synthetic_config, "disaggregated": _disaggregated_config,
-                   "transformers": _engine_config("transformers"), "vllm": _engine_config("vllm")}
+                   "transformers": _engine_config("transformers"), "vllm": _engine_config("vllm"),
+                   "vllm-connector": _connector_config}
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -500,6 +521,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         return _run_synthetic(plan.config, plan.output)
     if plan.mode == "disaggregated":
         return _run_disaggregated(plan.config, plan.output)
+    if plan.mode == "vllm-connector":
+        return _run_connector(plan.config, plan.output)
     return _run_engine(plan.mode, plan.config, plan.output)
 
 
@@ -535,6 +558,20 @@ def _run_engine(engine: str, cfg: Any, out: Output) -> int:
     _check_outputs(out)
     report = simulate_module.run_quietly(cfg, progress=not out.quiet)
     _emit(out, report, report_module.print_report, report_module.write_json, report_module.write_html)
+    return int(report["exit_code"])
+
+
+def _run_connector(cfg: Any, out: Output) -> int:
+    """``simulate --engine vllm --connector``: each engine a process of its own around the KV connector."""
+    from .integrations.vllm import simulate_connector as sc
+
+    _check_outputs(out)
+    try:
+        report = sc.run_connector_simulation(cfg, progress=not out.quiet)
+    except sc.EngineProcessError as exc:  # the run has no verdict: say why, fail it
+        print(f"{PROG} simulate: error: the connector run failed: {exc}", file=sys.stderr)
+        return 1
+    _emit(out, report, sc.print_report, sc.write_json, sc.write_html)
     return int(report["exit_code"])
 
 

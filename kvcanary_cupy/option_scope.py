@@ -1,9 +1,11 @@
 """Where each ``kvcanary simulate`` option applies.
 
-A run takes one of four modes (:data:`MODES`): the synthetic engine, the synthetic engine disaggregated into
-prefill and decode processes, Hugging Face transformers, vLLM. :data:`SCOPE` says for every option which modes
-apply it and, for each other mode, why it cannot; :func:`refusals` checks the options a user actually gave (not
-argparse's defaults) against it, so an option is either applied or refused with a reason, never dropped.
+A run takes one of five modes (:data:`MODES`): the synthetic engine, the synthetic engine disaggregated into
+prefill and decode processes, Hugging Face transformers, vLLM, and vLLM's KV connector runs (``--engine vllm
+--connector``: an engine process saves, another loads, the canary connector between them). :data:`SCOPE` says for
+every option which modes apply it and, for each other mode, why it cannot; :func:`refusals` checks the options a
+user actually gave (not argparse's defaults) against it, so an option is either applied or refused with a reason,
+never dropped.
 :func:`inject_items` checks ``--inject KIND[:RATE]`` the same way for every mode (the rate's syntax and range),
 and refuses a rate where the mode injects each kind once instead of at a rate.
 """
@@ -16,12 +18,13 @@ from dataclasses import dataclass, field
 
 from .sim.config import MIN_RATE
 
-MODES = ("synthetic", "disaggregated", "transformers", "vllm")
+MODES = ("synthetic", "disaggregated", "transformers", "vllm", "vllm-connector")
 
 #: How messages and help name a mode.
 MODE_NAMES = {"synthetic": "the synthetic engine", "disaggregated": "--disaggregated",
-              "transformers": "--engine transformers", "vllm": "--engine vllm"}
-_ENGINES = ("transformers", "vllm")
+              "transformers": "--engine transformers", "vllm": "--engine vllm",
+              "vllm-connector": "--engine vllm --connector"}
+_ENGINES = ("transformers", "vllm", "vllm-connector")
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,10 @@ class Scope:
                          else "the synthetic engine without --disaggregated")
         elif "disaggregated" in self.applies:
             parts.append("--disaggregated")
-        parts += [MODE_NAMES[m] for m in _ENGINES if m in self.applies]
+        engines = [m for m in _ENGINES if m in self.applies]
+        if "vllm" in engines and "vllm-connector" in engines:  # "--engine vllm" covers its connector runs
+            engines.remove("vllm-connector")
+        parts += [MODE_NAMES[m] for m in engines]
         return f" [applies to: {', '.join(parts)}]"
 
 
@@ -68,6 +74,8 @@ _OWN_WORKLOADS = "its workloads are fixed, and each runs its requests to complet
 _FIXED_ARMING = "it arms each fault at a fixed step of every workload run"
 _DISAGG_ONLY = "it configures the disaggregated run, which the synthetic engine alone offers"
 _NEEDS_DISAGG = "needs --disaggregated"
+_CONNECTOR_PAIR = ("its --disaggregated run is one prefill and one decode instance that share the connector's "
+                   "store, one after the other, with no socket to time out")
 _TIERS_IN_DISAGG = ("its decode workers keep no prefix cache to write back or load into (each prefix arrives "
                     "once, from the prefill process, and is verified there by the transfer verify); run --tiers "
                     "without --disaggregated")
@@ -75,9 +83,16 @@ _TIERS_IN_TRANSFORMERS = ("the tiers are simulated with the synthetic engine (--
                           "own CPU offload (cpu_offload_space) needs pinned memory, which CPU-only torch refuses")
 _TIERS_IN_VLLM = ("the tiers are simulated with the synthetic engine (--engine synthetic); the vLLM run has no KV "
                   "connector or CPU offload to write back to")
+_TIERS_IN_CONNECTOR = "the KV connector's store is the lower tier of this run"
 _VLLM_MODEL = ("the synthetic engine has no model: it writes synthetic KV",
                "the transformers engine runs its Llama-style model in fp32 on one process; model kinds, dtypes, "
                "speculative decoding and tensor parallel are vLLM's (--engine vllm)")
+_CONNECTOR_MODEL = ("its engine processes run the Llama-style model in fp32, one worker each (the records "
+                    "travel per prompt folder of ExampleConnector, one KV cache group)")
+_CONNECTOR_ONLY = {"synthetic": "the synthetic engine has no KV connector (its lower tiers are --tiers)",
+                   "disaggregated": "the synthetic engine has no KV connector (its transfers are its own)",
+                   "transformers": "transformers has no KV connector interface",
+                   "vllm": "needs --connector"}
 _LAYOUT_IN_DISAGG = "its engines keep req_to_token"
 _LAYOUT_IN_ENGINES = "the slot layout is the engine's own block table"
 
@@ -88,12 +103,14 @@ SCOPE: dict[str, Scope] = {
     "--model-size": _only(_ENGINES, synthetic="the synthetic engine has no model: it writes synthetic KV",
                           disaggregated="the synthetic engine has no model: it writes synthetic KV"),
     "--model-arch": _only(("vllm",), synthetic=_VLLM_MODEL[0], disaggregated=_VLLM_MODEL[0],
-                          transformers=_VLLM_MODEL[1]),
-    "--dtype": _only(("vllm",), synthetic=_VLLM_MODEL[0], disaggregated=_VLLM_MODEL[0], transformers=_VLLM_MODEL[1]),
+                          transformers=_VLLM_MODEL[1], **{"vllm-connector": _CONNECTOR_MODEL}),
+    "--dtype": _only(("vllm",), synthetic=_VLLM_MODEL[0], disaggregated=_VLLM_MODEL[0], transformers=_VLLM_MODEL[1],
+                     **{"vllm-connector": _CONNECTOR_MODEL}),
     "--speculative": _only(("vllm",), synthetic=_VLLM_MODEL[0], disaggregated=_VLLM_MODEL[0],
-                           transformers=_VLLM_MODEL[1]),
+                           transformers=_VLLM_MODEL[1], **{"vllm-connector": _CONNECTOR_MODEL}),
     "--tensor-parallel": _only(("vllm",), synthetic=_VLLM_MODEL[0], disaggregated=_VLLM_MODEL[0],
-                               transformers=_VLLM_MODEL[1]),
+                               transformers=_VLLM_MODEL[1], **{"vllm-connector": _CONNECTOR_MODEL}),
+    "--connector": _only(("vllm-connector",), **_CONNECTOR_ONLY),
     "--backend": _everywhere(),
     # workload
     "--preset": _only(("synthetic", "disaggregated"), engines="it runs its own workloads, not the presets"),
@@ -114,21 +131,27 @@ SCOPE: dict[str, Scope] = {
         ("synthetic", "transformers"),
         disaggregated="every decode worker verifies each received prefix in full before the request's first "
                       "decode step",
-        vllm="the vLLM integration has no bounded verify: it verifies every prefix entry every step"),
+        vllm="the vLLM integration has no bounded verify: it verifies every prefix entry every step",
+        **{"vllm-connector": "the vLLM integration has no bounded verify: it verifies every prefix entry every "
+                             "step"}),
     "--with-v": _only(("synthetic", "disaggregated"), engines="it always checks V endpoints"),
     "--real-kv-hash": _everywhere(),
     "--ring-capacity": _everywhere(),
     # tiers
     "--tiers": _only(("synthetic",), disaggregated=_TIERS_IN_DISAGG, transformers=_TIERS_IN_TRANSFORMERS,
-                     vllm=_TIERS_IN_VLLM),
+                     vllm=_TIERS_IN_VLLM, **{"vllm-connector": _TIERS_IN_CONNECTOR}),
     "--tier-dir": _only(("synthetic",), disaggregated=_TIERS_IN_DISAGG, transformers=_TIERS_IN_TRANSFORMERS,
-                        vllm=_TIERS_IN_VLLM),
+                        vllm=_TIERS_IN_VLLM, **{"vllm-connector": _TIERS_IN_CONNECTOR}),
     # disaggregated
-    "--disaggregated": _only(("synthetic", "disaggregated"),
-                             engines="prefill/decode disaggregation is simulated with the synthetic engine"),
-    "--decode-workers": _only(("disaggregated",), synthetic=_NEEDS_DISAGG, engines=_DISAGG_ONLY),
-    "--transfer-timeout": _only(("disaggregated",), synthetic=_NEEDS_DISAGG, engines=_DISAGG_ONLY),
-    "--kill-decode-worker": _only(("disaggregated",), synthetic=_NEEDS_DISAGG, engines=_DISAGG_ONLY),
+    "--disaggregated": _only(("synthetic", "disaggregated", "vllm-connector"),
+                             transformers="prefill/decode disaggregation is simulated with the synthetic engine",
+                             vllm="in vLLM it runs through a KV connector: add --connector example"),
+    "--decode-workers": _only(("disaggregated",), synthetic=_NEEDS_DISAGG, engines=_DISAGG_ONLY,
+                              **{"vllm-connector": _CONNECTOR_PAIR}),
+    "--transfer-timeout": _only(("disaggregated",), synthetic=_NEEDS_DISAGG, engines=_DISAGG_ONLY,
+                                **{"vllm-connector": _CONNECTOR_PAIR}),
+    "--kill-decode-worker": _only(("disaggregated",), synthetic=_NEEDS_DISAGG, engines=_DISAGG_ONLY,
+                                  **{"vllm-connector": _CONNECTOR_PAIR}),
     # output
     "--json": _everywhere(),
     "--html": _everywhere(),
@@ -139,8 +162,11 @@ SCOPE: dict[str, Scope] = {
 }
 
 
-def mode_of(engine: str, disaggregated: bool) -> str:
-    """The mode of a run: the engine, or ``disaggregated`` for the synthetic engine with --disaggregated."""
+def mode_of(engine: str, disaggregated: bool, connector: str | None = None) -> str:
+    """The mode of a run: the engine, ``disaggregated`` for the synthetic engine with --disaggregated, or
+    ``vllm-connector`` for vLLM with --connector."""
+    if engine == "vllm" and connector is not None:
+        return "vllm-connector"
     return "disaggregated" if engine == "synthetic" and disaggregated else engine
 
 

@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: The arguments that put a run in each mode.
 MODE_ARGV = {"synthetic": [], "disaggregated": ["--disaggregated"], "transformers": ["--engine", "transformers"],
-             "vllm": ["--engine", "vllm"]}
+             "vllm": ["--engine", "vllm"], "vllm-connector": ["--engine", "vllm", "--connector", "example"]}
 #: Options that choose the mode rather than change a run within it.
-MODE_OPTIONS = ("--engine", "--disaggregated")
+MODE_OPTIONS = ("--engine", "--disaggregated", "--connector")
 
 
 def sample(option: str, mode: str, tmp: Path) -> tuple[list[str], list[str]]:
@@ -38,7 +38,7 @@ def sample(option: str, mode: str, tmp: Path) -> tuple[list[str], list[str]]:
         "--preset": ["prefill" if mode == "disaggregated" else "decode"], "--steps": ["100"],
         "--requests": ["20"], "--seed": ["5"], "--warmup": ["2"], "--cooldown": ["3"], "--layout": ["block"],
         "--block-size": ["8"], "--block-stride": ["32"],
-        "--inject": ["page-swap" if mode == "disaggregated" else "kv-bitflip"],
+        "--inject": [{"disaggregated": "page-swap", "vllm-connector": "records-missing"}.get(mode, "kv-bitflip")],
         "--sweep-interval": ["3"], "--max-verify-entries": ["4"], "--with-v": [], "--real-kv-hash": ["partial"],
         "--ring-capacity": ["1000"], "--tiers": ["host"], "--tier-dir": [str(tmp)], "--decode-workers": ["3"],
         "--transfer-timeout": ["5"], "--kill-decode-worker": ["1@3"], "--json": [str(tmp / "r.json")],
@@ -155,11 +155,63 @@ def test_a_bad_fault_rate_gets_the_same_message_in_every_mode(mode, rate, messag
     assert f"--inject '{kind}:{rate}': {message}" in err and "Traceback" not in err, err
 
 
-@pytest.mark.parametrize("mode", ["transformers", "vllm"])
+@pytest.mark.parametrize("mode", ["transformers", "vllm", "vllm-connector"])
 def test_an_engine_that_arms_each_kind_once_refuses_a_rate_instead_of_ignoring_it(mode, capsys):
     assert cli.main(["simulate", *MODE_ARGV[mode], "--inject", "wrong-token,kv-bitflip:0.5"]) == 2
     err = capsys.readouterr().err
-    assert f"--inject 'kv-bitflip:0.5': a rate does not apply to --engine {mode}" in err, err
+    name = " ".join(MODE_ARGV[mode][:3])
+    assert f"--inject 'kv-bitflip:0.5': a rate does not apply to {name}" in err, err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--engine", "vllm", "--disaggregated"],
+     "--disaggregated does not apply to --engine vllm: in vLLM it runs through a KV connector: add --connector"),
+    (["--connector", "example"], "--connector does not apply to the synthetic engine"),
+    (["--disaggregated", "--connector", "example"], "--connector does not apply to --disaggregated"),
+    (["--engine", "transformers", "--connector", "example"], "--connector does not apply to --engine transformers"),
+    (["--engine", "vllm", "--connector", "example", "--tensor-parallel", "2"],
+     "--tensor-parallel does not apply to --engine vllm --connector"),
+    (["--engine", "vllm", "--connector", "example", "--model-arch", "llama"],
+     "--model-arch does not apply to --engine vllm --connector"),
+    (["--engine", "vllm", "--connector", "example", "--disaggregated", "--decode-workers", "1"],
+     "--decode-workers does not apply to --engine vllm --connector"),
+    (["--engine", "vllm", "--connector", "example", "--tiers", "host"],
+     "--tiers does not apply to --engine vllm --connector"),
+    (["--engine", "vllm", "--connector", "example", "--inject", "kv-bitflip"],
+     "unknown fault kind 'kv-bitflip' for --engine vllm --connector; choose from kv-layout"),
+    (["--engine", "vllm", "--connector", "lmcache"], "argument --connector: invalid choice: 'lmcache'"),
+])
+def test_connector_options_are_refused_outside_a_vllm_connector_run_and_its_misfits_inside(
+        argv, message, capsys, tmp_path, vllm_version_gate_open):
+    never = tmp_path / "never.json"
+    assert cli.main(["simulate", *argv, "--json", str(never)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert not never.exists()
+
+
+def test_a_connector_run_takes_the_producer_consumer_workload_with_disaggregated_and_every_connector_fault_with_all(
+        vllm_version_gate_open):
+    from kvcanary_cupy.integrations.vllm.simulate_connector import CONNECTOR_FAULT_KINDS
+
+    plain = plan(MODE_ARGV["vllm-connector"])
+    split = plan([*MODE_ARGV["vllm-connector"], "--disaggregated", "--inject", "all"])
+    assert plain.mode == split.mode == "vllm-connector"
+    assert (plain.config.workload.save_role, plain.config.workload.load_role) == ("kv_both", "kv_both")
+    assert (split.config.workload.save_role, split.config.workload.load_role) == ("kv_producer", "kv_consumer")
+    assert plain.config.inject == () and split.config.inject == tuple(CONNECTOR_FAULT_KINDS) and \
+        len(split.config.inject) == 10
+
+
+def test_a_connector_run_hands_the_canary_options_to_every_engine_process(vllm_version_gate_open):
+    cfg = plan([*MODE_ARGV["vllm-connector"], "--ring-capacity", "777", "--sweep-interval", "5",
+                "--real-kv-hash", "partial", "--backend", "numpy"]).config
+    assert cfg.canary_env() == {"KVCANARY_VLLM_REAL_KV_HASH": "partial", "KVCANARY_VLLM_BACKEND": "numpy",
+                                "KVCANARY_VLLM_SWEEP_INTERVAL": "5", "KVCANARY_VLLM_RING_CAPACITY": "777"}
+    from kvcanary_cupy import settings
+
+    for name, value in cfg.canary_env().items():  # each one a value the plugin takes
+        assert not settings.problems({name: value}), name
 
 
 def test_rates_and_comma_lists_reach_the_synthetic_and_disaggregated_configs():
@@ -296,3 +348,19 @@ def test_random_option_mixes_either_plan_a_run_with_only_applicable_options_or_a
         typed = cli.parse(["simulate", *argv]).given_options
         assert built.mode == mode and all(mode in SCOPE[o].applies for o in typed), argv
         assert not (tmp_path / "out").exists(), argv  # planning writes nothing
+
+
+def test_a_connector_run_whose_engine_process_fails_exits_1_saying_why_and_writes_no_report(
+        monkeypatch, tmp_path, capsys, vllm_version_gate_open):
+    from kvcanary_cupy.integrations.vllm import simulate_connector as sc
+
+    def spawn(spec, timeout=sc.RUN_TIMEOUT_S):
+        raise sc.EngineProcessError(f"an engine process ran past {timeout:g} s and was killed")
+
+    monkeypatch.setattr(sc, "spawn_engine", spawn)
+    monkeypatch.setattr("kvcanary_cupy.integrations.vllm.workloads.save_llama", lambda folder, size, seed: folder)
+    out = tmp_path / "r.json"
+    assert cli.main(["simulate", *MODE_ARGV["vllm-connector"], "--quiet", "--json", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "the connector run failed: an engine process ran past 600 s and was killed" in err, err
+    assert "Traceback" not in err and not out.exists()

@@ -26,6 +26,7 @@ from kvcanary_cupy.integrations.vllm.connector import (
     CanaryConnectorMetadata,
     LoadReason,
 )
+from kvcanary_cupy.integrations.vllm.simulate_connector import inject_store_fault
 
 HERE = Path(__file__).resolve().parent
 BLOCK = 32
@@ -192,65 +193,16 @@ def test_a_prefill_instance_hands_its_kv_and_records_to_a_decode_instance(clean_
     assert consumer["violations"] == [] and consumer["findings"] == [] and consumer["internal_errors"] == 0
 
 
-def _swap_halves(t):
-    """K and V swapped: per saved block, the 16 rows of its K plane and the 16 rows of its V plane (vLLM's CPU
-    layout as ExampleConnector's ``[B, H, N, C]`` view sees it: K column-major in rows 0-15, V in rows 16-31)."""
-    import torch
-
-    n = t.shape[0]
-    blocks = t.reshape(n // BLOCK, BLOCK, *t.shape[1:])
-    return torch.cat([blocks[:, BLOCK // 2:], blocks[:, : BLOCK // 2]], dim=1).reshape(t.shape).contiguous()
-
-
-def _other_layout(t):
-    """Another KV layout of the same bytes (LMCache#4463): each token's heads and channels regrouped as
-    ``[2, H, C/2]`` instead of ``[H, C]``."""
-    n, h, c = t.shape
-    return t.reshape(n, h, 2, c // 2).permute(0, 2, 1, 3).reshape(n, h, c).contiguous()
-
-
-def _rewrite_kv(folder: Path, change, *, keep_time: bool = True) -> None:
-    """Rewrite every layer file of a folder through ``change`` (its modification time kept: the bytes are what
-    differs, which only the real-KV fingerprint can tell)."""
-    import safetensors.torch
-
-    for f in sorted(folder.glob("*.safetensors")):
-        st = f.stat()
-        t = safetensors.torch.load_file(str(f))["kv_cache"]
-        safetensors.torch.save_file({"kv_cache": change(t)}, str(f))
-        if keep_time:
-            os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
-
-
-def _flip_bit(t):
-    """One bit of one value flipped (bit rot), a third of the way into the file."""
-    import torch
-
-    out = t.clone()
-    bits = out.view(torch.int32).reshape(-1)
-    bits[bits.shape[0] // 3] ^= 1 << 22
-    return out
-
-
 def test_each_fault_of_the_connector_path_is_refused_with_its_reason_before_a_forward_reads_it(
         clean_store, tiny_model, tmp_path):
     src, ps, saved = clean_store
     store = tmp_path / "store"
     shutil.copytree(src, store)
     folders = [folder_of(store, p) for p in ps]
-    _rewrite_kv(folders[1], _other_layout)                          # 1: a block in another KV layout
-    _rewrite_kv(folders[2], _swap_halves)                           # 2: K and V swapped
-    for f in folders[3].iterdir():                                  # 3: prompt 4's KV and records under 3's key
-        shutil.copy2(folders[4] / f.name, f)
-    rec = folders[5] / RECORDS_FILE                                 # 5: records file truncated
-    rec.write_bytes(rec.read_bytes()[: rec.stat().st_size // 2])
-    _rewrite_kv(folders[6], _flip_bit)                              # 6: one KV value bit-rotted
-    rec = folders[7] / RECORDS_FILE                                 # 7: records file bit-rotted
-    raw = bytearray(rec.read_bytes())
-    raw[len(raw) // 2] ^= 0x10
-    rec.write_bytes(bytes(raw))
-    _rewrite_kv(folders[8], lambda t: t * 0.5, keep_time=False)     # 8: KV files of an earlier version
-    (folders[9] / RECORDS_FILE).unlink()                            # 9: records missing
+    faults = {1: "kv-layout", 2: "kv-swap", 3: "foreign-files", 5: "records-truncated", 6: "kv-bitrot",
+              7: "records-bitrot", 8: "stale-kv", 9: "records-missing"}
+    for i, kind in faults.items():  # prompt 4's KV and records under 3's key: the prompts of equal length
+        inject_store_fault(kind, folders[i], block_size=BLOCK, donor=folders[4])
     # 10: the connector's metadata sends the load one block over (a load into the wrong block ids)
     result = run_engine({"model": str(tiny_model), "store": str(store), "prompts": ps, "max_tokens": 5,
                          "engine": {"max_num_batched_tokens": 512}, "wrong_blocks": [10],
