@@ -105,3 +105,21 @@ def rpc_collect(worker: Any) -> dict[str, Any]:
             "stats": stats, "seconds": dict(st.seconds) if st else {}, "counters": st.counters() if st else {},
             "status_bits": st.status_bits if st else 0, "dropped": st.dropped if st else 0,
             "health_problems": list(st.health_problems) if st else [], "preemptions": canary.preemptions}
+
+
+def rpc_zero_kv(worker: Any) -> int:
+    """Zero every KV cache tensor of ``worker``'s model runner (between simulation runs, no request running): a
+    fault that wrote raw bytes (a half-size element copy can make NaN patterns) would otherwise leave them in
+    blocks a later run's requests get but never write in full, and vLLM's CPU attention reads a block's unwritten
+    rows too (masked, but NaN survives the mask), so the later run's tokens would depend on the fault before it.
+    Returns the number of tensors zeroed."""
+    zeroed = 0
+    pending = list(worker.model_runner.kv_caches)
+    while pending:
+        item = pending.pop()
+        if isinstance(item, (list, tuple)):
+            pending.extend(item)
+        elif hasattr(item, "zero_"):
+            item.zero_()
+            zeroed += 1
+    return zeroed

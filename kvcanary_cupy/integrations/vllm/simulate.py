@@ -36,6 +36,7 @@ from ..common.records import (
     run_workloads,
 )
 from .canary import CanaryOptions
+from .distributed import rpc_zero_kv
 from .faults import FAULT_KINDS, MODEL_FAULT_KINDS, SPECULATIVE_FAULT_KINDS, injector
 from .hooks import install
 from .report import build_report
@@ -246,7 +247,10 @@ class VllmSimulation(EngineSimulation[VllmSimConfig, RunResult]):
         def workload(name: str) -> WorkloadRuns[RunResult]:
             w = chosen[name]
             at = names.index(name)
-            llm.reset_prefix_cache()  # every run starts from the same engine state
+            # every workload starts from the same engine state: an empty prefix cache, and KV caches without the
+            # bytes the previous workload's faults left (rpc_zero_kv says why they would change its tokens)
+            llm.reset_prefix_cache()
+            llm.collective_rpc(rpc_zero_kv)
 
             def run(kind: str | None, offset: int, i: int) -> RunResult:
                 seed = cfg.seed * 100 + i
