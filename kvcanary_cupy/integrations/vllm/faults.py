@@ -256,7 +256,7 @@ class SlotMappingRedirect(Injector):
                 victim = int(md.block_table[j, 0]) * bs + 1  # position 1 of the other request
                 token = row.start + row.query - 1
                 seen: set[int] = set()
-                tensors = [m.slot_mapping for m in metadata.values()]
+                tensors = _slot_mappings(metadata)
                 from vllm.forward_context import get_forward_context
 
                 ctx = get_forward_context()
@@ -347,6 +347,16 @@ class PreemptReuse(Injector):
                 self.history[row.rid] = before + [int(b) for b in blocks[len(before):]]
 
 
+def _slot_mappings(metadata: dict[str, Any]) -> list[Any]:
+    """Every layer's ``slot_mapping`` in the step's metadata (a Mamba/GDN layer's metadata has none)."""
+    return [m.slot_mapping for m in metadata.values() if getattr(m, "slot_mapping", None) is not None]
+
+
+def _vocab_size(runner: Any) -> int:
+    """The model's vocabulary size, from the runner's model configuration."""
+    return int(runner.model_config.get_vocab_size())
+
+
 class WrongToken(Injector):
     kind = "wrong-token"
 
@@ -355,7 +365,8 @@ class WrongToken(Injector):
         j = row.start + row.query - 1
         ids = kwargs["input_ids"]
         old = int(ids[j])
-        ids[j] = (old + 1 + int(self.rng.integers(0, 100))) % max(2, old + 200)
+        vocab = _vocab_size(canary.runner)  # an id past the vocabulary would fail the embedding, not the KV
+        ids[j] = (old + 1 + int(self.rng.integers(0, min(100, vocab - 1)))) % vocab
         self.fault = InjectedFault(self.kind, step, row.rid, row.past + row.query - 1, None,
                                    f"token {old} -> {int(ids[j])}")
 
@@ -412,7 +423,7 @@ class RejectedDraftKept(Injector):
             token = row.start
             old = -1
             seen: set[int] = set()
-            tensors = [m.slot_mapping for m in metadata.values()]
+            tensors = _slot_mappings(metadata)
             from vllm.forward_context import get_forward_context
 
             ctx = get_forward_context()
