@@ -177,15 +177,26 @@ def _read_column(geo: Any, past: int) -> int:
     return int(geo.window_starts(np.array([past]))[0]) // geo.block_size
 
 
-def _other_block(rows: list[_Row], md: Any, me: int, geo: Any) -> int | None:
-    """A complete block of another row of this step that its attention still reads (its KV holds another
-    sequence)."""
+def _other_block(canary: Any, rows: list[_Row], md: Any, me: int, geo: Any, col: int) -> int | None:
+    """A complete block of another row of this step that its attention still reads and whose tokens differ from
+    those of ``me``'s column ``col`` (without prefix caching, two requests with a common prefix hold it in two
+    blocks with equal content: pointing one at the other changes nothing attention reads)."""
     bs = geo.block_size
+    mine = _tokens(canary, rows[me].rid, col * bs, col * bs + bs)
     for j, other in enumerate(rows):
-        col = _read_column(geo, other.past)
-        if j != me and (col + 1) * bs <= other.past:
-            return int(md.block_table[j, col])
+        other_col = _read_column(geo, other.past)
+        if j == me or (other_col + 1) * bs > other.past:
+            continue
+        if other_col == col and _tokens(canary, other.rid, col * bs, col * bs + bs) == mine:
+            continue
+        return int(md.block_table[j, other_col])
     return None
+
+
+def _tokens(canary: Any, rid: str, start: int, end: int) -> list[int]:
+    """Token ids ``start .. end - 1`` of a request (its prompt, then what it generated)."""
+    state = canary.runner.requests[rid]
+    return (list(state.prompt_token_ids or []) + list(state.output_token_ids))[start:end]
 
 
 class KvBitflip(Injector):
@@ -233,7 +244,7 @@ class BlockTableRedirect(Injector):
         for i, row in enumerate(rows):
             col = _read_column(geo, row.past)
             if row.query == 1 and (col + 1) * bs <= row.past:
-                other = _other_block(rows, md, i, geo)
+                other = _other_block(canary, rows, md, i, geo, col)
                 if other is None or other == int(md.block_table[i, col]):
                     continue
                 old = self._set_block(metadata, i, col, other, geo.layer_names)
