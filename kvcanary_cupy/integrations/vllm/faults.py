@@ -159,7 +159,7 @@ def _table_rows(md: Any, row: int) -> list[tuple[Any, int]]:
         return [(table, row)]
     decode, prefill = getattr(md, "decode", None), getattr(md, "prefill", None)
     decodes = 0 if decode is None else int(decode.block_table.shape[0])
-    if row < decodes:
+    if decode is not None and row < decodes:
         return [(decode.block_table, row)]
     return [] if prefill is None else [(prefill.block_table, row - decodes)]
 
