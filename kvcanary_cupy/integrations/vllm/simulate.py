@@ -45,6 +45,7 @@ from .workloads import (
     MODEL_ARCHS,
     MODEL_SIZES,
     SPECULATIVE,
+    SPECULATIVE_SAMPLING_BUG,
     TENSOR_PARALLEL,
     Workload,
     arch_dtype,
@@ -135,8 +136,10 @@ class VllmSimConfig(EngineSimConfig):
 
             if not os.environ.get(THREADS_BIND_ENV):
                 thread_binding(self.tensor_parallel)  # refused here when this process has too few CPUs
+        if self.speculative is not None and "parallel-sampling" in self.workloads:
+            fail(f"workload parallel-sampling does not run with --speculative: {SPECULATIVE_SAMPLING_BUG}")
         self.check_choices("vllm", fault_kinds=fault_kinds(self.model_arch, self.speculative),
-                           workloads=workloads())
+                           workloads=workloads(speculative=self.speculative is not None))
 
 
 class WorkloadStats:
@@ -252,7 +255,8 @@ class VllmSimulation(EngineSimulation[VllmSimConfig, RunResult]):
         self.cfg.validate()
         cfg = self.cfg
         start = time.perf_counter()
-        chosen = workloads(vocab=MODEL_SIZES[cfg.model_size]["vocab_size"], seed=cfg.seed)
+        chosen = workloads(vocab=MODEL_SIZES[cfg.model_size]["vocab_size"], seed=cfg.seed,
+                       speculative=cfg.speculative is not None)
         names = list(cfg.workloads) or list(chosen)
         folder = Path(tempfile.gettempdir()) / f"kvcanary-vllm-{cfg.model_arch}-{cfg.model_size}-seed{cfg.seed}"
         model_dir = save_arch(folder, cfg.model_arch, seed=cfg.seed) if cfg.model_arch != "llama" else \
