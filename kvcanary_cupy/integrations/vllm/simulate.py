@@ -45,6 +45,7 @@ from .workloads import (
     MODEL_ARCHS,
     MODEL_SIZES,
     SPECULATIVE,
+    SPECULATIVE_SAMPLING_BUG,
     TENSOR_PARALLEL,
     Workload,
     arch_dtype,
@@ -97,8 +98,10 @@ class VllmSimConfig(EngineSimConfig):
 
             if not os.environ.get(THREADS_BIND_ENV):
                 thread_binding(self.tensor_parallel)  # refused here when this process has too few CPUs
+        if self.speculative is not None and "parallel-sampling" in self.workloads:
+            fail(f"workload parallel-sampling does not run with --speculative: {SPECULATIVE_SAMPLING_BUG}")
         self.check_choices("vllm", fault_kinds=fault_kinds(self.model_arch, self.speculative),
-                           workloads=workloads())
+                           workloads=workloads(speculative=self.speculative is not None))
 
 
 class WorkloadStats:
@@ -212,7 +215,8 @@ class VllmSimulation(EngineSimulation[VllmSimConfig, RunResult]):
         self.cfg.validate()
         cfg = self.cfg
         start = time.perf_counter()
-        chosen = workloads(vocab=MODEL_SIZES[cfg.model_size]["vocab_size"], seed=cfg.seed)
+        chosen = workloads(vocab=MODEL_SIZES[cfg.model_size]["vocab_size"], seed=cfg.seed,
+                       speculative=cfg.speculative is not None)
         names = list(cfg.workloads) or list(chosen)
         folder = Path(tempfile.gettempdir()) / f"kvcanary-vllm-{cfg.model_arch}-{cfg.model_size}-seed{cfg.seed}"
         model_dir = save_arch(folder, cfg.model_arch, seed=cfg.seed) if cfg.model_arch != "llama" else \
@@ -227,7 +231,10 @@ class VllmSimulation(EngineSimulation[VllmSimConfig, RunResult]):
         def workload(name: str) -> WorkloadRuns[RunResult]:
             w = chosen[name]
             at = names.index(name)
-            llm.reset_prefix_cache()  # every run starts from the same engine state
+            # every workload starts from the same engine state: an empty prefix cache, and KV caches without the
+            # bytes the previous workload's faults left (rpc_zero_kv says why they would change its tokens)
+            llm.reset_prefix_cache()
+            llm.collective_rpc(rpc_zero_kv)
 
             def run(kind: str | None, offset: int, i: int) -> RunResult:
                 seed = cfg.seed * 100 + i
@@ -343,3 +350,21 @@ def rpc_collect(worker: Any) -> dict[str, Any]:
             "stats": stats, "seconds": dict(st.seconds) if st else {}, "counters": st.counters() if st else {},
             "status_bits": st.status_bits if st else 0, "dropped": st.dropped if st else 0,
             "health_problems": list(st.health_problems) if st else [], "preemptions": canary.preemptions}
+
+
+def rpc_zero_kv(worker: Any) -> int:
+    """Zero every KV cache tensor of ``worker``'s model runner (between simulation runs, no request running): a
+    fault that wrote raw bytes (a half-size element copy can make NaN patterns) would otherwise leave them in
+    blocks a later run's requests get but never write in full, and vLLM's CPU attention reads a block's unwritten
+    rows too (masked, but NaN survives the mask), so the later run's tokens would depend on the fault before it.
+    Returns the number of tensors zeroed."""
+    zeroed = 0
+    pending = list(worker.model_runner.kv_caches)
+    while pending:
+        item = pending.pop()
+        if isinstance(item, (list, tuple)):
+            pending.extend(item)
+        elif hasattr(item, "zero_"):
+            item.zero_()
+            zeroed += 1
+    return zeroed

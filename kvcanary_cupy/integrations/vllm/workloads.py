@@ -21,6 +21,9 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
 BLOCK_SIZE = 32  # the smallest block size vLLM's CPU attention accepts here
 # 24 blocks: the clean and fault workloads fit, the preemption workload does not.
 KV_BLOCKS = 24
+# A model whose every layer is sliding-window frees the blocks below each request's window (64 tokens, 2 blocks),
+# so 24 blocks hold the preemption workload's 8 requests at once: half that budget makes vLLM preempt there too.
+ARCH_KV_BLOCKS: dict[str, int] = {"mistral-sw": 12}
 ENGINE_ARGS: dict[str, Any] = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True,
                                    block_size=BLOCK_SIZE, seed=0, max_num_batched_tokens=64, max_num_seqs=8,
                                    async_scheduling=False)
@@ -91,10 +94,18 @@ def _prompts(rng: np.random.Generator, lengths: list[int], vocab: int, prefix: l
     return tuple(tuple((prefix or []) + rng.integers(3, vocab, n).tolist()) for n in lengths)
 
 
-def workloads(vocab: int = 512, seed: int = 0) -> dict[str, Workload]:
+# Why an engine with speculative decoding runs no parallel-sampling workload: measured with no canary in the process.
+SPECULATIVE_SAMPLING_BUG = ("vLLM 0.32's CPU rejection sampler fails on top-k sampling (RuntimeError: max(): ... "
+                            "numel() == 0 in apply_top_k_only), n=2 refuses greedy sampling, and top-p sampling is "
+                            "not deterministic there")
+
+
+def workloads(vocab: int = 512, seed: int = 0, speculative: bool = False) -> dict[str, Workload]:
+    """The clean workloads; ``speculative``: those an engine with speculative decoding runs (all but
+    parallel-sampling: :data:`SPECULATIVE_SAMPLING_BUG`)."""
     rng = np.random.default_rng(seed)
     shared = rng.integers(3, vocab, 2 * BLOCK_SIZE).tolist()
-    return {
+    loads = {
         "mixed-lengths": Workload(
             "mixed-lengths", "prompts of 5 to 150 tokens, chunked prefill (64-token steps) next to decode",
             _prompts(rng, [5, 150, 33, 90, 12, 64], vocab), 12),
@@ -108,6 +119,9 @@ def workloads(vocab: int = 512, seed: int = 0) -> dict[str, Workload]:
             "parallel-sampling", "2 completions per prompt (n=2 sharing the prompt's blocks; top_k=1: deterministic)",
             _prompts(rng, [6, 40, 70], vocab), 10, dict(n=2, temperature=1.0, top_k=1)),
     }
+    if speculative:
+        del loads["parallel-sampling"]
+    return loads
 
 
 # Tiny random-weight models of the architectures whose KV cache vLLM groups differently from Llama's (the support
@@ -198,10 +212,13 @@ def _kv_geometry(arch: str, size: str) -> tuple[int, int, int]:
 
 def sim_engine_args(model_dir: Path, arch: str = "llama", size: str = "small", dtype: str | None = None,
                     speculative: str | None = None, tensor_parallel: int = 1,
-                    blocks: int = KV_BLOCKS) -> dict[str, Any]:
+                    blocks: int | None = None) -> dict[str, Any]:
     """The ``vllm.LLM`` arguments of a simulation: :data:`ENGINE_ARGS`, the model kind's own, its dtype, and a
-    KV budget of ``blocks`` blocks per worker (each of ``tensor_parallel`` workers holds its share of the KV
-    heads; an MLA or Mamba hybrid keeps the budget its kind needs to run)."""
+    KV budget of ``blocks`` blocks per worker (None: :data:`KV_BLOCKS`, or the model kind's own in
+    :data:`ARCH_KV_BLOCKS`; each of ``tensor_parallel`` workers holds its share of the KV heads; an MLA or Mamba
+    hybrid keeps the budget its kind needs to run)."""
+    if blocks is None:
+        blocks = ARCH_KV_BLOCKS.get(arch, KV_BLOCKS)
     args: dict[str, Any] = {**ENGINE_ARGS, **arch_engine_args(arch)}
     if dtype is not None:
         args["dtype"] = DTYPES[dtype]
