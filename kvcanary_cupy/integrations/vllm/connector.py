@@ -35,6 +35,7 @@ It is turned on in either of two ways (docs/vllm.md, "KV connectors"):
 
 from __future__ import annotations
 
+import abc
 import enum
 import hashlib
 import io
@@ -127,17 +128,20 @@ class CanaryConnectorMetadata(KVConnectorMetadata):
     transfers: list[Transfer] = field(default_factory=list)
 
 
-class RecordStore:
+class RecordStore(abc.ABC):
     """Where the records of one connector's transfers are kept, keyed the way the connector keys its KV."""
 
+    @abc.abstractmethod
     def transfers(self, inner_meta: Any, scheduler_output: Any, loads: dict[str, Any]) -> list[Transfer]:
-        raise NotImplementedError
+        """The step's saves and loads, read from the wrapped connector's metadata."""
 
+    @abc.abstractmethod
     def records_path(self, key: Any) -> Path:
-        raise NotImplementedError
+        """The records file of the transfer keyed ``key``."""
 
+    @abc.abstractmethod
     def kv_files(self, key: Any) -> list[Path]:
-        raise NotImplementedError
+        """The wrapped connector's KV files of the transfer keyed ``key``."""
 
 
 class ExampleRecordStore(RecordStore):

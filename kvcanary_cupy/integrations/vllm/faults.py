@@ -38,6 +38,7 @@ it fires only in the worker of that rank (:func:`.distributed.worker_rank`).
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Any
 
@@ -452,15 +453,15 @@ class RejectedDraftKept(Injector):
             return
 
 
-class _Handover(Injector):
+class _Handover(Injector, abc.ABC):
     """Hands the block that holds a request's last cached position (inside any window: a window reads at least
     the position before the query) to another request of the step, in ``writer``'s group: that request's block
     table entry and the slot mapping of its tokens in that block point there, so its layers write their K/V over
     the victim's (offsets at or below the victim's last cached one, so the victim's own positions are hit)."""
 
+    @abc.abstractmethod
     def groups(self, geos: list[Any]) -> tuple[Any, Any] | None:
         """(the victim's group, the writer's group), or None when the model has no such pair."""
-        raise NotImplementedError
 
     def fire(self, canary, step, kwargs, metadata, rows, md):
         st = canary.state
