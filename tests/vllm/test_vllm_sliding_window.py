@@ -212,6 +212,8 @@ def test_null_blocks_of_a_prefix_hit_are_never_verified(seed):
     run_step(state, runner, [Row("B", q, 12, 4, {SW: [0, 2, 3, 4]})], seed)
     assert flagged(state) == set()
     assert verified(state)["G0"] == 5
+    # nor is the null block indexed for the sweep (A's block 1 stays: no row of the step shows it freed)
+    assert state.block_index.indexed(SW).tolist() == [1, 2, 3, 4]
 
 
 def hybrid_handover(seed: int, fault: bool) -> tuple[Runner, VllmCanaryState]:
