@@ -6,11 +6,10 @@ from __future__ import annotations
 import threading
 
 import pytest
+from test_vllm_integration import wipe_kv
 from vllm import SamplingParams
 
 from kvcanary_cupy.integrations import vllm as kv
-
-from test_vllm_integration import wipe_kv
 
 
 class Watcher:

@@ -186,12 +186,15 @@ class VllmCanaryState(EngineCanaryState):
             # unchained (the table holds slot 0 below the window, see _fill_table).
             swa = max(1, geo.window - 1) if geo.window else 0
             lut = np.arange(geo.num_slots, dtype=np.int64) if swa else None
+            # The chunks of one KV cache group have the same slots and plan inputs: the first plans and keeps the
+            # HEAD records, the others share them (KvGroup.plan_of) and add only their layers' TAIL fingerprints.
             for c in range(chunks):
                 lo, hi = c * MAX_REAL_KV_SOURCES, (c + 1) * MAX_REAL_KV_SOURCES
                 name = geo.name if chunks == 1 else f"{geo.name}:{c}"
                 groups.append(KvGroup(name=name, num_slots=geo.num_slots, k_sources=tuple(k[lo:hi]),
                                       v_sources=tuple(v[lo:hi]) if opts.with_v else None, swa_window=swa,
-                                      full_to_swa_index_mapping=lut, model=geo.name, layout=None))
+                                      full_to_swa_index_mapping=lut, model=geo.name, layout=None,
+                                      plan_of=None if c == 0 else f"{geo.name}:0"))
         self.max_requests = int(runner.max_num_reqs)
         self.max_len = int(runner.max_model_len) + 1
         rows = self.max_requests + 1
