@@ -112,7 +112,7 @@ class RuntimeBase:
         of them runs: a group whose engine tensor moved refuses the phase with nothing launched for any group.
         The phase then runs them with ``checked=True`` (each storage check once per phase, not per launch).
         Which checks are distinct is worked out once per set of launches, not every step."""
-        launches = tuple([state.plan for state in groups if with_plan]
+        launches = tuple([state.plan for state in groups if with_plan and state.plan is not None]
                          + [launch for state in groups for ep in state.endpoints[role]
                             for launch in (ep.verify, ep.write)])
         key = tuple(map(id, launches))

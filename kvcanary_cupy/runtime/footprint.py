@@ -50,17 +50,19 @@ def runtime_footprint(config: CanaryConfig, pools: KvPools, caps: Capacities,
 
     for group in pools.groups:
         kvs = 2 if group.v_sources is not None else 1
-        by[f"KvGroup {group.name!r} num_slots={group.num_slots}"] += 2 * kvs * group.num_slots * CANARY_SLOT_BYTES
+        buffers = 2 if group.has_head else 1  # HEAD and TAIL; a group sharing another's plan has no HEAD
+        by[f"KvGroup {group.name!r} num_slots={group.num_slots}"] += buffers * kvs * group.num_slots * CANARY_SLOT_BYTES
         by[ring_arg] += 3 * config.ring_capacity * ring_row  # ring, its drain scratch, its host copy
-        verify = caps.verify_capacity or 3 * group.num_slots
-        by[f"Capacities.verify_capacity={verify}" if caps.verify_capacity
-           else f"KvGroup {group.name!r} num_slots={group.num_slots} (3 x, the default verify_capacity)"] \
-            += 4 * verify * _I64
         by[sweep_arg] += 4 * sweep * _I64
-        by[batch_arg] += (3 * batch + 2) * _I64
-        window = config.max_verify_entries_per_step
-        if window:  # the bounded verify's window plan, its index and arange scratch
-            by[f"CanaryConfig.max_verify_entries_per_step={window}"] += 6 * window * _I64
+        if group.has_head:  # the forward plans (a group sharing another's plan reads that one's)
+            verify = caps.verify_capacity or 3 * group.num_slots
+            by[f"Capacities.verify_capacity={verify}" if caps.verify_capacity
+               else f"KvGroup {group.name!r} num_slots={group.num_slots} (3 x, the default verify_capacity)"] \
+                += 4 * verify * _I64
+            by[batch_arg] += (3 * batch + 2) * _I64
+            window = config.max_verify_entries_per_step
+            if window:  # the bounded verify's window plan, its index and arange scratch
+                by[f"CanaryConfig.max_verify_entries_per_step={window}"] += 6 * window * _I64
         if group.is_swa:
             scratch = max(tokens, sweep)
             by[tokens_arg] += tokens * _I64

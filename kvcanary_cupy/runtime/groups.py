@@ -60,6 +60,8 @@ class GroupState:
     mask: Any = None  # bool scratch for LUT gathers
     plan: BoundLaunch | None = None
     sweep_views: dict[str, Any] = field(default_factory=dict)
+    # a group that shares its plan (KvGroup.plan_of): that group's state, whose plan launch fills the plans
+    leader: GroupState | None = None
     # bounded verify (CanaryConfig.max_verify_entries_per_step): the window of the forward plan the HEAD and
     # TAIL verify read, its views, the full plan's views it is gathered from, and int64/bool scratch
     window_plan: VerifyPlan | None = None
@@ -74,6 +76,11 @@ class GroupState:
     @property
     def model(self) -> str:
         return self.spec.model
+
+    @property
+    def plan_name(self) -> str:
+        """The group whose plan words (num_valid, enable, status) this group's launches read."""
+        return self.leader.name if self.leader is not None else self.name
 
     def all_endpoints(self) -> list[Endpoint]:
         return [ep for role in ROLES for ep in self.endpoints[role]]
@@ -99,7 +106,8 @@ def reserve_scalars(scalars: Scalars, group: KvGroup) -> None:
 
 def _endpoint_keys(group: KvGroup) -> list[tuple[str, str]]:
     kvs = ("K", "V") if group.v_sources is not None else ("K",)
-    return [(role, kv) for role in ROLES for kv in kvs]
+    roles = ROLES if group.has_head else ("TAIL", "SWEEP")  # plan_of: HEAD records are the leader's
+    return [(role, kv) for role in roles for kv in kvs]
 
 
 def _tag(role: str, kv: str, group: KvGroup) -> CanaryLaunchTag:
@@ -117,8 +125,9 @@ def counter_name(group: GroupState | KvGroup, ep: Endpoint, op: str, what: str) 
 
 def build_group(group: KvGroup, space: ArraySpace, scalars: Scalars, *, ring_capacity: int, verify_capacity: int,
                 max_batch_size: int, sweep_capacity: int, max_tokens: int, mode: RealKvHashMode,
-                window: int = 0) -> GroupState:
-    """Allocate the group's buffers and plans; launches are bound later (:func:`bind_group`)."""
+                window: int = 0, leader: GroupState | None = None) -> GroupState:
+    """Allocate the group's buffers and plans; launches are bound later (:func:`bind_group`). ``leader``: the
+    state of the group named by ``group.plan_of``, whose forward plans (and window) this group reads."""
     g = group.name
 
     def alloc(shape: Any, dtype: Any, fill: int = 0, *, name: str) -> Any:
@@ -164,16 +173,24 @@ def build_group(group: KvGroup, space: ArraySpace, scalars: Scalars, *, ring_cap
         views["enable"] = scalars.view(f"{g}.{flags}.enable")
         return plan, views
 
-    vp, plan_views = verify_plan(verify_capacity, "plan", "Capacities.verify_capacity")
     sweep_plan, sweep_views = verify_plan(sweep_capacity, "sweep", "Capacities.max_sweep_slots")
-    rows = "Capacities.max_batch_size"
-    write_plan = WritePlan(write_offsets=alloc(max_batch_size + 1, np.int64, name=rows)[0],
-                           write_seed_slot_indices=alloc(max_batch_size, np.int64, name=rows)[0],
-                           write_num_valid_reqs=scalars.owner(f"{g}.write.num_valid"),
-                           verify_offsets=alloc(max_batch_size + 1, np.int64, name=rows)[0])
-    state = GroupState(spec=group, ring=ring, verify_plan=vp, write_plan=write_plan, sweep_plan=sweep_plan,
-                       endpoints=endpoints, ring_view=ring_view, ring_scratch=scratch, sweep_views=sweep_views,
-                       plan_views=plan_views)
+    if leader is not None:
+        state = GroupState(spec=group, ring=ring, verify_plan=leader.verify_plan, write_plan=leader.write_plan,
+                           sweep_plan=sweep_plan, endpoints=endpoints, ring_view=ring_view, ring_scratch=scratch,
+                           sweep_views=sweep_views, plan_views=leader.plan_views, leader=leader,
+                           window_plan=leader.window_plan, window_views=leader.window_views,
+                           window_scratch=leader.window_scratch)
+        window = 0  # the leader's window plan, moved by the leader's select_window
+    else:
+        vp, plan_views = verify_plan(verify_capacity, "plan", "Capacities.verify_capacity")
+        rows = "Capacities.max_batch_size"
+        write_plan = WritePlan(write_offsets=alloc(max_batch_size + 1, np.int64, name=rows)[0],
+                               write_seed_slot_indices=alloc(max_batch_size, np.int64, name=rows)[0],
+                               write_num_valid_reqs=scalars.owner(f"{g}.write.num_valid"),
+                               verify_offsets=alloc(max_batch_size + 1, np.int64, name=rows)[0])
+        state = GroupState(spec=group, ring=ring, verify_plan=vp, write_plan=write_plan, sweep_plan=sweep_plan,
+                           endpoints=endpoints, ring_view=ring_view, ring_scratch=scratch, sweep_views=sweep_views,
+                           plan_views=plan_views)
     if window:
         sized_by = "CanaryConfig.max_verify_entries_per_step"
         state.window_plan, state.window_views = verify_plan(window, "window", sized_by, flags="plan")
@@ -198,17 +215,9 @@ def build_group(group: KvGroup, space: ArraySpace, scalars: Scalars, *, ring_cap
 def bind_group(state: GroupState, stage: StagedBatch, *, layout: tuple[str, Any], expected_pool: Any,
                check_tokens: bool, backend: str) -> None:
     """Bind the group's plan, HEAD/TAIL verify and write, and SWEEP verify launches (validates everything)."""
-    spec = state.spec
-    state.plan = bind_plan(
-        verify_plan_out=state.verify_plan, write_plan_out=state.write_plan,
-        req_pool_indices=None if row_less(layout[1]) else stage.owner("req_pool_indices"),
-        prefix_lens=stage.owner("prefix_lens"),
-        extend_seq_lens=stage.owner("extend_seq_lens"), **{layout[0]: layout[1]},
-        swa_window_size=spec.swa_window, full_to_swa_index_mapping=spec.full_to_swa_index_mapping,
-        verify_capacity=int(state.verify_plan.verify_slot_indices.shape[0]),
-        req_to_verify_expected_tokens=expected_pool if check_tokens else None,
-        req_to_verify_expected_tokens_valid_lens=stage.owner("valid_lens") if check_tokens else None,
-        kv_token_id_vs_position_offset=spec.kv_token_id_vs_position_offset, backend=backend, on_invalid="flag")
+    if state.leader is None:
+        state.plan = _bind_forward_plan(state, stage, layout=layout, expected_pool=expected_pool,
+                                        check_tokens=check_tokens, backend=backend)
     loc = state.swa_out_cache_loc.owner if state.swa_out_cache_loc is not None else stage.owner("out_cache_loc")
     oracle = stage.with_oracle
     for ep in state.all_endpoints():
@@ -229,6 +238,21 @@ def bind_group(state: GroupState, stage: StagedBatch, *, layout: tuple[str, Any]
             expected_input_tokens=stage.owner("expected_input_ids") if oracle else None,
             expected_input_positions=stage.owner("expected_positions") if oracle else None,
             backend=backend, on_invalid="flag")
+
+
+def _bind_forward_plan(state: GroupState, stage: StagedBatch, *, layout: tuple[str, Any], expected_pool: Any,
+                       check_tokens: bool, backend: str) -> BoundLaunch:
+    spec = state.spec
+    return bind_plan(
+        verify_plan_out=state.verify_plan, write_plan_out=state.write_plan,
+        req_pool_indices=None if row_less(layout[1]) else stage.owner("req_pool_indices"),
+        prefix_lens=stage.owner("prefix_lens"),
+        extend_seq_lens=stage.owner("extend_seq_lens"), **{layout[0]: layout[1]},
+        swa_window_size=spec.swa_window, full_to_swa_index_mapping=spec.full_to_swa_index_mapping,
+        verify_capacity=int(state.verify_plan.verify_slot_indices.shape[0]),
+        req_to_verify_expected_tokens=expected_pool if check_tokens else None,
+        req_to_verify_expected_tokens_valid_lens=stage.owner("valid_lens") if check_tokens else None,
+        kv_token_id_vs_position_offset=spec.kv_token_id_vs_position_offset, backend=backend, on_invalid="flag")
 
 
 def gather_lut(state: GroupState, xp: Any, src: Any, dst: Any) -> None:

@@ -103,11 +103,11 @@ class Monitoring(RuntimeBase):
                 space.read_after(snap.event, state.ring_view[:m], out[:m], self._side)
                 rows = [decode_row(i, out[i]) for i in range(m)]
             if rows or status or dropped:
-                head_k = state.endpoints["HEAD"][0]
+                first = (state.endpoints["HEAD"] or state.endpoints["TAIL"])[0]
                 report.reports[name] = ViolationReport(
                     total=n, capacity=cap, rows=rows, status=CanaryStatus(status),
-                    slot_run_counter=sc.value(host, counter_name(state, head_k, "verify", "slots")),
-                    kernel_run_counter=sc.value(host, counter_name(state, head_k, "verify", "kernels")))
+                    slot_run_counter=sc.value(host, counter_name(state, first, "verify", "slots")),
+                    kernel_run_counter=sc.value(host, counter_name(state, first, "verify", "kernels")))
                 report.new_violations += [(name, v) for v in rows]
                 totals.by_group[name] = totals.by_group.get(name, 0) + len(rows)
                 totals.violations += len(rows)
@@ -116,13 +116,14 @@ class Monitoring(RuntimeBase):
             report.dropped += dropped
             totals.dropped += dropped
             totals.status_bits |= status
-            if state.window_plan is not None and sc.value(host, f"{name}.plan.enable"):
-                live = sc.value(host, f"{name}.plan.num_valid")
+            plan = state.plan_name  # KvGroup.plan_of: the words of the plan this group's launches read
+            if state.window_plan is not None and sc.value(host, f"{plan}.plan.enable"):
+                live = sc.value(host, f"{plan}.plan.num_valid")
                 totals.live_max[name] = max(totals.live_max.get(name, 0), live)
-            plan_status = sc.value(host, f"{name}.plan.status")
-            if plan_status:
+            plan_status = sc.value(host, f"{plan}.plan.status")
+            if plan_status and state.leader is None:  # reported once, by the group whose plan it is
                 report.plan_status[name] = plan_status
-            if snap.forwards.get(state.model, 0) and sc.value(host, f"{name}.plan.enable") == 0:
+            if snap.forwards.get(state.model, 0) and sc.value(host, f"{plan}.plan.enable") == 0:
                 report.overflowed.append(name)
                 totals.overflows[name] = totals.overflows.get(name, 0) + 1
         report.new_violations.sort(key=self._launch_order)
@@ -258,7 +259,8 @@ class Monitoring(RuntimeBase):
         t = self._totals
         protected = verified = 0
         for name, keys in self._counters.items() if self.enabled else ():
-            head_k = self.groups[name].endpoints["HEAD"][0]
+            heads = self.groups[name].endpoints["HEAD"]
+            head_k = heads[0] if heads else None  # a group sharing another's plan protects no token of its own
             for ep, op, slots_key, _ in keys:
                 if op == "verify":
                     verified += t.counters.get(slots_key, 0)

@@ -46,6 +46,10 @@ class KvGroup:
         kv_token_id_vs_position_offset: +1 for an EAGLE draft pool, 0 otherwise.
         model: the forward that writes this group's KV ("target", "draft", ...); the step phases run per model.
         layout: this group's slot layout (a ``kvcanary_cupy.layouts`` object); None uses the pools'.
+        plan_of: the name of an earlier group of the same model, slot space, layout, window, LUT and offset
+            whose plan and HEAD records this group shares (an engine's layers split into groups of at most 4
+            sources per K/V): it gets no plan launch and no HEAD endpoints, whose records would be that group's
+            word for word, only TAIL and SWEEP endpoints over its own sources and its own ring. None: its own.
     """
 
     name: str
@@ -57,6 +61,7 @@ class KvGroup:
     kv_token_id_vs_position_offset: int = 0
     model: str = "target"
     layout: Any = None
+    plan_of: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -74,6 +79,13 @@ class KvGroup:
                 minimum=-_INT32_MAX - 1, maximum=_INT32_MAX)
         if not isinstance(self.model, str) or not self.model:
             fail(f"{where}.model must be a non-empty str, got {self.model!r}")
+        if self.plan_of is not None and (not isinstance(self.plan_of, str) or self.plan_of == self.name):
+            fail(f"{where}.plan_of must name another group, got {self.plan_of!r}")
+
+    @property
+    def has_head(self) -> bool:
+        """Whether the group has HEAD endpoints and a plan of its own (not shared through ``plan_of``)."""
+        return self.plan_of is None
 
     @classmethod
     def full(cls, name: str, num_slots: int, k_sources: Any = (), v_sources: Any = None, *,
@@ -135,6 +147,9 @@ class KvPools:
             if names.count(name) > 1:
                 fail(f"KvPools.groups: group name {name!r} is used twice")
         object.__setattr__(self, "groups", tuple(groups))
+        for i, g in enumerate(groups):
+            if g.plan_of is not None:
+                _check_plan_sharing(g, {h.name: h for h in groups[:i]}, self.layout_of)
         if self.req_to_token is not None and self.layout is not None:
             fail("KvPools: give req_to_token or layout, not both")
         if self.req_to_token is None and self.layout is None:
@@ -163,6 +178,24 @@ class KvPools:
         if self.layout is not None:
             return "layout", self.layout
         return "req_to_token", self.req_to_token
+
+
+def _check_plan_sharing(group: KvGroup, earlier: dict[str, KvGroup], layout_of: Any) -> None:
+    """A group's ``plan_of`` names an earlier group with its own plan whose plan inputs are the group's own."""
+    where = f"KvPools.groups: group {group.name!r}.plan_of={group.plan_of!r}"
+    leader = earlier.get(group.plan_of or "")
+    if leader is None:
+        fail(f"{where} must name an earlier group")
+    if not leader.has_head:
+        fail(f"{where} names a group that shares another's plan itself (name {leader.plan_of!r})")
+    same = (leader.model == group.model and leader.num_slots == group.num_slots
+            and leader.swa_window == group.swa_window
+            and leader.full_to_swa_index_mapping is group.full_to_swa_index_mapping
+            and leader.kv_token_id_vs_position_offset == group.kv_token_id_vs_position_offset
+            and layout_of(leader)[1] is layout_of(group)[1])
+    if not same:
+        fail(f"{where}: the two groups' plans would differ (model, num_slots, window, LUT, offset and layout "
+             "must be the same)")
 
 
 def row_less(layout: Any) -> bool:

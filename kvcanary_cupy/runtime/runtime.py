@@ -177,7 +177,8 @@ class CanaryRuntime(RecordMoves, Sweeping, Monitoring):
                                 verify_capacity=caps.verify_capacity or 3 * group.num_slots,
                                 max_batch_size=caps.max_batch_size, sweep_capacity=sweep_cap,
                                 max_tokens=caps.max_tokens, mode=cfg.real_kv_hash_mode,
-                                window=cfg.max_verify_entries_per_step)
+                                window=cfg.max_verify_entries_per_step,
+                                leader=None if group.plan_of is None else self.groups[group.plan_of])
             bind_group(state, self.stages[group.model], layout=pools.layout_of(group),
                        expected_pool=self.expected_token_pool, check_tokens=cfg.verify_token_assert,
                        backend=cfg.backend)
@@ -251,6 +252,8 @@ class CanaryRuntime(RecordMoves, Sweeping, Monitoring):
         groups = self._groups_of(model)
         self._check_launches(groups, "HEAD", with_plan=True)
         for state in groups:
+            if state.leader is not None:  # KvGroup.plan_of: the leader's plan (and window) serve this group
+                continue
             assert state.plan is not None
             self._launch(state.plan, "plan", model, state, checked=True)
             if state.window_plan is not None:

@@ -121,6 +121,7 @@ def run_step(state: VllmCanaryState, runner: Runner, rows: list[Row], seed: int 
         for slot in md[LAYERS[g]].slot_mapping.tolist():
             write_token(runner.cache, slot, torch.rand(16, generator=gen) + 1)
     state.after_forward(batch, {g: md[LAYERS[g]].slot_mapping.numpy().astype(np.int64) for g in runner.groups})
+    state.settle()  # the TAIL thread's bookkeeping, read by the assertions below
     return batch
 
 

@@ -54,6 +54,7 @@ def step(state, runner, rows: list[Row], drafts: dict[str, list[int]], seed: int
     for slot in md[LAYER].slot_mapping.tolist():
         runner.cache[slot // BS, :, slot % BS, :] = float(gen.random()) + 1
     state.after_forward(batch, {0: md[LAYER].slot_mapping.numpy().astype(np.int64)})
+    state.settle()  # the TAIL thread's bookkeeping, read by the assertions below
     return batch
 
 

@@ -111,6 +111,7 @@ def run_step(state: VllmCanaryState, runner: Runner, rows: list[Row], seed: int 
         runner.cache[slot // BS, :, slot % BS, :] = torch.rand(runner.cache.shape[1], runner.cache.shape[3],
                                                                generator=gen) + 1
     state.after_forward(batch, {0: md[LAYER].slot_mapping.numpy().astype(np.int64)})
+    state.settle()  # the TAIL thread's bookkeeping, read by the assertions below
     return batch
 
 

@@ -36,6 +36,7 @@ from ...layouts import TokenTable
 from ...runtime import CanaryConfig, CanaryRuntime, Capacities, KvGroup, KvPools
 from ..common.options import EngineCanaryOptions
 from ..common.state import EngineCanaryState, StepViolation
+from ..common.tail import TailThread
 from .blocks import BlockIndex
 from .layers import layer_sources
 from .step import RequestHistories, VllmStep, build_step
@@ -185,12 +186,15 @@ class VllmCanaryState(EngineCanaryState):
             # unchained (the table holds slot 0 below the window, see _fill_table).
             swa = max(1, geo.window - 1) if geo.window else 0
             lut = np.arange(geo.num_slots, dtype=np.int64) if swa else None
+            # The chunks of one KV cache group have the same slots and plan inputs: the first plans and keeps the
+            # HEAD records, the others share them (KvGroup.plan_of) and add only their layers' TAIL fingerprints.
             for c in range(chunks):
                 lo, hi = c * MAX_REAL_KV_SOURCES, (c + 1) * MAX_REAL_KV_SOURCES
                 name = geo.name if chunks == 1 else f"{geo.name}:{c}"
                 groups.append(KvGroup(name=name, num_slots=geo.num_slots, k_sources=tuple(k[lo:hi]),
                                       v_sources=tuple(v[lo:hi]) if opts.with_v else None, swa_window=swa,
-                                      full_to_swa_index_mapping=lut, model=geo.name, layout=None))
+                                      full_to_swa_index_mapping=lut, model=geo.name, layout=None,
+                                      plan_of=None if c == 0 else f"{geo.name}:0"))
         self.max_requests = int(runner.max_num_reqs)
         self.max_len = int(runner.max_model_len) + 1
         rows = self.max_requests + 1
@@ -226,6 +230,10 @@ class VllmCanaryState(EngineCanaryState):
         # The runner's own dummy/profile forwards never reach the canary (only execute_model's do), so the
         # write's chain-position assert goes on at once.
         self.rt.mark_init_finished()
+        # In log mode a step's TAIL launches and ring read run while vLLM samples and schedules the next step
+        # (:class:`TailThread`; the hooks wait for them before the next step starts). Raise mode runs them
+        # inline: a violation then fails the step whose ring read found it, not the engine's next request.
+        self.tail = TailThread() if opts.mode == "log" else None
 
     # -- the step --------------------------------------------------------------------------------------------
 
@@ -235,7 +243,11 @@ class VllmCanaryState(EngineCanaryState):
             self.block_index.forget(block_ids)
 
     def read_step(self, kwargs: dict[str, Any], metadata: dict[str, Any]) -> VllmStep:
-        """This step's plan inputs (:func:`.step.build_step`, with the token histories kept from the last step)."""
+        """This step's plan inputs (:func:`.step.build_step`, with the token histories kept from the last step),
+        once the last step's TAIL work is done."""
+        self.settle()
+        if len(self.unstamped) > self.max_requests:  # finished requests leave the runner's state
+            self.unstamped = {r: u for r, u in self.unstamped.items() if r in self.runner.requests}
         return build_step(self.steps, self.runner, kwargs, metadata, self.geos, self.max_tokens, self.unstamped,
                           self.histories, self.drafts)
 
@@ -268,9 +280,18 @@ class VllmCanaryState(EngineCanaryState):
         np.copyto(self.tables[geo.index][1 : b + 1, :width], slots,
                   where=np.arange(width)[None, :] < totals[:, None], casting="unsafe")
 
-    def after_forward(self, batch: VllmStep, written: dict[int, np.ndarray]) -> None:
-        """Phases 3 and 4: TAIL verify and TAIL write (stamped where attention really wrote: the slot mapping as
-        it was when the forward returned), then the one-step-late read of the rings and, when due, the sweep."""
+    def after_forward(self, batch: VllmStep, written: dict[int, np.ndarray], *, inline: bool = False) -> None:
+        """Phases 3 and 4: TAIL verify and TAIL write (stamped where attention really wrote: ``written``, each
+        group's slot mapping as it was when the forward returned), the step's blocks indexed, then the
+        one-step-late read of the rings and, when due, the sweep. All of it runs on the TAIL thread unless
+        ``inline`` (or raise mode); :meth:`settle` waits for it. Nothing here reads the runner: ``batch`` and
+        ``written`` are this step's own copies."""
+        if self.tail is None or inline:
+            self._tail_work(batch, written)
+        else:
+            self.tail.submit(self._tail_work, batch, written)
+
+    def _tail_work(self, batch: VllmStep, written: dict[int, np.ndarray]) -> None:
         for geo in self.geos:
             planned = batch.slot_mappings[geo.index]
             self._post_forward(geo.name, batch.canary_tokens(written[geo.index], planned), planned)
@@ -280,9 +301,22 @@ class VllmCanaryState(EngineCanaryState):
                 self.unstamped[rid] = batch.deferred[rid]
             else:
                 self.unstamped.pop(rid, None)
-        if len(self.unstamped) > self.max_requests:  # finished requests leave the runner's state
-            self.unstamped = {r: u for r, u in self.unstamped.items() if r in self.runner.requests}
         self._finish_step()
+
+    def settle(self) -> None:
+        """Wait for the last step's TAIL work (raising what it raised): before the next step, and before any
+        read of the canary's state from outside the step."""
+        if self.tail is not None:
+            self.tail.wait()
+
+    def flush(self) -> None:
+        self.settle()
+        super().flush()
+
+    def close(self) -> None:
+        """Stop the TAIL thread (after the work in flight)."""
+        if self.tail is not None:
+            self.tail.close()
 
     def _note_complete_blocks(self, batch: VllmStep) -> None:
         """Index every block a request of this step writes: complete ones at their place in the sequence, a

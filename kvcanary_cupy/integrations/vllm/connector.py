@@ -380,7 +380,10 @@ class CanaryConnector(KVConnectorBase_V1):
     def _state(self) -> Any:
         canary = self.canary
         state = None if canary is None else canary.state
-        return None if state is None or not state.rt.enabled else state
+        if state is None or not state.rt.enabled:
+            return None
+        state.settle()  # its records as the last step's TAIL left them
+        return state
 
     def _logger(self) -> logging.Logger:
         name = self.canary.options.logger if self.canary is not None else "kvcanary_cupy.vllm"

@@ -121,9 +121,12 @@ class VllmCanary(InstanceOverrides):
                  "the engine is idle")
 
     def remove(self) -> None:
-        """Remove every instance override; the runner runs its class's methods again."""
+        """Remove every instance override; the runner runs its class's methods again (after the last step's
+        TAIL work, whose findings stay readable)."""
         if not self.installed:
             return
+        if self.state is not None:
+            self.state.close()
         connector = getattr(self, "connector", None)
         if connector is not None and connector.canary is self:
             connector.attach(None)
@@ -157,12 +160,28 @@ class VllmCanary(InstanceOverrides):
             engine.engine_core.abort_requests(leftover)
         engine.reset_prefix_cache()
         if self.state is not None:
+            try:
+                self.state.close()
+            except Exception:  # the failure being undone is the one to report
+                pass
             old, self.state = self.state, self._new_state()
             self.state.violations = old.violations
             self.state.health_problems = old.health_problems
             self.state.status_bits, self.state.dropped, self.state.steps = old.status_bits, old.dropped, old.steps
             for phase, seconds in old.seconds.items():
                 self.state.seconds[phase] += seconds
+
+    def _settle(self) -> None:
+        """Wait for the last step's TAIL work; what it raised fails the step about to run, like a failure of
+        the hook itself (raise mode runs the TAIL inline, so only the canary's own errors come here)."""
+        assert self.state is not None
+        try:
+            self.state.settle()
+        except BaseException as exc:
+            self._hook_failed = True
+            if isinstance(exc, CanaryViolationError):
+                self.state._collect(exc.step_report)
+            raise
 
     # -- results ---------------------------------------------------------------------------------------------
 
@@ -178,6 +197,7 @@ class VllmCanary(InstanceOverrides):
         """Read what the last step appended (call once the engine is idle, e.g. after ``LLM.generate``)."""
         if self.state is None:
             return []
+        self.state.settle()
         before = len(self.state.violations)
         self.state.flush()
         return self.state.violations[before:]
@@ -187,13 +207,15 @@ class VllmCanary(InstanceOverrides):
     def _wrap_execute(self, original: Callable[..., Any]) -> Any:
         @functools.wraps(original)
         def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.state is not None:
-                self.state.forget_blocks(getattr(scheduler_output, "new_block_ids_to_zero", None))
-                self.state.drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
-            self.preemptions += len(getattr(scheduler_output, "preempted_req_ids", None) or ())
             self.in_step = True
             self._hook_failed = False
             try:
+                if self.state is not None:
+                    # the last step's TAIL work first: this step writes KV it may still be reading
+                    self._settle()
+                    self.state.forget_blocks(getattr(scheduler_output, "new_block_ids_to_zero", None))
+                    self.state.drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+                self.preemptions += len(getattr(scheduler_output, "preempted_req_ids", None) or ())
                 return original(scheduler_output, *args, **kwargs)
             except BaseException:
                 if self._hook_failed:
@@ -238,7 +260,10 @@ class VllmCanary(InstanceOverrides):
                 t = batch.forward_len
                 written = {geo.index: np.asarray(metadata[geo.layer_names[0]].slot_mapping[:t].numpy(),
                                                  np.int64).copy() for geo in st.geos}
-                st.after_forward(batch, written)
+                # Inline when something reads or perturbs the canary right after the step: an observer (fault
+                # injection), or a connector that saves the TAIL records with the KV.
+                inline = bool(self.observers) or (self.connector is not None and self.connector.carries_records)
+                st.after_forward(batch, written, inline=inline)
                 for obs in self.observers:
                     obs.after_forward(self, batch.step, batch)
             except BaseException as exc:

@@ -1,0 +1,54 @@
+"""The step's TAIL work on a thread of its own: :class:`TailThread`.
+
+After an engine's forward the canary still has its TAIL launches to run (re-hash the prefix's real KV, stamp what
+the forward wrote) and the one-step-late read of the rings. None of it changes what the engine does next, and on a
+host backend the launches run in compiled code that releases the GIL; so they can run while the engine samples,
+updates its requests and schedules the next step, on a core its forward left idle.
+
+The engine's next step must not start before that work is done: the next forward writes KV that a TAIL verify
+may still be reading (a finished request's blocks are handed out again at once), and the next step's staging
+overwrites the buffers the TAIL launches read. So the engine thread calls :meth:`TailThread.wait` before anything
+of the next step runs (and before any read of the canary's state from outside the step). What the work raised is
+raised there, on the engine thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+
+class TailThread:
+    """At most one piece of work in flight on one worker thread; :meth:`wait` joins it."""
+
+    def __init__(self, name: str = "kvcanary-tail") -> None:
+        self._name = name
+        self._pool: ThreadPoolExecutor | None = None  # started by the first submit (after any fork of the engine)
+        self._pending: Future[Any] | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._pending is not None
+
+    def submit(self, work: Callable[..., Any], *args: Any) -> None:
+        """Run ``work(*args)`` on the worker; the previous work is waited for first (in order, one at a time)."""
+        self.wait()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
+        self._pending = self._pool.submit(work, *args)
+
+    def wait(self) -> None:
+        """Block until the work in flight (if any) is done; raise what it raised."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Wait for the work in flight (its error is raised, the worker stopped either way)."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None

@@ -1,0 +1,78 @@
+"""TailThread: one piece of work at a time on one worker thread, joined by wait(), its error raised there."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvcanary_cupy.integrations.common.tail import TailThread
+
+
+def test_work_runs_on_the_worker_thread_and_wait_joins_it():
+    tail = TailThread(name="tail-test")
+    seen: list[tuple[str, int]] = []
+    gate = threading.Event()
+
+    def work(n: int) -> None:
+        gate.wait(5)
+        seen.append((threading.current_thread().name, n))
+
+    tail.submit(work, 1)
+    assert tail.busy and seen == []  # not run on the caller's thread, not waited for by submit
+    gate.set()
+    tail.wait()
+    assert not tail.busy and len(seen) == 1 and seen[0][0].startswith("tail-test") and seen[0][1] == 1
+    tail.close()
+
+
+def test_submit_waits_for_the_previous_work_so_steps_run_in_order():
+    tail = TailThread()
+    order: list[int] = []
+
+    def work(n: int) -> None:
+        time.sleep(0.01 * (5 - n))  # earlier work takes longer: without the wait the order would flip
+        order.append(n)
+
+    for n in range(5):
+        tail.submit(work, n)
+    tail.close()
+    assert order == list(range(5))
+
+
+def test_an_error_of_the_work_is_raised_by_wait_once_and_the_thread_keeps_serving():
+    tail = TailThread()
+
+    def fail() -> None:
+        raise ValueError("kv-canary: planted")
+
+    tail.submit(fail)
+    with pytest.raises(ValueError, match="planted"):
+        tail.wait()
+    tail.wait()  # raised once, not again
+    done: list[int] = []
+    tail.submit(done.append, 7)
+    tail.close()
+    assert done == [7]
+
+
+def test_an_error_is_raised_by_the_next_submit_before_new_work_starts():
+    tail = TailThread()
+    ran: list[int] = []
+    tail.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        tail.submit(ran.append, 1)
+    tail.close()
+    assert ran == []
+
+
+def test_close_stops_the_worker_and_a_later_submit_starts_a_new_one():
+    tail = TailThread(name="tail-close")
+    tail.submit(lambda: None)
+    tail.close()
+    assert not any(t.name.startswith("tail-close") and t.is_alive() for t in threading.enumerate())
+    out: list[int] = []
+    tail.submit(out.append, 3)
+    tail.close()
+    assert out == [3]

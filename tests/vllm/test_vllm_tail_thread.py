@@ -1,0 +1,76 @@
+"""The TAIL thread in a real engine: in log mode a step's TAIL launches and ring read run while vLLM samples and
+schedules the next step, and they report exactly what the same work run inline reports, at the same step."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from test_vllm_integration import wipe_kv
+from vllm import SamplingParams
+
+from kvcanary_cupy.integrations import vllm as kv
+
+
+class Watcher:
+    """An observer that changes nothing (any observer makes the canary run its TAIL inline)."""
+
+    def before_forward(self, canary, step, kwargs, metadata) -> None:
+        pass
+
+    def after_forward(self, canary, step, batch) -> None:
+        pass
+
+
+def corrupted_prefix_rows(llm, prompt: list[int], *, inline: bool) -> tuple[set[tuple], int, set[str]]:
+    """Run ``prompt``, add 1.0 to every element of the first layer's KV cache (the prompt's complete blocks stay
+    in the prefix cache), then run ``prompt`` plus 8 tokens, which hits those blocks: the rows the canary reports
+    (step, group, slot, position, reasons), the step at which the second request started, and the names of the
+    threads that ran the TAIL work."""
+    assert llm.reset_prefix_cache()
+    canary = kv.install(llm, backend="host", sweep_interval=0)
+    threads: set[str] = set()
+    state = canary.state
+    work = state._tail_work
+
+    def tail_work(*args):
+        threads.add(threading.current_thread().name)
+        return work(*args)
+
+    state._tail_work = tail_work
+    if inline:
+        canary.observers.append(Watcher())
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        assert canary.finish() == [] and canary.violations == []
+        kv.find_runner(llm).kv_caches[0].add_(1.0)
+        start = canary.steps
+        llm.generate([{"prompt_token_ids": prompt + list(range(100, 108))}], params, use_tqdm=False)
+        canary.finish()
+        rows = {(v.step, v.group, v.violation.slot, v.violation.position, v.violation.reasons)
+                for v in canary.violations}
+        return rows, start, threads
+    finally:
+        canary.remove()
+        wipe_kv(llm)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_tail_thread_reports_a_corrupted_prefix_at_the_step_and_slots_the_inline_tail_reports(llm, seed):
+    import numpy as np
+
+    prompt = np.random.default_rng(seed).integers(3, 500, 40 + 7 * seed).tolist()
+    threaded, start, names = corrupted_prefix_rows(llm, prompt, inline=False)
+    inline, start_inline, inline_names = corrupted_prefix_rows(llm, prompt, inline=True)
+    assert names and all(n.startswith("kvcanary-tail") for n in names)
+    assert inline_names == {threading.current_thread().name}
+    assert start == start_inline
+    # the second request's first step verifies the hit blocks and finds them changed, and so does each later step
+    # of it (the bytes stay wrong): real KV only, every position of the complete blocks, first at its first step
+    assert threaded and min(r[0] for r in threaded) == start
+    assert all(r[4] == ("VERIFY_REAL_KV_HASH_MISMATCH",) for r in threaded)
+    block = kv.find_runner(llm).cache_config.block_size
+    assert {r[3] for r in threaded if r[0] == start} == set(range(len(prompt) // block * block))
+    # the blocks the engine hands out differ between the two runs (its free list moved on): slots may differ
+    assert {r[:2] + r[3:] for r in threaded} == {r[:2] + r[3:] for r in inline}
