@@ -9,6 +9,12 @@ TORCH_CPU := torch==2.13.0
 # The transformers integration is tested against this minor release (see the transformers extra).
 TRANSFORMERS := transformers==5.24.*
 
+# `make test` runs each pytest suite on TEST_WORKERS processes (pytest-xdist; the machine's cores), a test file's
+# tests all on one worker, so that a file's module fixtures (a vLLM engine's run, a sanitizer build) are made once.
+# TEST_WORKERS=0 runs a suite in pytest's own process.
+TEST_WORKERS ?= 2
+PYTEST_WORKERS := -n $(TEST_WORKERS) --dist loadfile
+
 .PHONY: demo test bench lint typecheck gpu-check clean chromium promtool test-vllm bench-vllm
 
 $(BIN)/python:
@@ -50,7 +56,7 @@ promtool:
 test: $(VENV)/.test chromium promtool
 	$(BIN)/ruff check kvcanary_cupy tests bench examples setup.py
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -p no:cacheprovider --benchmark-disable
+	$(BIN)/python -m pytest -q -p no:cacheprovider --benchmark-disable $(PYTEST_WORKERS)
 	$(MAKE) test-vllm
 
 bench: $(VENV)/.test
@@ -90,7 +96,8 @@ $(VLLM_VENV)/.test: pyproject.toml
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.test
-	$(VLLM_RUN) $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider --benchmark-disable tests/vllm bench/bench_vllm.py
+	$(VLLM_RUN) $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider --benchmark-disable $(PYTEST_WORKERS) \
+		tests/vllm bench/bench_vllm.py
 
 # The vllm target mutates the vLLM integration and runs its tests in vLLM's environment: mutmut goes there too.
 $(VLLM_VENV)/.mutate: pyproject.toml $(VLLM_VENV)/.test
