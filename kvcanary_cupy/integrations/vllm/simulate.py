@@ -41,6 +41,7 @@ from .faults import Injector, fault_kinds, injector
 from .hooks import VllmCanary, install
 from .report import build_report
 from .workloads import (
+    DRAFT_NOISE,
     DTYPES,
     MODEL_ARCHS,
     MODEL_SIZES,
@@ -51,6 +52,7 @@ from .workloads import (
     arch_dtype,
     num_params,
     save_arch,
+    save_draft,
     save_llama,
     sim_engine_args,
     workloads,
@@ -221,10 +223,13 @@ class VllmSimulation(EngineSimulation[VllmSimConfig, RunResult]):
         folder = Path(tempfile.gettempdir()) / f"kvcanary-vllm-{cfg.model_arch}-{cfg.model_size}-seed{cfg.seed}"
         model_dir = save_arch(folder, cfg.model_arch, seed=cfg.seed) if cfg.model_arch != "llama" else \
             save_llama(folder, cfg.model_size, seed=cfg.seed)
+        draft_dir = None if cfg.speculative != "draft" else \
+            save_draft(model_dir, folder.with_name(f"{folder.name}-draft{DRAFT_NOISE}"), seed=cfg.seed)
         from vllm import LLM
 
         llm = LLM(model=str(model_dir), **sim_engine_args(model_dir, cfg.model_arch, cfg.model_size, cfg.dtype,
-                                                           cfg.speculative, cfg.tensor_parallel))
+                                                           cfg.speculative, cfg.tensor_parallel,
+                                                           draft_dir=draft_dir))
         self.model_params = num_params(cfg.model_size) if cfg.model_arch == "llama" else _params_of(llm)
         tp = cfg.tensor_parallel
 
