@@ -108,6 +108,8 @@ def test_simulate_with_a_draft_model_plants_every_fault_on_rows_that_carry_draft
     report = _simulate(speculative="draft", inject=["kv-bitflip", "block-table", "rank-kv-bitflip",
                                                     "draft-rejected-kept"])
     assert report["config"]["speculative"] == "draft" and report["canary_disabled"] is None
+    assert report["unchecked"] == [] and len(report["notes"]) == 1  # the draft layers: checked, not fingerprinted
+    assert "draft_model.model.layers.0.self_attn.attn" in report["notes"][0]
     assert report["outcome"] == "passed", (report["kinds"], report["faults"])
     (w,) = report["workloads"]
     assert w["token_exact"] and w["preemptions"] == 0 and report["violations"]["false_positives"] == 0

@@ -147,6 +147,8 @@ class VllmSimulation(EngineSimulation[VllmSimConfig, RunResult]):
     """Runs the configured workloads (reference, clean, one per fault kind) in one engine and records them."""
 
     unchecked: list[str] = field(default_factory=list)  # the install's lines on what goes unchecked
+    # the install's lines on what is checked but deliberately not fingerprinted (a draft model's K/V bytes)
+    notes: list[str] = field(default_factory=list)
     disabled: str | None = None  # why the canary checks nothing in this engine (None: it checks)
     thread_binding: str | None = None  # VLLM_CPU_OMP_THREADS_BIND of a tensor-parallel run
 
@@ -155,15 +157,18 @@ class VllmSimulation(EngineSimulation[VllmSimConfig, RunResult]):
                              backend=self.cfg.backend, sweep_interval=self.cfg.sweep_interval,
                              ring_capacity=self.cfg.ring_capacity)
 
-    def _note_install(self, disabled: str | None, unchecked: list[str]) -> None:
+    def _note_install(self, disabled: str | None, unchecked: list[str], notes: list[str]) -> None:
         if not self.unchecked and unchecked:
             self.unchecked = list(unchecked)
+        if not self.notes and notes:
+            self.notes = list(notes)
         self.disabled = disabled
 
     def _run(self, llm: Any, w: Workload, kind: str | None, offset: int, fault: Any) -> RunResult:
         opts = self._options()
         canary = install(llm, opts)
-        self._note_install(canary.disabled, canary.support.unchecked(opts.real_kv_hash))
+        self._note_install(canary.disabled, canary.support.unchecked(opts.real_kv_hash),
+                           canary.support.notes(opts.real_kv_hash))
         stats = WorkloadStats()
         tokens, wall = run_with_canary(canary, [stats] if fault is None else [stats, fault], lambda: w.run(llm))
         st = canary.state
@@ -179,7 +184,7 @@ class VllmSimulation(EngineSimulation[VllmSimConfig, RunResult]):
         """One run of a tensor-parallel engine: a canary in every worker, the fault (if any) on ``fault_rank``."""
         opts = self._options()
         installed = llm.collective_rpc(rpc_install, args=(opts, kind, self.cfg.inject_at, seed, fault_rank))
-        self._note_install(installed[0][1], installed[0][2])
+        self._note_install(*installed[0][1:])
         # as install() does in-process: blocks cached before the canary carry no records (a hit would read as
         # corruption), so the prefix cache starts empty
         if llm.reset_prefix_cache() is False:
@@ -320,10 +325,10 @@ def run_quietly(cfg: VllmSimConfig, *, progress: bool = True) -> dict[str, Any]:
 
 
 def rpc_install(worker: Any, options: Any, kind: str | None, inject_at: int, seed: int,
-                fault_rank: int) -> tuple[int, str | None, list[str]]:
+                fault_rank: int) -> tuple[int, str | None, list[str], list[str]]:
     """Install a canary (``options``, a ``CanaryOptions``) in ``worker``'s model runner, with the run's statistics
     observer and, on ``fault_rank`` only, an injector of ``kind``. Returns the worker's rank, why the canary is
-    disabled there (None: it checks), and its install-time lines."""
+    disabled there (None: it checks), its install-time lines on what goes unchecked and its notes."""
     import logging
 
     # the simulation's report carries every finding (as the in-process run's does): the worker's per-step
@@ -335,7 +340,8 @@ def rpc_install(worker: Any, options: Any, kind: str | None, inject_at: int, see
     canary.observers.append(WorkloadStats())
     if kind is not None and rank == fault_rank:
         canary.observers.append(injector(kind, inject_at, seed=seed, rank=fault_rank))
-    return rank, canary.disabled, canary.support.unchecked(options.real_kv_hash)
+    return (rank, canary.disabled, canary.support.unchecked(options.real_kv_hash),
+            canary.support.notes(options.real_kv_hash))
 
 
 def rpc_collect(worker: Any) -> dict[str, Any]:
