@@ -47,6 +47,7 @@ from .workloads import (
     MODEL_SIZES,
     SPECULATIVE,
     SPECULATIVE_SAMPLING_BUG,
+    SPECULATIVE_UNSUPPORTED,
     TENSOR_PARALLEL,
     Workload,
     arch_dtype,
@@ -90,6 +91,10 @@ class VllmSimConfig(EngineSimConfig):
                  f"model kind in {own} only")
         if self.speculative is not None and self.speculative not in SPECULATIVE:
             fail(f"--speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
+        unsupported = SPECULATIVE_UNSUPPORTED.get((self.model_arch, self.speculative or ""))
+        if unsupported is not None:
+            fail(f"--speculative {self.speculative} does not run --model-arch {self.model_arch} on vLLM's CPU "
+                 f"build: {unsupported}")
         if self.tensor_parallel not in TENSOR_PARALLEL:
             fail(f"--tensor-parallel must be one of {', '.join(map(str, TENSOR_PARALLEL))}, got "
                  f"{self.tensor_parallel!r}")
