@@ -249,8 +249,8 @@ def _add_simulate(sub: Any) -> None:
     engine.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help="the model's dtype (default: the model kind's own: fp32, bf16 for qwen3-next)")
     engine.add_argument("--speculative", choices=list(SPECULATIVE), default=None,
-                        help="speculative decoding: ngram (prompt lookup, 3 draft tokens) or draft (the model as its "
-                        "own draft model, 2 draft tokens) (default: none, off)")
+                        help="speculative decoding: ngram (prompt lookup, 3 draft tokens) or draft (a draft model: the "
+                        "model's weights plus noise, 2 draft tokens) (default: none, off)")
     engine.add_argument("--tensor-parallel", type=int, choices=list(TENSOR_PARALLEL), default=1,
                         metavar="{" + ",".join(map(str, TENSOR_PARALLEL)) + "}",
                         help="tensor-parallel workers, each a process with its own canary over its KV-head shard; "

@@ -104,6 +104,13 @@ def test_every_option_is_applied_or_refused_with_a_reason_in_every_mode(mode, tm
      "--model-size medium applies to --model-arch llama only"),
     (["--model-arch", "qwen3-next", "--dtype", "fp32"],
      "--dtype fp32 does not run --model-arch qwen3-next: vLLM's CPU build runs that model kind in bf16 only"),
+    (["--model-arch", "gemma3", "--speculative", "draft"],
+     "--speculative draft does not run --model-arch gemma3 on vLLM's CPU build: vLLM asserts that all drafting "
+     "layers belong to one KV cache group"),
+    (["--model-arch", "qwen3-next", "--speculative", "ngram"],
+     "--speculative ngram does not run --model-arch qwen3-next on vLLM's CPU build"),
+    (["--model-arch", "deepseek-mla", "--speculative", "draft"],
+     "--speculative draft does not run --model-arch deepseek-mla on vLLM's CPU build"),
 ])
 def test_vllm_model_options_that_cannot_run_together_are_refused_before_any_engine(argv, message, capsys,
                                                                                    vllm_version_gate_open):
@@ -113,9 +120,9 @@ def test_vllm_model_options_that_cannot_run_together_are_refused_before_any_engi
 
 
 def test_vllm_model_options_reach_the_run_configuration(vllm_version_gate_open):
-    cfg = plan(["--engine", "vllm", "--model-arch", "deepseek-mla", "--dtype", "bf16", "--speculative", "draft",
+    cfg = plan(["--engine", "vllm", "--model-arch", "mistral-sw", "--dtype", "bf16", "--speculative", "draft",
                 "--tensor-parallel", "2"]).config
-    assert (cfg.model_arch, cfg.dtype, cfg.speculative, cfg.tensor_parallel) == ("deepseek-mla", "bf16", "draft", 2)
+    assert (cfg.model_arch, cfg.dtype, cfg.speculative, cfg.tensor_parallel) == ("mistral-sw", "bf16", "draft", 2)
     assert (plan(["--engine", "vllm"]).config.model_arch, plan(["--engine", "vllm"]).config.dtype) == ("llama", None)
 
 

@@ -98,3 +98,33 @@ def test_simulate_an_all_sliding_window_model_puts_block_faults_where_the_window
     assert faults["block-table"]["detected"] and faults["preempt-reuse"]["detected"], faults
     column = int(faults["block-table"]["detail"].split(":")[0].split()[1])
     assert column > 0  # a request past its window: column 0 is no longer read
+
+
+def test_simulate_with_a_draft_model_plants_every_fault_on_rows_that_carry_drafts():
+    """A draft model proposes at every step, so no decoding row has a query of one token: the faults that target
+    a decoding row find it by its sampled token (the drafts after it do not count). The draft model is the
+    target's weights plus noise, so drafts are rejected too (draft-rejected-kept needs one), and the KV budget
+    counts its layers (they share the target's blocks): the mixed workload fits without preemption."""
+    report = _simulate(speculative="draft", inject=["kv-bitflip", "block-table", "rank-kv-bitflip",
+                                                    "draft-rejected-kept"])
+    assert report["config"]["speculative"] == "draft" and report["canary_disabled"] is None
+    assert report["unchecked"] == [] and len(report["notes"]) == 1  # the draft layers: checked, not fingerprinted
+    assert "draft_model.model.layers.0.self_attn.attn" in report["notes"][0]
+    assert report["outcome"] == "passed", (report["kinds"], report["faults"])
+    (w,) = report["workloads"]
+    assert w["token_exact"] and w["preemptions"] == 0 and report["violations"]["false_positives"] == 0
+    assert [(f["kind"], f["detected"]) for f in report["faults"]] == [
+        ("kv-bitflip", True), ("block-table", True), ("rank-kv-bitflip", True), ("draft-rejected-kept", True)]
+
+
+def test_simulate_a_bf16_hybrid_model_checks_both_groups_token_exact():
+    """bf16 (2-byte elements: the element-size fault writes each at a 1-byte offset) in a model with a
+    sliding-window group and a full-attention group."""
+    report = _simulate(model_arch="gemma3", dtype="bf16", inject=["kv-bitflip", "kv-element-size",
+                                                                  "window-reuse", "group-handover"])
+    assert report["config"]["dtype"] == "bf16" and report["canary_disabled"] is None
+    assert report["outcome"] == "passed", (report["kinds"], report["faults"])
+    assert report["workloads"][0]["token_exact"] and report["violations"]["false_positives"] == 0
+    assert all(f["detected"] for f in report["faults"]) and len(report["faults"]) == 4
+    assert "1-byte element offsets" in next(f["detail"] for f in report["faults"] if f["kind"] == "kv-element-size")
+    assert len(report["unchecked"]) == 1 and "prefix-cache sweep off" in report["unchecked"][0]

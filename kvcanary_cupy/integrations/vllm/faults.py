@@ -194,6 +194,14 @@ def _other_block(canary: Any, rows: list[_Row], md: Any, me: int, geo: Any, col:
     return None
 
 
+def _sampled_tokens(canary: Any, rid: str, query: int) -> int:
+    """The tokens of a row's ``query`` that are not the scheduler's draft tokens of this step (1 for a decoding
+    row, with or without speculative decoding; a draft model proposes at every step, so no row of its engine has
+    a query of 1)."""
+    drafts = getattr(canary.state, "drafts", None) or {}
+    return query - len(drafts.get(rid) or ())
+
+
 def _tokens(canary: Any, rid: str, start: int, end: int) -> list[int]:
     """Token ids ``start .. end - 1`` of a request (its prompt, then what it generated)."""
     state = canary.runner.requests[rid]
@@ -211,8 +219,10 @@ class KvBitflip(Injector):
 
         geo = canary.state.geos[0]
         for i, rid in enumerate(batch.request_ids):
-            done = int(batch.prefix_lens[i] + batch.extend_lens[i])
-            if int(batch.extend_lens[i]) != 1 or done < 2:
+            # a decoding row: its one sampled token (and, under speculative decoding, the drafts after it, whose
+            # positions are provisional and not targeted)
+            done = int(batch.prefix_lens[i]) + 1
+            if _sampled_tokens(canary, rid, int(batch.extend_lens[i])) != 1 or done < 2:
                 continue
             # a position the next step still reads (a sliding-window group's window ends there)
             low = min(int(geo.window_starts(np.array([done]))[0]), done - 2)
@@ -244,7 +254,7 @@ class BlockTableRedirect(Injector):
         bs = geo.block_size
         for i, row in enumerate(rows):
             col = _read_column(geo, row.past)
-            if row.query == 1 and (col + 1) * bs <= row.past:
+            if _sampled_tokens(canary, row.rid, row.query) == 1 and (col + 1) * bs <= row.past:
                 other = _other_block(canary, rows, md, i, geo, col)
                 if other is None or other == int(md.block_table[i, col]):
                     continue

@@ -1,7 +1,8 @@
 """The report of ``kvcanary simulate --engine vllm``: one JSON-ready dict (schema ``kvcanary-vllm-report/1``,
 the fields of the transformers engine's report with ``preemptions`` per workload, ``vllm_version``, the model
 kind, dtype, speculative decoding and tensor-parallel size in the config, ``unchecked`` (the install's line for
-each group or feature the canary does not check, ``canary_disabled`` when it checks nothing), and per rank: each
+each group or feature the canary does not check, ``canary_disabled`` when it checks nothing), ``notes`` (the
+install's line for what it checks without fingerprinting its bytes: a draft model's layers), and per rank: each
 workload's clean violations by rank, each fault's rank), rendered with the shared fault table
 (:mod:`kvcanary_cupy.sim.report`) and this engine's headline, per-workload lines and verdict. Exit statuses as for
 the other engines: 0 passed, 1 failed, 4 inconclusive."""
@@ -68,6 +69,7 @@ def build_report(sim: EngineSimulation[Any, Any]) -> dict[str, Any]:
         row["rank"] = run.fault_rank if run.fault is not None else None
         row["violations_by_rank"] = {str(r): n for r, n in sorted(run.rank_violations.items())}
     report["unchecked"] = list(getattr(sim, "unchecked", []))
+    report["notes"] = list(getattr(sim, "notes", []))
     report["canary_disabled"] = getattr(sim, "disabled", None)
     return report
 
@@ -99,7 +101,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             if f["injected"]:
                 lines.append(f"{f['kind']} on {f['workload']}: injected on rank {f['rank']}, violations by rank "
                              + ", ".join(f"{r}: {n}" for r, n in f["violations_by_rank"].items()))
-    lines += [line.removeprefix("kv-canary: ") for line in report.get("unchecked", [])]
+    lines += [line.removeprefix("kv-canary: ") for line in report.get("unchecked", []) + report.get("notes", [])]
     lines.append(false_positive_line(report))
     lines.append(
         f"canary cost per step ({cost['backend']}): {cost['canary_ms_per_step']:.2f} ms (verify {ms['verify']:.2f}, "

@@ -41,16 +41,19 @@ from .faults import Injector, fault_kinds, injector
 from .hooks import VllmCanary, install
 from .report import build_report
 from .workloads import (
+    DRAFT_NOISE,
     DTYPES,
     MODEL_ARCHS,
     MODEL_SIZES,
     SPECULATIVE,
     SPECULATIVE_SAMPLING_BUG,
+    SPECULATIVE_UNSUPPORTED,
     TENSOR_PARALLEL,
     Workload,
     arch_dtype,
     num_params,
     save_arch,
+    save_draft,
     save_llama,
     sim_engine_args,
     workloads,
@@ -88,6 +91,10 @@ class VllmSimConfig(EngineSimConfig):
                  f"model kind in {own} only")
         if self.speculative is not None and self.speculative not in SPECULATIVE:
             fail(f"--speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
+        unsupported = SPECULATIVE_UNSUPPORTED.get((self.model_arch, self.speculative or ""))
+        if unsupported is not None:
+            fail(f"--speculative {self.speculative} does not run --model-arch {self.model_arch} on vLLM's CPU "
+                 f"build: {unsupported}")
         if self.tensor_parallel not in TENSOR_PARALLEL:
             fail(f"--tensor-parallel must be one of {', '.join(map(str, TENSOR_PARALLEL))}, got "
                  f"{self.tensor_parallel!r}")
@@ -145,6 +152,8 @@ class VllmSimulation(EngineSimulation[VllmSimConfig, RunResult]):
     """Runs the configured workloads (reference, clean, one per fault kind) in one engine and records them."""
 
     unchecked: list[str] = field(default_factory=list)  # the install's lines on what goes unchecked
+    # the install's lines on what is checked but deliberately not fingerprinted (a draft model's K/V bytes)
+    notes: list[str] = field(default_factory=list)
     disabled: str | None = None  # why the canary checks nothing in this engine (None: it checks)
     thread_binding: str | None = None  # VLLM_CPU_OMP_THREADS_BIND of a tensor-parallel run
 
@@ -153,15 +162,18 @@ class VllmSimulation(EngineSimulation[VllmSimConfig, RunResult]):
                              backend=self.cfg.backend, sweep_interval=self.cfg.sweep_interval,
                              ring_capacity=self.cfg.ring_capacity)
 
-    def _note_install(self, disabled: str | None, unchecked: list[str]) -> None:
+    def _note_install(self, disabled: str | None, unchecked: list[str], notes: list[str]) -> None:
         if not self.unchecked and unchecked:
             self.unchecked = list(unchecked)
+        if not self.notes and notes:
+            self.notes = list(notes)
         self.disabled = disabled
 
     def _run(self, llm: Any, w: Workload, kind: str | None, offset: int, fault: Any) -> RunResult:
         opts = self._options()
         canary = install(llm, opts)
-        self._note_install(canary.disabled, canary.support.unchecked(opts.real_kv_hash))
+        self._note_install(canary.disabled, canary.support.unchecked(opts.real_kv_hash),
+                           canary.support.notes(opts.real_kv_hash))
         stats = WorkloadStats()
         tokens, wall = run_with_canary(canary, [stats] if fault is None else [stats, fault], lambda: w.run(llm))
         st = canary.state
@@ -177,7 +189,7 @@ class VllmSimulation(EngineSimulation[VllmSimConfig, RunResult]):
         """One run of a tensor-parallel engine: a canary in every worker, the fault (if any) on ``fault_rank``."""
         opts = self._options()
         installed = llm.collective_rpc(rpc_install, args=(opts, kind, self.cfg.inject_at, seed, fault_rank))
-        self._note_install(installed[0][1], installed[0][2])
+        self._note_install(*installed[0][1:])
         # as install() does in-process: blocks cached before the canary carry no records (a hit would read as
         # corruption), so the prefix cache starts empty
         if llm.reset_prefix_cache() is False:
@@ -221,10 +233,13 @@ class VllmSimulation(EngineSimulation[VllmSimConfig, RunResult]):
         folder = Path(tempfile.gettempdir()) / f"kvcanary-vllm-{cfg.model_arch}-{cfg.model_size}-seed{cfg.seed}"
         model_dir = save_arch(folder, cfg.model_arch, seed=cfg.seed) if cfg.model_arch != "llama" else \
             save_llama(folder, cfg.model_size, seed=cfg.seed)
+        draft_dir = None if cfg.speculative != "draft" else \
+            save_draft(model_dir, folder.with_name(f"{folder.name}-draft{DRAFT_NOISE}"), seed=cfg.seed)
         from vllm import LLM
 
         llm = LLM(model=str(model_dir), **sim_engine_args(model_dir, cfg.model_arch, cfg.model_size, cfg.dtype,
-                                                           cfg.speculative, cfg.tensor_parallel))
+                                                           cfg.speculative, cfg.tensor_parallel,
+                                                           draft_dir=draft_dir))
         self.model_params = num_params(cfg.model_size) if cfg.model_arch == "llama" else _params_of(llm)
         tp = cfg.tensor_parallel
 
@@ -315,10 +330,10 @@ def run_quietly(cfg: VllmSimConfig, *, progress: bool = True) -> dict[str, Any]:
 
 
 def rpc_install(worker: Any, options: Any, kind: str | None, inject_at: int, seed: int,
-                fault_rank: int) -> tuple[int, str | None, list[str]]:
+                fault_rank: int) -> tuple[int, str | None, list[str], list[str]]:
     """Install a canary (``options``, a ``CanaryOptions``) in ``worker``'s model runner, with the run's statistics
     observer and, on ``fault_rank`` only, an injector of ``kind``. Returns the worker's rank, why the canary is
-    disabled there (None: it checks), and its install-time lines."""
+    disabled there (None: it checks), its install-time lines on what goes unchecked and its notes."""
     import logging
 
     # the simulation's report carries every finding (as the in-process run's does): the worker's per-step
@@ -330,7 +345,8 @@ def rpc_install(worker: Any, options: Any, kind: str | None, inject_at: int, see
     canary.observers.append(WorkloadStats())
     if kind is not None and rank == fault_rank:
         canary.observers.append(injector(kind, inject_at, seed=seed, rank=fault_rank))
-    return rank, canary.disabled, canary.support.unchecked(options.real_kv_hash)
+    return (rank, canary.disabled, canary.support.unchecked(options.real_kv_hash),
+            canary.support.notes(options.real_kv_hash))
 
 
 def rpc_collect(worker: Any) -> dict[str, Any]:
