@@ -336,7 +336,7 @@ class CanaryRuntime(RecordMoves, Sweeping, Monitoring):
         # finish_step, and the step does not advance).
         entries = None
         if self.config.sweep_interval and step % self.config.sweep_interval == 0 and self.sweep_source is not None:
-            entries = sweep_entries(self.sweep_source())
+            entries = sweep_entries(self.sweep_source(), self.models)
         report = StepReport(step, -1)
         with self._nothing_lost(report):
             with self._timed("read"):

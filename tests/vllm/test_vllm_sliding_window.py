@@ -213,6 +213,8 @@ def test_null_blocks_of_a_prefix_hit_are_never_verified(seed):
     run_step(state, runner, [Row("B", q, 12, 4, {SW: [0, 2, 3, 4]})], seed)
     assert flagged(state) == set()
     assert verified(state)["G0"] == 5
+    # nor is the null block indexed for the sweep (A's block 1 stays: no row of the step shows it freed)
+    assert state.block_index.indexed(SW).tolist() == [1, 2, 3, 4]
 
 
 def hybrid_handover(seed: int, fault: bool) -> tuple[Runner, VllmCanaryState]:
@@ -359,3 +361,88 @@ def test_blocks_listed_to_zero_leave_every_groups_index(seed):
     assert sorted(state.block_index) == [(SW, 1), (SW, 2), (FULL, 3), (FULL, 4)]
     state.forget_blocks([2, 3, 30])
     assert sorted(state.block_index) == [(SW, 1), (FULL, 4)]
+
+
+# -- the sweep of a hybrid model: each group's own blocks, a block leaves every other group's index -------------
+
+def swept(state: VllmCanaryState) -> set[tuple[str, str, int, tuple[str, ...]]]:
+    """What the sweeps found: (canary group, launch tag, slot, reasons) of each SWEEP row."""
+    state.flush()
+    return {(v.group, v.violation.launch_tag, v.violation.slot, tuple(v.violation.reasons))
+            for v in state.violations if v.violation.launch_tag.startswith("SWEEP")}
+
+
+def flip_k(runner: Runner, slot: int) -> None:
+    """One bit of a token's K element 0 (column-major: token ``t`` of a block is element ``t`` of the plane);
+    the groups' layers share the tensor, so this is the token's K in whichever group holds the block."""
+    block, t = divmod(slot, BS)
+    plane = runner.cache[block, 0].reshape(-1).view(torch.int32)
+    plane[t] ^= 1 << 20
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_hybrid_sweep_verifies_each_groups_own_cached_blocks_and_finds_a_flip_in_each(seed):
+    """A (12 tokens: SW blocks 1, 2, 3; full 4, 5, 6) finishes; C, unrelated (SW 7, full 8), runs two steps, each
+    with a sweep. Worked by hand: the SW group holds A's blocks 1, 2, 3 (A's last step, queries from 8, read from
+    3 on: block 1 still in its window), the full group 4, 5, 6; the first sweep finds nothing. Then one bit of A's
+    SW block 3 (slot 13) and one of its full block 5 (slot 21) flip: the second sweep finds each in its own group
+    by its bytes, and nothing else (a sweep of one slot list on both groups would verify the SW blocks' slots
+    on the full group, whose records there are empty, and miss the full group's blocks)."""
+    runner = Runner(hybrid=True)
+    state = canary_state(runner, sweep_interval=1)
+    q = tokens(seed, 13)
+    run_step(state, runner, [Row("A", q[:12], 0, 8, {SW: [1, 2], FULL: [4, 5]})], seed)
+    run_step(state, runner, [Row("A", q[:12], 8, 4, {SW: [1, 2, 3], FULL: [4, 5, 6]})], seed)
+    c = Row("C", tokens(seed + 1, 8), 0, 2, {SW: [7], FULL: [8]})
+    run_step(state, runner, [c], seed)
+    assert swept(state) == set() and not state.violations
+    assert sorted(state.block_index) == [(SW, 1), (SW, 2), (SW, 3), (FULL, 4), (FULL, 5), (FULL, 6)]
+    flip_k(runner, 3 * BS + 1)
+    flip_k(runner, 5 * BS + 1)
+    c.prefix, c.extend = 2, 1
+    run_step(state, runner, [c], seed)
+    real_kv = ("VERIFY_REAL_KV_HASH_MISMATCH",)
+    assert swept(state) == {("G0", "SWEEP_K_SWA", 3 * BS + 1, real_kv), ("G1", "SWEEP_K_FULL", 5 * BS + 1, real_kv)}
+    assert {(v.group, v.violation.slot) for v in state.violations} == {("G0", 13), ("G1", 21)}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_cached_block_taken_by_the_other_group_leaves_the_first_groups_sweep(seed):
+    """A (8 tokens: SW blocks 1, 2; full 3, 4) finishes: its SW blocks 1, 2 are cached and indexed. vLLM then
+    evicts block 2 and hands it to B's full-attention group, whose layer writes its bytes (the SW layer's bytes
+    too). B's SW row never names block 2, so only the full group's table shows the move: the SW group's index
+    must drop it in that step, and the sweeps then find nothing (a sweep of block 2 as A's SW block would read
+    B's bytes against A's records)."""
+    runner = Runner(hybrid=True)
+    state = canary_state(runner, sweep_interval=1)
+    run_step(state, runner, [Row("A", tokens(seed, 8), 0, 8, {SW: [1, 2], FULL: [3, 4]})], seed)
+    b = Row("B", tokens(seed + 1, 8), 0, 4, {SW: [5], FULL: [2]})
+    run_step(state, runner, [b], seed)
+    assert sorted(state.block_index) == [(SW, 1), (SW, 5), (FULL, 2), (FULL, 3), (FULL, 4)]
+    b.prefix, b.extend, b.blocks = 4, 1, {SW: [5, 6], FULL: [2, 7]}
+    run_step(state, runner, [b], seed)  # block 2 is no longer held by the step: the sweep reads it in G1 only
+    assert flagged(state) == set()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_sweep_index_keeps_only_blocks_a_window_still_reads(seed):
+    """One SW group. A prefills 12 tokens (blocks 1, 2, 3). Step 1: A decodes 12 (window 7..12: block 1 left
+    it) next to B, a prefix hit on A's first 8 tokens writing 8 into block 5 (window 3..8: B still reads blocks 1
+    and 2), so block 1 stays indexed. Step 2: A alone decodes 13 (window 8..13): A's row shows blocks 1 and 2
+    below its window and no row of the step holds them: both leave the index (vLLM frees a block once no window
+    reads it and may hand it out at once; the index cannot see B's claim while B is not scheduled, and drops).
+    Step 3: B decodes 9 (window 4..9): its block 2 is indexed again, block 1 stays out. No sweep reads a block
+    outside the index, and nothing is flagged."""
+    runner = Runner(hybrid=False)
+    state = canary_state(runner, sweep_interval=1)
+    q = tokens(seed, 16)
+    b_tok = q[:8] + tokens(seed + 1, 4)
+    run_step(state, runner, [Row("A", q, 0, 12, {SW: [1, 2, 3]})], seed)
+    assert state.block_index.indexed(SW).tolist() == [1, 2, 3]
+    run_step(state, runner, [Row("A", q, 12, 1, {SW: [1, 2, 3, 4]}), Row("B", b_tok, 8, 1, {SW: [1, 2, 5]})], seed)
+    assert state.block_index.indexed(SW).tolist() == [1, 2, 3]
+    run_step(state, runner, [Row("A", q, 13, 1, {SW: [1, 2, 3, 4]})], seed)
+    assert state.block_index.indexed(SW).tolist() == [3]
+    run_step(state, runner, [Row("B", b_tok, 9, 1, {SW: [1, 2, 5]})], seed)
+    assert state.block_index.indexed(SW).tolist() == [2, 3]
+    assert flagged(state) == set()

@@ -177,18 +177,17 @@ def test_mistral_sliding_window_is_checked_whole_and_logs_nothing_unchecked(mist
         assert mistral_sw[f"raise_{real_kv_hash}_left_runner_as_it_was"]
 
 
-def test_gemma3_checks_both_its_groups_and_logs_the_sweep_off(gemma3):
+def test_gemma3_checks_both_its_groups_with_the_sweep_on_and_logs_nothing_unchecked(gemma3):
     assert gemma3["groups"] == [["SlidingWindowSpec", True, True], ["FullAttentionSpec", True, True]]
     assert gemma3["canary_groups"] == ["G0", "G1"]
     _token_exact_and_quiet(gemma3)
-    lines = _warnings(gemma3)
-    assert len(lines) == 1 and lines[0].startswith("kv-canary: prefix-cache sweep off (2 KV cache groups)")
-    assert gemma3["sweep_interval"] == 0
+    assert _warnings(gemma3) == []
+    assert gemma3["sweep_interval"] == 2  # every group checked: each sweeps its own cached blocks
     # every token was stamped in both groups (each prompt token at least once per group)
     assert gemma3["steps"] > 0 and gemma3["write_entries"] >= 2 * gemma3["prompt_tokens"]
     # and what it checks it really checks: a shifted position is caught in the step it happens
     assert gemma3["fault"] == [2, ["VERIFY_POSITION_MISMATCH", "WRITE_POSITION_MISMATCH"], 2]
-    # nothing is left unchecked, so raise mode installs (the sweep being off is no refusal)
+    # nothing is left unchecked, so raise mode installs
     for real_kv_hash in ("partial", "none"):
         assert gemma3[f"raise_{real_kv_hash}"][:3] == ["installed", True, 0]
         assert gemma3[f"raise_{real_kv_hash}_left_runner_as_it_was"]
@@ -208,7 +207,9 @@ def test_qwen3_next_skips_its_gated_delta_net_groups_and_checks_the_attention_gr
     partial = [line for line in lines if "(FullAttentionSpec;" in line]
     assert len(partial) == (0 if qwen3_next["groups"][kinds.index("FullAttentionSpec")][2] else 1)
     assert all("checked without real-KV hashes" in line for line in partial)
-    assert sum(line.startswith("kv-canary: prefix-cache sweep off") for line in lines) == 1
+    # the skipped groups write the shared block pool through tables the canary does not read: the sweep is off
+    sweep = [line for line in lines if line.startswith("kv-canary: prefix-cache sweep off")]
+    assert len(sweep) == 1 and "skipped" in sweep[0] and qwen3_next["sweep_interval"] == 0
     assert len(lines) == len(mamba) + len(partial) + 1
     assert qwen3_next["steps"] > 0 and qwen3_next["write_entries"] >= qwen3_next["prompt_tokens"]
     assert qwen3_next["fault"] == [2, ["VERIFY_POSITION_MISMATCH", "WRITE_POSITION_MISMATCH"], 2]
@@ -289,6 +290,26 @@ def test_the_layer_isa_decides_whether_kv_bytes_are_read_at_install(llm):
             layer.isa = "vec"
     assert found == {"vec16": [("isa-vec", True, "vec16")], "amx": [("isa-other", False, "amx")],
                      "neon": [("isa-other", False, "neon")]}
+
+
+def test_the_sweep_stays_on_while_every_group_is_checked_and_goes_off_beside_a_skipped_group():
+    """Gemma3-style (sliding-window + full, both checked): every write into the shared block pool is in a table the
+    canary reads, so the sweep runs. Qwen3-Next-style (a Mamba group skipped beside full attention): that group's
+    layers write blocks through a table the canary does not read, so the sweep is off, with one line naming it."""
+    def group(index: int, spec: str, rule: str) -> support.GroupDecision:
+        checked = support.RULE[rule].status == support.CHECKED
+        return support.GroupDecision(index, spec, (f"model.layers.{index}.attn",), support.RULE[rule],
+                                     support.RULE["isa-vec"] if checked else None, "vec" if checked else "")
+
+    hybrid = support.Support("CPUModelRunner", [group(0, "SlidingWindowSpec", "sliding-window"),
+                                                group(1, "FullAttentionSpec", "full")], [])
+    assert hybrid.sweep and hybrid.unchecked() == [] and hybrid.refusal("partial") is None
+    gdn = support.Support("CPUModelRunner", [group(0, "MambaSpec", "mamba"), group(1, "FullAttentionSpec", "full"),
+                                             group(2, "MambaSpec", "mamba")], [])
+    lines = gdn.unchecked()
+    assert not gdn.sweep and len(lines) == 3
+    assert lines[2].startswith("kv-canary: prefix-cache sweep off (KV cache group(s) G0, G2 skipped): the groups "
+                               "share vLLM's block pool")
 
 
 # -- the in-process llama (fp32): everything checked; the runner's flags read at install ----------------------

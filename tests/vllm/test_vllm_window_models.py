@@ -6,8 +6,9 @@ enough that vLLM preempts, with prefix caching on (a shared prefix, parallel sam
 then injects the faults of this model kind into vLLM's real structures.
 
 Expectations are hand-derived: no violation on a clean run, each group checked with its K/V bytes, the sweep on
-for the one-group model and off for the hybrid (support rule ``hybrid-sweep``), and a fault found in the group
-and at the slot it hit, in the step it took effect or the next (the records one step, the bytes at once)."""
+for both (each group sweeps its own cached blocks), a bit flipped in a cached block of each group found by that
+group's sweep alone, and a fault found in the group and at the slot it hit, in the step it took effect or the next
+(the records one step, the bytes at once)."""
 
 from __future__ import annotations
 
@@ -48,16 +49,29 @@ def test_every_group_of_a_sliding_window_model_is_checked_with_its_kv_bytes(run)
 
 
 def test_a_sliding_window_model_runs_token_exact_with_no_false_positive(run):
-    arch, _, r = run
+    _, _, r = run
     assert r["exact"] == {"mixed-lengths": True, "shared-prefix": True, "preemption": True,
                           "parallel-sampling": True, "long-prompt": True, "long-prompt-again": True}
     assert r["violations"] == [] and r["health"] == [] and r["dropped"] == 0
     assert r["preemptions"] > 0  # the KV budget really was too small
     assert r["counters"]["verify_entries"] > 0 and r["counters"]["write_entries"] > 0
-    if arch == "mistral-sw":  # one group: the sweep runs, over blocks that left windows too
-        assert r["sweep_interval"] == 2 and r["swept_slots"] > 0
-    else:
-        assert r["sweep_interval"] == 0 and r["swept_slots"] == 0
+    # the sweep runs in both, the hybrid's over each group's own blocks
+    assert r["sweep_interval"] == 2 and r["swept_slots"] > 0
+
+
+def test_a_bit_flipped_in_a_cached_block_of_each_group_is_found_by_that_groups_sweep(run):
+    """One bit of K in a block vLLM holds cached for each group (no request reads it while the short request
+    runs): each group's sweep reports exactly that slot, by its bytes, and nothing else reports anything (a
+    sweep of one group's slots in the other group, or of a block that moved to the other group, would)."""
+    arch, _, r = run
+    planted = r["planted"]
+    names = ["G0"] if arch == "mistral-sw" else ["G0", "G1"]
+    tags = {"G0": "SWEEP_K_SWA", "G1": "SWEEP_K_FULL"}
+    for name in names:
+        p = planted[name]
+        assert p["cached"] > 0 and p["candidates"] > 0 and p["slot"] is not None, (name, p)
+        assert p["found"] == [[tags[name], p["slot"], "VERIFY_REAL_KV_HASH_MISMATCH"]], (name, p)
+    assert planted["groups_with_rows"] == names
 
 
 def _found_at_the_victim(fault: dict) -> None:

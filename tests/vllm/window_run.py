@@ -6,8 +6,10 @@ JSON on a line starting with "RESULT " (one engine per process: vLLM keeps proce
 a shared prefix, more KV than the budget holds, parallel sampling) and long prompts (180 to 240 tokens, a window
 of 64), the long ones run twice so that the second run hits the prefix cache (null blocks where the window does
 not reach), on a KV cache of ``KV_BYTES``; each without the canary, then with it in ``log`` mode (NumPy backend,
-sweep every 2 steps where it is on); then each fault kind of :data:`MODEL_FAULT_KINDS` the model has a target for,
-on a fresh install."""
+sweep every 2 steps); then, on that install, one bit flipped in a cached block of each KV cache group (a block
+vLLM's block pool holds cached for that group and frees last, K of head 0, element 0 of one token) and a short
+request run until the sweeps have covered every indexed block: what the canary finds then; then each fault kind of
+:data:`MODEL_FAULT_KINDS` the model has a target for, on a fresh install."""
 
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ def main() -> None:
         "sweep_interval": None if state is None else int(state.rt.config.sweep_interval),
         "swept_slots": 0 if state is None else int(state.rt.stats()["swept_slots"]),
     }
+    result["planted"] = None if state is None else plant_and_sweep(llm, canary, seed)
     canary.remove()
 
     faults = {}
@@ -85,6 +88,58 @@ def main() -> None:
                              for r in v.violation.reasons})[:40]}
     result["faults"] = faults
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def plant_and_sweep(llm, canary, seed: int) -> dict:
+    """Flip one bit of a cached block of each checked group, run one short unrelated request for as many steps as
+    the sweep needs to cover every indexed block (twice over), flip the bits back. Returns, per group, the slot
+    hit and what the canary reported meanwhile (each distinct launch tag, slot and reason of the group's rows), and
+    how many rows it reported in all."""
+    import numpy as np
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_utils import get_group_id
+
+    from kvcanary_cupy.integrations.vllm.blocks import sweep_latency_steps
+
+    state = canary.state
+    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    free = pool.free_block_queue.get_all_free_blocks()  # least recently freed first: evicted first
+    rng = np.random.default_rng(2000 + seed)
+    flips, out = [], {}
+    for geo in state.geos:
+        cached = [b.block_id for b in free if b.block_id != 0 and b.block_hash is not None
+                  and get_group_id(b.block_hash) == geo.index]
+        indexed = set(state.block_index.indexed(geo.index).tolist())
+        late = [b for b in cached[len(cached) // 2:] if b in indexed]  # freed late: not evicted by the request
+        out[geo.name] = {"cached": len(cached), "candidates": len(late), "slot": None}
+        if not late:
+            continue
+        block, offset = int(rng.choice(late)), int(rng.integers(0, geo.block_size))
+        # vLLM's CPU `vec` layout: per (block, head) K column-major [head_size, block_size], so K element 0 of
+        # token `offset` is element `offset` of the plane's first row
+        element = geo.caches[0][block, 0, 0, offset:offset + 1].view(torch.uint8)
+        bit = int(rng.integers(0, 8 * element.numel()))
+        element[bit // 8] ^= 1 << (bit % 8)
+        flips.append((element, bit))
+        out[geo.name]["slot"] = block * geo.block_size + offset
+    before = len(canary.violations)
+    most = max(len(state.block_index.indexed(geo.index)) for geo in state.geos)
+    steps = 2 * sweep_latency_steps(most, state.block_index.blocks_per_sweep, int(state.rt.config.sweep_interval))
+    prompt = rng.integers(3, 512, 4).tolist()
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=min(steps + 2, 200), temperature=0.0,
+                                                                ignore_eos=True), use_tqdm=False)
+    canary.finish()
+    for element, bit in flips:
+        element[bit // 8] ^= 1 << (bit % 8)
+    found = canary.violations[before:]
+    for name in out:
+        out[name]["found"] = sorted({(v.violation.launch_tag, v.violation.slot, r) for v in found
+                                     if v.group.split(":")[0] == name for r in v.violation.reasons})[:20]
+    out["steps"] = steps
+    out["rows"] = len(found)
+    out["groups_with_rows"] = sorted({v.group.split(":")[0] for v in found})
+    return out
 
 
 if __name__ == "__main__":

@@ -8,7 +8,10 @@ process layout, so the index is what the sweep knows: a block a step writes to c
 in the sequence, a block still being filled is dropped (vLLM may have handed it out again since it was last
 complete; it does not zero reused blocks on this build), a block vLLM hands out fresh
 (``new_block_ids_to_zero``) is dropped, and a sliding-window group's block-table entries below a row's window
-(freed blocks whose ids the worker keeps, or the null block) are left out.
+(freed blocks whose ids the worker keeps, or the null block) are left out, and dropped where they were indexed
+(vLLM frees them and hands them out again at once). The groups of a hybrid model share one block pool and a layer
+of one group addresses the same bytes as a layer of another, so a block one group's rows hold is dropped from
+every other group's index in the same step.
 """
 
 from __future__ import annotations
@@ -68,7 +71,10 @@ class BlockIndex:
         dropped, except those another row stamps in this step (``stamped``: the block ids of the step's canary
         slots), which are that row's to index. ``first``: per row, the first block column the row still holds (a
         sliding-window group: the columns before it are out of the window, their ids stale or the null block,
-        and are neither indexed nor taken as held)."""
+        and are neither indexed nor taken as held; a block they name that no row of the step holds inside its
+        window is dropped: vLLM has freed it). Every block the rows hold inside their windows is dropped from the
+        other groups' indexes (one block pool: it is this group's now, and its layers write the bytes the other
+        groups' layers read)."""
         where, bs = self.where[gi], self.block_sizes[gi]
         if not totals.size:
             self.live[gi][:] = False
@@ -92,6 +98,8 @@ class BlockIndex:
         live[:] = False
         live[blocks[(blocks >= 0) & (blocks < live.shape[0])]] = True
         used = (cols[None, :] < reach[:, None]) & inside
+        if first is not None or len(self.where) > 1:
+            self._drop_freed_and_claimed(gi, table, used, (cols[None, :] < reach[:, None]) & ~inside)
         if partial:
             others = np.zeros(table.shape, bool) if stamped is None else np.isin(table, stamped)
             used &= ~((ends > totals)[:, None] & (cols[None, :] >= complete[:, None]) & others)
@@ -103,6 +111,22 @@ class BlockIndex:
         # the last occurrence of a block decides: unique over the reversed list keeps each block's last value
         last, first_in_reversed = np.unique(blocks[::-1], return_index=True)
         where[last] = value[::-1][first_in_reversed]
+
+    def _drop_freed_and_claimed(self, gi: int, table: np.ndarray, used: np.ndarray, below: np.ndarray) -> None:
+        """Group ``gi``'s rows hold the blocks at ``used`` (inside their windows): drop them from every other
+        group's index; the blocks at ``below`` (out of a sliding window) that no row holds are dropped from
+        ``gi``'s own."""
+        held = np.unique(table[used])
+        held = held[held > 0]
+        for other, where in self.where.items():
+            if other == gi:
+                continue
+            ids = held[held < where.shape[0]]
+            where[ids[where[ids] >= 0]] = -1
+        if below.any():
+            where = self.where[gi]
+            freed = np.setdiff1d(table[below], held)
+            where[freed[(freed > 0) & (freed < where.shape[0])]] = -1
 
     def indexed(self, gi: int) -> np.ndarray:
         """The block ids group ``gi`` has indexed, ascending."""

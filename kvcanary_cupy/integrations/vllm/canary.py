@@ -342,12 +342,13 @@ class VllmCanaryState(EngineCanaryState):
             self.block_index.note_step(geo.index, batch.block_tables[geo.index], totals, batch.valid_lens, stamped,
                                        first)
 
-    def _cached_slots(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The sweep source: the slots of the next round-robin share of the complete blocks still indexed, with
-        their positions; predecessors inside a block, none across blocks (prev 0 skips that one chain check, a
-        first block anchors at -1)."""
-        geo = self.geos[0]
-        return self.block_index.sweep_entries(geo.index, geo.block_size, geo.block_size)
+    def _cached_slots(self) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """The sweep source, per checked KV cache group (a runtime model: each group has its own block table and
+        slot numbering): the slots of the next round-robin share of the group's complete blocks still indexed,
+        with their positions; predecessors inside a block, none across blocks (prev 0 skips that one chain check,
+        a first block anchors at -1)."""
+        return {geo.name: self.block_index.sweep_entries(geo.index, geo.block_size, geo.block_size)
+                for geo in self.geos}
 
 
 def sweep_blocks(max_num_tokens: int, block_size: int) -> int:
