@@ -74,3 +74,16 @@ def test_the_tail_thread_reports_a_corrupted_prefix_at_the_step_and_slots_the_in
     assert {r[3] for r in threaded if r[0] == start} == set(range(len(prompt) // block * block))
     # the blocks the engine hands out differ between the two runs (its free list moved on): slots may differ
     assert {r[:2] + r[3:] for r in threaded} == {r[:2] + r[3:] for r in inline}
+
+
+def test_raise_mode_runs_the_tail_inline_so_a_violation_fails_the_step_whose_read_found_it(llm):
+    canary = kv.install(llm, backend="numpy", mode="raise")
+    try:
+        assert canary.state.tail is None
+    finally:
+        canary.remove()
+    canary = kv.install(llm, backend="numpy")
+    try:
+        assert canary.state.tail is not None
+    finally:
+        canary.remove()
