@@ -31,7 +31,7 @@ after is recorded. Next to it, per step, where the time goes: the forward of vLL
 without), the canary's phase timers, and wall clocks around each part of the canary's step (building the step, the
 slot table, staging, plan/HEAD, TAIL, the block index, the ring read and sweep, the observers), the rest of the hook
 being the hook's own Python. In ``log`` mode the TAIL launches, the block index and the ring read run on the
-canary's TAIL thread while vLLM samples and schedules (docs/vllm.md): their clocks are reported apart, and what
+canary's TAIL thread while vLLM samples and schedules, after the plan and HEAD launches (docs/vllm.md): their clocks are reported apart, and what
 the engine thread pays for them is the wait at the start of the next step (``wait for TAIL``). ``scaling`` (full
 size only): the canary's time per decode step against vLLM's own
 forward per step, for 1, 4 and 8 requests at 64- and 448-token contexts.
@@ -114,7 +114,7 @@ def patch_forward(runner: Any, clock_of: Any) -> None:
 
 def instrument(canary: Any, clock: StepClock) -> None:
     """Wall clocks around the canary's parts (instance attributes; ``remove()`` of the canary drops the hooks).
-    ``TAIL``, ``block index`` and ``ring read + sweep`` run on the TAIL thread in log mode; ``wait for TAIL`` is
+    ``plan + HEAD``, ``TAIL``, ``block index`` and ``ring read + sweep`` run on the TAIL thread in log mode; ``wait for TAIL`` is
     what the engine thread waits for them at the start of the next step."""
     st, runner = canary.state, canary.runner
     for name, part in (("read_step", "build step"), ("_fill_table", "slot table"),
@@ -303,9 +303,9 @@ def scaling(run: Any, vocab: int) -> list[dict[str, Any]]:
 
 
 # the engine thread's parts (in the hook, or the wait before the step) and the TAIL thread's
-ENGINE_PARTS = ["build step", "slot table", "step batches", "stage + scatter", "plan + HEAD", "fresh blocks",
-                "observers", "wait for TAIL"]
-TAIL_PARTS = ["TAIL", "block index", "ring read + sweep"]
+ENGINE_PARTS = ["build step", "slot table", "step batches", "stage + scatter", "fresh blocks", "observers",
+                "wait for TAIL"]
+TAIL_PARTS = ["plan + HEAD", "TAIL", "block index", "ring read + sweep"]
 
 
 def _cpu_share(w: dict[str, Any]) -> str:

@@ -249,7 +249,10 @@ class VllmCanary(InstanceOverrides):
                 start = time.perf_counter()
                 batch = st.read_step(kwargs, metadata)
                 st.seconds["batch"] += time.perf_counter() - start
-                st.before_forward(batch)
+                # Inline when something reads or perturbs the canary around the forward: an observer (fault
+                # injection), or a connector that saves the TAIL records with the KV.
+                inline = bool(self.observers) or (self.connector is not None and self.connector.carries_records)
+                st.before_forward(batch, inline=inline)
             except BaseException as exc:
                 self._hook_failed = True
                 if isinstance(exc, CanaryViolationError):  # raise mode: what failed the step is kept
@@ -260,9 +263,6 @@ class VllmCanary(InstanceOverrides):
                 t = batch.forward_len
                 written = {geo.index: np.asarray(metadata[geo.layer_names[0]].slot_mapping[:t].numpy(),
                                                  np.int64).copy() for geo in st.geos}
-                # Inline when something reads or perturbs the canary right after the step: an observer (fault
-                # injection), or a connector that saves the TAIL records with the KV.
-                inline = bool(self.observers) or (self.connector is not None and self.connector.carries_records)
                 st.after_forward(batch, written, inline=inline)
                 for obs in self.observers:
                     obs.after_forward(self, batch.step, batch)
