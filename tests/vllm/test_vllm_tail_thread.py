@@ -13,7 +13,7 @@ from kvcanary_cupy.integrations import vllm as kv
 
 
 class Watcher:
-    """An observer that changes nothing (any observer makes the canary run its TAIL inline)."""
+    """An observer that changes nothing (the hooks wait for the TAIL work before they call an observer)."""
 
     def before_forward(self, canary, step, kwargs, metadata) -> None:
         pass
@@ -38,8 +38,10 @@ def corrupted_prefix_rows(llm, prompt: list[int], *, inline: bool) -> tuple[set[
         return work(*args)
 
     state._tail_work = tail_work
-    if inline:
-        canary.observers.append(Watcher())
+    canary.observers.append(Watcher())  # waits for the TAIL work after each step: changes nothing here
+    if inline:  # as in raise mode
+        state.tail.close()
+        state.tail = None
     try:
         params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
         llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)

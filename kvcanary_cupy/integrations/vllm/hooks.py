@@ -249,9 +249,8 @@ class VllmCanary(InstanceOverrides):
                 start = time.perf_counter()
                 batch = st.read_step(kwargs, metadata)
                 st.seconds["batch"] += time.perf_counter() - start
-                # Inline when something reads or perturbs the canary around the forward: an observer (fault
-                # injection), or a connector that saves the TAIL records with the KV.
-                inline = bool(self.observers) or (self.connector is not None and self.connector.carries_records)
+                # Inline when a connector saves the TAIL records with the KV (it reads them inside the step).
+                inline = self.connector is not None and self.connector.carries_records
                 st.before_forward(batch, inline=inline)
             except BaseException as exc:
                 self._hook_failed = True
@@ -264,6 +263,10 @@ class VllmCanary(InstanceOverrides):
                 written = {geo.index: np.asarray(metadata[geo.layer_names[0]].slot_mapping[:t].numpy(),
                                                  np.int64).copy() for geo in st.geos}
                 st.after_forward(batch, written, inline=inline)
+                if self.observers:
+                    # an observer (fault injection) sees the step done: what it perturbs now is found by a later
+                    # step, exactly as with the TAIL run inline
+                    self._settle()
                 for obs in self.observers:
                     obs.after_forward(self, batch.step, batch)
             except BaseException as exc:
