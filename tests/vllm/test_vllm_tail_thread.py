@@ -13,7 +13,7 @@ from kvcanary_cupy.integrations import vllm as kv
 
 
 class Watcher:
-    """An observer that changes nothing (any observer makes the canary run its TAIL inline)."""
+    """An observer that changes nothing (the hooks wait for the TAIL work before they call an observer)."""
 
     def before_forward(self, canary, step, kwargs, metadata) -> None:
         pass
@@ -38,8 +38,10 @@ def corrupted_prefix_rows(llm, prompt: list[int], *, inline: bool) -> tuple[set[
         return work(*args)
 
     state._tail_work = tail_work
-    if inline:
-        canary.observers.append(Watcher())
+    canary.observers.append(Watcher())  # waits for the TAIL work after each step: changes nothing here
+    if inline:  # as in raise mode
+        state.tail.close()
+        state.tail = None
     try:
         params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
         llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
@@ -74,3 +76,16 @@ def test_the_tail_thread_reports_a_corrupted_prefix_at_the_step_and_slots_the_in
     assert {r[3] for r in threaded if r[0] == start} == set(range(len(prompt) // block * block))
     # the blocks the engine hands out differ between the two runs (its free list moved on): slots may differ
     assert {r[:2] + r[3:] for r in threaded} == {r[:2] + r[3:] for r in inline}
+
+
+def test_raise_mode_runs_the_tail_inline_so_a_violation_fails_the_step_whose_read_found_it(llm):
+    canary = kv.install(llm, backend="numpy", mode="raise")
+    try:
+        assert canary.state.tail is None
+    finally:
+        canary.remove()
+    canary = kv.install(llm, backend="numpy")
+    try:
+        assert canary.state.tail is not None
+    finally:
+        canary.remove()

@@ -234,6 +234,7 @@ class VllmCanaryState(EngineCanaryState):
         # (:class:`TailThread`; the hooks wait for them before the next step starts). Raise mode runs them
         # inline: a violation then fails the step whose ring read found it, not the engine's next request.
         self.tail = TailThread() if opts.mode == "log" else None
+        self.head_deferred = False  # this step's phase 2 waits for the TAIL work (before_forward)
 
     # -- the step --------------------------------------------------------------------------------------------
 
@@ -251,17 +252,22 @@ class VllmCanaryState(EngineCanaryState):
         return build_step(self.steps, self.runner, kwargs, metadata, self.geos, self.max_tokens, self.unstamped,
                           self.histories, self.drafts)
 
-    def before_forward(self, batch: VllmStep) -> None:
-        """Phases 1 and 2 of every group: stage the batch, then plan, HEAD verify and HEAD write."""
+    def before_forward(self, batch: VllmStep, *, inline: bool = False) -> None:
+        """Phases 1 and 2 of every group: stage the batch, then plan, HEAD verify and HEAD write. With the TAIL
+        thread (unless ``inline``) phase 2 goes with the TAIL work, after the forward: the plan reads only the
+        canary's own staged copies and tables, and the HEAD launches only the HEAD buffers, none of which the
+        forward touches, so they find what they would find before it; the engine thread then only stages."""
         b = batch.size
         if b > self.max_requests:
             fail(f"vLLM scheduled {b} requests in one step, more than the {self.max_requests} the canary was "
                  "sized for (max_num_seqs)")
         steps = self._step_batches(batch, [batch.slot_mappings[geo.index] for geo in self.geos], batch.history_ids)
+        self.head_deferred = self.tail is not None and not inline
         for geo, step in zip(self.geos, steps, strict=True):
             self._fill_table(geo, batch)
             self.rt.prepare(step, model=geo.name)
-            self.rt.pre_forward(model=geo.name)
+            if not self.head_deferred:
+                self.rt.pre_forward(model=geo.name)
 
     def _fill_table(self, geo: GroupGeometry, batch: VllmStep) -> None:
         """Rows ``1..B`` of the group's per-position slot table from this step's block table."""
@@ -286,12 +292,16 @@ class VllmCanaryState(EngineCanaryState):
         one-step-late read of the rings and, when due, the sweep. All of it runs on the TAIL thread unless
         ``inline`` (or raise mode); :meth:`settle` waits for it. Nothing here reads the runner: ``batch`` and
         ``written`` are this step's own copies."""
+        head, self.head_deferred = self.head_deferred, False
         if self.tail is None or inline:
-            self._tail_work(batch, written)
+            self._tail_work(batch, written, head)
         else:
-            self.tail.submit(self._tail_work, batch, written)
+            self.tail.submit(self._tail_work, batch, written, head)
 
-    def _tail_work(self, batch: VllmStep, written: dict[int, np.ndarray]) -> None:
+    def _tail_work(self, batch: VllmStep, written: dict[int, np.ndarray], head: bool = False) -> None:
+        if head:  # phase 2, deferred by before_forward
+            for geo in self.geos:
+                self.rt.pre_forward(model=geo.name)
         for geo in self.geos:
             planned = batch.slot_mappings[geo.index]
             self._post_forward(geo.name, batch.canary_tokens(written[geo.index], planned), planned)

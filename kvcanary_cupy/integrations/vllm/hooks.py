@@ -249,7 +249,9 @@ class VllmCanary(InstanceOverrides):
                 start = time.perf_counter()
                 batch = st.read_step(kwargs, metadata)
                 st.seconds["batch"] += time.perf_counter() - start
-                st.before_forward(batch)
+                # Inline when a connector saves the TAIL records with the KV (it reads them inside the step).
+                inline = self.connector is not None and self.connector.carries_records
+                st.before_forward(batch, inline=inline)
             except BaseException as exc:
                 self._hook_failed = True
                 if isinstance(exc, CanaryViolationError):  # raise mode: what failed the step is kept
@@ -260,10 +262,11 @@ class VllmCanary(InstanceOverrides):
                 t = batch.forward_len
                 written = {geo.index: np.asarray(metadata[geo.layer_names[0]].slot_mapping[:t].numpy(),
                                                  np.int64).copy() for geo in st.geos}
-                # Inline when something reads or perturbs the canary right after the step: an observer (fault
-                # injection), or a connector that saves the TAIL records with the KV.
-                inline = bool(self.observers) or (self.connector is not None and self.connector.carries_records)
                 st.after_forward(batch, written, inline=inline)
+                if self.observers:
+                    # an observer (fault injection) sees the step done: what it perturbs now is found by a later
+                    # step, exactly as with the TAIL run inline
+                    self._settle()
                 for obs in self.observers:
                     obs.after_forward(self, batch.step, batch)
             except BaseException as exc:
