@@ -238,7 +238,10 @@ def measure(spec: dict[str, Any], backend: str, profile: bool = True, engine_nam
             result["canary_steps"] = canary.state.steps
         return result
 
-    params = sum(p.numel() for p in runner.model.parameters())
+    from safetensors import safe_open
+
+    with safe_open(str(Path(runner.model_config.model) / "model.safetensors"), "np") as f:
+        params = sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())
     out: dict[str, Any] = {"engine": engine_name, "params": params, "spec": spec, "backend": backend,
                            "load_before": os.getloadavg()[0],
                            "options": {k: getattr(options, k) for k in ("mode", "real_kv_hash", "with_v",

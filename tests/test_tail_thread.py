@@ -76,3 +76,23 @@ def test_close_stops_the_worker_and_a_later_submit_starts_a_new_one():
     tail.submit(out.append, 3)
     tail.close()
     assert out == [3]
+
+
+def test_threads_on_this_thread_caps_the_calling_threads_launches_only():
+    from kvcanary_cupy.hostcuda import _capped, threads_on_this_thread
+
+    assert _capped(4) == 4
+    with threads_on_this_thread(1):
+        assert _capped(4) == 1 and _capped(1) == 1
+        other: list[int] = []
+        worker = threading.Thread(target=lambda: other.append(_capped(4)))
+        worker.start()
+        worker.join()
+        assert other == [4]  # another thread's launches keep their count
+        with threads_on_this_thread(2):
+            assert _capped(4) == 2
+        assert _capped(4) == 1
+    assert _capped(4) == 4
+    with pytest.raises(ValueError, match="^kv-canary: threads"), threads_on_this_thread(0):
+        pass
+    assert _capped(4) == 4

@@ -32,6 +32,7 @@ ThreadSanitizer; such a module loads only into a process started with the saniti
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -70,6 +71,7 @@ __all__ = [
     "probe_compiler",
     "sanitizer_preload",
     "set_host_threads",
+    "threads_on_this_thread",
 ]
 
 #: Word that fills shared memory before every block (and that a shuffle from a non-participating lane
@@ -168,6 +170,29 @@ def set_host_threads(threads: int | None) -> None:
 def host_threads() -> int:
     """The number of OS threads a host launch uses unless its module or the launch says otherwise."""
     return _threads_setting if _threads_setting is not None else default_host_threads()
+
+
+_calling_thread = threading.local()  # ``cap``: the most OS threads a launch from this thread may use
+
+
+@contextlib.contextmanager
+def threads_on_this_thread(threads: int) -> Any:
+    """Inside the block, every host launch the calling thread makes uses at most ``threads`` OS threads (1 to
+    256), whatever its module, its bound count or :func:`host_threads` say. For a thread that itself runs beside
+    other work (an engine canary's TAIL thread, while the engine's own thread runs Python): waking the pool's
+    workers there would take the cores that work needs. Other threads' launches are unchanged."""
+    value = _threads_value(threads, "threads")
+    before = getattr(_calling_thread, "cap", None)
+    _calling_thread.cap = value
+    try:
+        yield
+    finally:
+        _calling_thread.cap = before
+
+
+def _capped(nthreads: int) -> int:
+    cap = getattr(_calling_thread, "cap", None)
+    return nthreads if cap is None or nthreads <= cap else cap
 
 
 class HostBuildError(RuntimeError):
@@ -948,7 +973,7 @@ class HostKernel:
         """Runs the kernel to completion on up to ``threads`` OS threads (None: the module's ``threads``, else
         :func:`host_threads`). ``stream`` is accepted for CuPy compatibility and ignored."""
         del stream
-        nthreads = self._thread_count(threads)
+        nthreads = _capped(self._thread_count(threads))
         grid3 = _dims(grid, "grid")
         block3 = _dims(block, "block")
         shared = operator.index(shared_mem)
@@ -993,6 +1018,7 @@ class HostKernel:
                 nthreads = threads_of()
             else:
                 nthreads = fixed if fixed is not None else self._thread_count(None)
+            nthreads = _capped(nthreads)
             if launch(index, packed.grid, packed.block, 0, packed.argv, nthreads, packed.error, _ERROR_BUFFER) != 0:
                 raise HostLaunchError(packed.error.value.decode(errors="replace"))
 

@@ -296,7 +296,15 @@ class VllmCanaryState(EngineCanaryState):
         if self.tail is None or inline:
             self._tail_work(batch, written, head)
         else:
-            self.tail.submit(self._tail_work, batch, written, head)
+            self.tail.submit(self._tail_work_beside, batch, written, head)
+
+    def _tail_work_beside(self, batch: VllmStep, written: dict[int, np.ndarray], head: bool) -> None:
+        """The TAIL work on the TAIL thread: its host launches on that thread alone (it is the parallelism; a
+        pool worker would take the core vLLM's own thread needs meanwhile)."""
+        from ...hostcuda import threads_on_this_thread
+
+        with threads_on_this_thread(1):
+            self._tail_work(batch, written, head)
 
     def _tail_work(self, batch: VllmStep, written: dict[int, np.ndarray], head: bool = False) -> None:
         if head:  # phase 2, deferred by before_forward
