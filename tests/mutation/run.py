@@ -24,18 +24,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRATCH = ROOT / "build" / "mutate"
-PYTEST = ["-q", "-p", "no:cacheprovider", "--benchmark-disable", "-x", "-k", "not host and not cuda"]
+PYTEST = ["-q", "-p", "no:cacheprovider", "--benchmark-disable", "-x"]
+# The tests parametrized for the host or CUDA backend are left out: the Python modules are mutated, the NumPy
+# backend runs them. ``-k`` matches any part of a test's id, so a target whose ids name "host" otherwise (the
+# simulator's tier-host-page-reused fault) gives its own expression.
+NOT_KERNEL_BACKENDS = "not host and not cuda"
 
 @dataclass(frozen=True)
 class Target:
     """What one target mutates (``modules``, narrowed to the mutants matching ``mutants`` globs when given) and
     the tests that pin it; ``env`` ``"vllm"``: mutmut and the tests run in vLLM's own environment (``.venv-vllm``,
-    or ``KVCANARY_VLLM_PYTHON``) with its OpenMP library preloaded, as ``make test-vllm`` runs them."""
+    or ``KVCANARY_VLLM_PYTHON``) with its OpenMP library preloaded, as ``make test-vllm`` runs them; ``keywords``:
+    the ``-k`` expression that selects the tests' NumPy runs."""
 
     modules: list[str]
     tests: list[str]
     mutants: list[str] = field(default_factory=list)
     env: str = "main"
+    keywords: str = NOT_KERNEL_BACKENDS
 
 
 # The runtime package's modules, one list for the targets below (edit here when the package's modules change).
@@ -79,7 +85,9 @@ TARGETS: dict[str, Target] = {
     "tiers": Target(["kvcanary_cupy/tiers.py"],
                     ["tests/test_tiers.py", "tests/test_runtime_tiers.py", "tests/test_tier_calls.py",
                      "tests/test_offloaded_records_checks.py"]),
-    "sim_tiers": Target(["kvcanary_cupy/sim/tiers.py"], ["tests/test_sim_tiers.py"]),
+    # the tiered simulator: its fault kinds' NumPy runs (tier-host-page-reused's among them) and the L3 directory
+    "sim_tiers": Target(["kvcanary_cupy/sim/tiers.py"], ["tests/test_sim_tiers.py", "tests/test_sim_tier_dir.py"],
+                        keywords="not cuda and (not host or numpy)"),
     "kv_bytes": Target(["kvcanary_cupy/kv_bytes.py"],
                        ["tests/test_kv_layouts.py", "tests/test_kv_layout_refusals.py",
                         "tests/test_kv_layouts_amx.py"]),
@@ -149,7 +157,7 @@ def run_python_target(name: str, max_children: int, mutants: list[str]) -> tuple
                 f'source_paths = ["kvcanary_cupy"]\n'
                 f"only_mutate = {_toml_list(modules)}\n"
                 f'also_copy = ["kernels", "setup.py", "README.md"]\n'
-                f"pytest_add_cli_args = {_toml_list(PYTEST)}\n"
+                f"pytest_add_cli_args = {_toml_list([*PYTEST, '-k', target.keywords])}\n"
                 f"pytest_add_cli_args_test_selection = {_toml_list(tests)}\n"
                 "use_git_change_detection = false\n")
     mutmut = [python, "-c", "import sys; from mutmut.__main__ import cli; sys.exit(cli())"]
