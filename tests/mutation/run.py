@@ -85,8 +85,10 @@ TARGETS: dict[str, Target] = {
     "tiers": Target(["kvcanary_cupy/tiers.py"],
                     ["tests/test_tiers.py", "tests/test_runtime_tiers.py", "tests/test_tier_calls.py",
                      "tests/test_offloaded_records_checks.py"]),
-    # the tiered simulator: its fault kinds' NumPy runs (tier-host-page-reused's among them) and the L3 directory
-    "sim_tiers": Target(["kvcanary_cupy/sim/tiers.py"], ["tests/test_sim_tiers.py", "tests/test_sim_tier_dir.py"],
+    # the tiered simulator: its fault kinds' NumPy runs (tier-host-page-reused's among them), its bookkeeping
+    # (pins, locks, counts, fault records) and the L3 directory
+    "sim_tiers": Target(["kvcanary_cupy/sim/tiers.py"],
+                        ["tests/test_sim_tiers.py", "tests/test_sim_tier_bookkeeping.py", "tests/test_sim_tier_dir.py"],
                         keywords="not cuda and (not host or numpy)"),
     "kv_bytes": Target(["kvcanary_cupy/kv_bytes.py"],
                        ["tests/test_kv_layouts.py", "tests/test_kv_layout_refusals.py",
