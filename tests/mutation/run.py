@@ -56,7 +56,10 @@ BOUNDED_VERIFY_MUTANTS = ["*x_select_window__mutmut_*", "*x_verify_latency_bound
 TARGETS: dict[str, Target] = {
     "transfer": Target(["kvcanary_cupy/transfer.py", "kvcanary_cupy/backends/numpy_transfer.py"],
                        ["tests/test_transfer.py", "tests/test_transfer_edges.py", "tests/test_tier_calls.py"]),
-    "runtime": Target(RUNTIME_MODULES, ["tests/test_runtime.py", "tests/test_runtime_chunks_and_order.py"]),
+    # the record moves (offload, restore) are pinned by the tier tests of the runtime
+    "runtime": Target(RUNTIME_MODULES, ["tests/test_runtime.py", "tests/test_runtime_chunks_and_order.py",
+                                        "tests/test_runtime_tiers.py", "tests/test_runtime_restore_arguments.py",
+                                        "tests/test_offloaded_records_checks.py"]),
     "plan": Target(["kvcanary_cupy/backends/numpy_plan.py", "kvcanary_cupy/backends/numpy_plan_entries.py"],
                    ["tests/test_plan_edge_cases.py", "tests/test_plan_validation.py",
                     "tests/test_plan_device_value_messages.py", "tests/test_plan_reference_corner_cases.py",
