@@ -22,7 +22,9 @@ from kvcanary_cupy.kv_layouts import (
     UNBOUNDED_SLOTS,
     flash_attn_source,
     flashinfer_hnd_source,
+    vllm_attention_source,
     vllm_cpu_source,
+    vllm_mla_source,
 )
 
 CPU_BACKENDS = [
@@ -417,12 +419,18 @@ def _torch_preset(name: str, torch):
     if name == "flash":
         cache = torch.arange(2 * 4 * 2 * 16, dtype=torch.float32).reshape(2, 4, 2, 16).transpose(1, 2)
         return cache, flash_attn_source(cache, which="v", read_bytes=64)
-    cache = torch.arange(2 * 2 * 4 * 16, dtype=torch.float32).reshape(2, 2, 4, 16)
-    return cache, flashinfer_hnd_source(cache, which="v", read_bytes=64)
+    if name == "hnd":
+        cache = torch.arange(2 * 2 * 4 * 16, dtype=torch.float32).reshape(2, 2, 4, 16)
+        return cache, flashinfer_hnd_source(cache, which="v", read_bytes=64)
+    if name == "packed":  # unequal K and V head sizes, the layout named
+        cache = torch.arange(2 * 2 * 4 * 16, dtype=torch.float32).reshape(2, 2, 4, 16)
+        return cache, vllm_attention_source(cache, head_size=4, which="v", read_bytes=64, kv_cache_layout="LBHNC")
+    cache = torch.arange(2 * 4 * 16, dtype=torch.float32).reshape(2, 4, 16)  # MLA: the source reads it whole
+    return cache, vllm_mla_source(cache, which="k", read_bytes=64)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("preset", ["cpu", "flash", "hnd"])
+@pytest.mark.parametrize("preset", ["cpu", "flash", "hnd", "packed", "mla"])
 @pytest.mark.parametrize("move", ["set_", "resize_"])
 def test_a_preset_source_over_a_torch_cache_moved_later_is_refused_like_a_plain_source(backend, preset, move):
     """A preset reads K or V through a view of the cache; re-pointing the cache itself (``set_``) or growing it

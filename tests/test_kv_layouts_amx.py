@@ -378,3 +378,36 @@ def test_a_launch_past_what_a_split_layout_covers_is_refused_before_anything_is_
         write(ctx, [1], [-1], [0], [5], [0], backend=backend)
     assert all(a.tobytes() == b.tobytes() for a, b in zip(before, (ctx.canary_buf, ctx.status, ctx.violation_ring),
                                                           strict=True))
+
+
+def test_a_layouts_token_and_element_terms_split_their_index_into_two_digits():
+    """The offsets the class documents, worked by hand: tokens in tiles of 16 (a tile 4096 bytes, a token 64
+    inside it), elements in pairs (a pair 256 bytes apart, the two elements of a pair 2 bytes apart); without
+    splits, index times stride."""
+    amx = kc.KvByteLayout(page_stride=1 << 16, token_stride=64, head_stride=8192, element_stride=2, num_heads=2,
+                          elements_per_head=32, element_bytes=2, tokens_per_tile=16, tile_stride=4096,
+                          elements_per_group=2, group_stride=256)
+    assert [amx.token_term(o) for o in (0, 1, 15, 16, 17, 33)] == [0, 64, 960, 4096, 4160, 8256]
+    assert [amx.element_term(e) for e in (0, 1, 2, 3, 31)] == [0, 2, 256, 258, 3842]
+    plain = kc.KvByteLayout(page_stride=4096, token_stride=96, head_stride=32, element_stride=4, num_heads=3,
+                            elements_per_head=8, element_bytes=4)
+    assert [plain.token_term(o) for o in (0, 1, 7)] == [0, 96, 672]
+    assert [plain.element_term(e) for e in (0, 1, 7)] == [0, 4, 28]
+
+
+def test_a_split_layouts_walk_is_the_widest_its_alignment_allows():
+    """Elements in groups never take a run (a group's elements are not one run), even with every stride
+    16-byte aligned; tokens in tiles whose strides are all 16-byte aligned read each token as one run, like an
+    untiled layout of the same token (one head of 32 two-byte elements, 64 bytes)."""
+    from kvcanary_cupy.kv_layouts import ACCESS_TOKEN_RUN
+
+    grouped = kc.KvByteLayout(page_stride=1 << 16, token_stride=64, head_stride=0, element_stride=2, num_heads=1,
+                              elements_per_head=32, element_bytes=2, elements_per_group=2, group_stride=256)
+    assert grouped.access_kind() == ACCESS_ELEMENTS
+    tiled = kc.KvByteLayout(page_stride=1 << 16, token_stride=64, head_stride=0, element_stride=2, num_heads=1,
+                            elements_per_head=32, element_bytes=2, tokens_per_tile=16, tile_stride=4096)
+    assert tiled.access_kind() == ACCESS_TOKEN_RUN
+    unaligned_tiles = kc.KvByteLayout(page_stride=1 << 16, token_stride=64, head_stride=0, element_stride=2,
+                                      num_heads=1, elements_per_head=32, element_bytes=2, tokens_per_tile=16,
+                                      tile_stride=4098)
+    assert unaligned_tiles.access_kind() == ACCESS_ELEMENTS

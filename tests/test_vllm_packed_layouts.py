@@ -9,7 +9,9 @@ torch indexing (``cache[b, h, n, :head_size]`` for each head), copied into one c
 
 from __future__ import annotations
 
+import enum
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -197,25 +199,107 @@ def test_a_layout_whose_strides_disagree_with_the_named_layout_is_refused():
         vllm_attention_source(lbnhc, head_size=8, which="k", read_bytes=16, kv_cache_layout=ok)
 
 
-@pytest.mark.parametrize(("call", "words"), [
+LAYOUT_NAMES = "LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC"  # vLLM 0.32's KVCacheLayout members, in its order
+PACKED_4D = "[num_blocks, num_kv_heads, block_size, head_size + head_size_v]"
+
+
+# every refusal's whole message (a prefix match would not see text changed after it); the cache is float32
+# [2 blocks, 2 heads, 16 tokens, 16 elements]: 2 heads x 8 elements x 4 bytes = 64 bytes of K per token
+@pytest.mark.parametrize(("call", "message"), [
     (lambda c: vllm_attention_source(c, head_size=8, which="k", read_bytes=16, kv_cache_layout="NHD"),
-     "kv_cache_layout must be one of vLLM's KV cache layouts"),
+     f"kv_cache_layout must be one of vLLM's KV cache layouts ({LAYOUT_NAMES}), given by name or as a "
+     "KVCacheLayout, got 'NHD'"),
     (lambda c: vllm_attention_source(c, head_size=8, which="k", read_bytes=16, kv_cache_layout=3),
-     "kv_cache_layout must be one of"),
-    (lambda c: vllm_attention_source(c, head_size=17, which="k", read_bytes=16), "head_size=17 is more than"),
-    (lambda c: vllm_attention_source(c, head_size=16, which="v", read_bytes=16), "which='v': kv_cache's last axis"),
-    (lambda c: vllm_attention_source(c, head_size=0, which="k", read_bytes=16), "head_size must be >= 1"),
-    (lambda c: vllm_attention_source(c, head_size=8, which="kv", read_bytes=16), "which must be 'k' or 'v'"),
-    (lambda c: vllm_attention_source(c, head_size=8, which="k", read_bytes=24), "read_bytes must be"),
-    (lambda c: flash_attn_source(c[..., :15], which="k", read_bytes=16), r"kv_cache's last axis \(15 elements\)"),
-    (lambda c: flash_attn_source(c[0], which="k", read_bytes=16), "kv_cache must be 4-D"),
-    (lambda c: flashinfer_hnd_source(c, which="x", read_bytes=16), "which must be 'k' or 'v'"),
-    (lambda c: vllm_mla_source(c, which="k", read_bytes=16), "kv_cache must be 3-D"),
-])
-def test_refusals_name_the_callers_argument(call, words):
+     f"kv_cache_layout must be one of vLLM's KV cache layouts ({LAYOUT_NAMES}), given by name or as a "
+     "KVCacheLayout, got 3"),
+    (lambda c: vllm_attention_source(c, head_size=17, which="k", read_bytes=16),
+     "head_size=17 is more than the 16 elements of kv_cache's last axis (head_size + head_size_v)"),
+    (lambda c: vllm_attention_source(c, head_size=16, which="v", read_bytes=16),
+     "which='v': kv_cache's last axis holds head_size=16 elements of K and no V"),
+    (lambda c: vllm_attention_source(c, head_size=0, which="k", read_bytes=16), "head_size must be >= 1, got 0"),
+    (lambda c: vllm_attention_source(c, head_size=8, which="kv", read_bytes=16), "which must be 'k' or 'v', got 'kv'"),
+    (lambda c: vllm_attention_source(c, head_size=8, which="k", read_bytes=24),
+     "read_bytes must be a positive multiple of 16 up to the 64 bytes of K (or V) of one token, got 24"),
+    (lambda c: vllm_attention_source(c[0], head_size=8, which="k", read_bytes=16),
+     f"kv_cache must be 4-D {PACKED_4D}, got shape (2, 16, 16)"),
+    (lambda c: vllm_attention_source(np.zeros((0, 2, 16, 16), np.float32), head_size=8, which="k", read_bytes=16),
+     "kv_cache must not be empty, got shape (0, 2, 16, 16)"),
+    (lambda c: flash_attn_source(c[..., :15], which="k", read_bytes=16),
+     "kv_cache's last axis (15 elements) is not 2 * head_size: K and V are its two halves"),
+    (lambda c: flash_attn_source(c[0], which="k", read_bytes=16),
+     "kv_cache must be 4-D [num_blocks, num_kv_heads, block_size, 2 * head_size], got shape (2, 16, 16)"),
+    (lambda c: flashinfer_hnd_source(c, which="x", read_bytes=16), "which must be 'k' or 'v', got 'x'"),
+    (lambda c: vllm_mla_source(c, which="k", read_bytes=16),
+     "kv_cache must be 3-D [num_blocks, block_size, latent row], got shape (2, 2, 16, 16)"),
+    (lambda c: vllm_mla_source(c[0], which="x", read_bytes=16), "which must be 'k' or 'v', got 'x'"),
+    # one latent row of 16 float32 elements: 64 bytes a token, one "head"
+    (lambda c: vllm_mla_source(c[0], which="k", read_bytes=128),
+     "read_bytes must be a positive multiple of 16 up to the 64 bytes of K (or V) of one token, got 128"),
+    (lambda c: vllm_mla_source(np.zeros((0, 16, 16), np.float32), which="k", read_bytes=16),
+     "kv_cache must not be empty, got shape (0, 16, 16)"),
+], ids=["layout-name", "layout-int", "head-size-over", "v-without-v", "head-size-0", "which-kv", "read-bytes-24",
+        "packed-3d", "packed-empty", "flash-odd-axis", "flash-3d", "flashinfer-which", "mla-4d", "mla-which",
+        "mla-read-bytes-over", "mla-empty"])
+def test_refusals_name_the_callers_argument(call, message):
     cache = torch.zeros((2, 2, 16, 16))
-    with pytest.raises(kc.CanaryArgumentError, match=f"^kv-canary: {words}"):
+    with pytest.raises(kc.CanaryArgumentError, match="^" + re.escape(f"kv-canary: {message}") + "$"):
         call(cache)
+
+
+def test_a_kv_cache_layout_is_taken_by_name_or_as_vllms_enum_member():
+    """vLLM passes its ``KVCacheLayout`` member (an Enum): it is read by its name, like the string; a member of
+    another name is refused with the member shown."""
+    layouts = enum.Enum("KVCacheLayout", ["LBNHC", "LBHNC", "NHD"])
+    lbnhc = vllm_group_caches("LBNHC", layers=1, blocks=2, heads=2, block_size=16, head_size=8, head_size_v=8,
+                              dtype=torch.float32, seed=14)[0]
+    by_name = vllm_attention_source(lbnhc, head_size=8, which="k", read_bytes=16, kv_cache_layout="LBNHC")
+    by_member = vllm_attention_source(lbnhc, head_size=8, which="k", read_bytes=16, kv_cache_layout=layouts.LBNHC)
+    assert by_member.layout == by_name.layout
+    with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: kv_cache has shape .* the order "
+                                                     r"kv_cache_layout='LBHNC' names"):
+        vllm_attention_source(lbnhc, head_size=8, which="k", read_bytes=16, kv_cache_layout=layouts.LBHNC)
+    message = (f"kv-canary: kv_cache_layout must be one of vLLM's KV cache layouts ({LAYOUT_NAMES}), given by name "
+               "or as a KVCacheLayout, got <KVCacheLayout.NHD: 3>")
+    with pytest.raises(kc.CanaryArgumentError, match="^" + re.escape(message) + "$"):
+        vllm_attention_source(lbnhc, head_size=8, which="k", read_bytes=16, kv_cache_layout=layouts.NHD)
+
+
+def test_an_mla_cache_not_starting_on_a_16_byte_boundary_is_refused_naming_its_k_part():
+    buffer = torch.zeros(2 * 4 * 16 + 1)
+    cache = buffer[1:].reshape(2, 4, 16)  # one float32 past the buffer's (aligned) start
+    assert cache.data_ptr() % 16 == 4
+    with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: kv_cache's 'k' part starts at address 0x[0-9a-f]+, "
+                                                     r"not 16-byte aligned \(the fingerprint loads aligned 16-byte "
+                                                     r"units\)$"):
+        vllm_mla_source(cache, which="k", read_bytes=16)
+
+
+def test_a_one_head_cache_has_no_head_order_and_is_read_under_every_layout_name():
+    """With one KV head the head axis has no place: a cache built in LBNHC order is, byte for byte, the same
+    cache in every layout, so every name is accepted and reads it the same way (whatever stride torch gives the
+    one-entry axis)."""
+    cache = vllm_group_caches("LBNHC", layers=1, blocks=2, heads=1, block_size=16, head_size=8, head_size_v=8,
+                              dtype=torch.float32, seed=15)[0]
+    plain = vllm_attention_source(cache, head_size=8, which="v", read_bytes=16)
+    for name in LAYOUT_NAMES.split(", "):
+        named = vllm_attention_source(cache, head_size=8, which="v", read_bytes=16, kv_cache_layout=name)
+        assert named.layout == plain.layout, name
+    odd = cache.as_strided(cache.shape, (cache.stride(0), 1, cache.stride(2), 1))  # the one head's stride: 1
+    for name in LAYOUT_NAMES.split(", "):
+        vllm_attention_source(odd, head_size=8, which="k", read_bytes=16, kv_cache_layout=name)
+
+
+def test_a_cache_storing_each_tokens_elements_apart_is_refused_under_every_layout_name():
+    """Tokens innermost (the element axis steps over every token of a block): no KVCacheLayout stores a cache so,
+    and each named layout refuses it by its name."""
+    blocks, heads, bs, content = 2, 2, 16, 16
+    cache = torch.zeros(blocks, heads, content, bs).transpose(2, 3)  # [B, H, N, C], N of stride 1
+    assert cache.stride() == (heads * content * bs, content * bs, 1, bs)
+    for name in LAYOUT_NAMES.split(", "):
+        with pytest.raises(kc.CanaryArgumentError, match=rf"^kv-canary: kv_cache has shape \(2, 2, 16, 16\) and "
+                                                         rf"strides \(512, 256, 1, 16\) .* the order "
+                                                         rf"kv_cache_layout='{name}' names"):
+            vllm_attention_source(cache, head_size=8, which="k", read_bytes=16, kv_cache_layout=name)
 
 
 def test_host_backend_reads_every_packed_layout_under_address_sanitizer_with_zero_reports():

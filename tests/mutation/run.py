@@ -24,18 +24,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRATCH = ROOT / "build" / "mutate"
-PYTEST = ["-q", "-p", "no:cacheprovider", "--benchmark-disable", "-x", "-k", "not host and not cuda"]
+PYTEST = ["-q", "-p", "no:cacheprovider", "--benchmark-disable", "-x"]
+# The tests parametrized for the host or CUDA backend are left out: the Python modules are mutated, the NumPy
+# backend runs them. ``-k`` matches any part of a test's id, so a target whose ids name "host" otherwise (the
+# simulator's tier-host-page-reused fault) gives its own expression.
+NOT_KERNEL_BACKENDS = "not host and not cuda"
 
 @dataclass(frozen=True)
 class Target:
     """What one target mutates (``modules``, narrowed to the mutants matching ``mutants`` globs when given) and
     the tests that pin it; ``env`` ``"vllm"``: mutmut and the tests run in vLLM's own environment (``.venv-vllm``,
-    or ``KVCANARY_VLLM_PYTHON``) with its OpenMP library preloaded, as ``make test-vllm`` runs them."""
+    or ``KVCANARY_VLLM_PYTHON``) with its OpenMP library preloaded, as ``make test-vllm`` runs them; ``keywords``:
+    the ``-k`` expression that selects the tests' NumPy runs."""
 
     modules: list[str]
     tests: list[str]
     mutants: list[str] = field(default_factory=list)
     env: str = "main"
+    keywords: str = NOT_KERNEL_BACKENDS
 
 
 # The runtime package's modules, one list for the targets below (edit here when the package's modules change).
@@ -50,7 +56,10 @@ BOUNDED_VERIFY_MUTANTS = ["*x_select_window__mutmut_*", "*x_verify_latency_bound
 TARGETS: dict[str, Target] = {
     "transfer": Target(["kvcanary_cupy/transfer.py", "kvcanary_cupy/backends/numpy_transfer.py"],
                        ["tests/test_transfer.py", "tests/test_transfer_edges.py", "tests/test_tier_calls.py"]),
-    "runtime": Target(RUNTIME_MODULES, ["tests/test_runtime.py", "tests/test_runtime_chunks_and_order.py"]),
+    # the record moves (offload, restore) are pinned by the tier tests of the runtime
+    "runtime": Target(RUNTIME_MODULES, ["tests/test_runtime.py", "tests/test_runtime_chunks_and_order.py",
+                                        "tests/test_runtime_tiers.py", "tests/test_runtime_restore_arguments.py",
+                                        "tests/test_offloaded_records_checks.py"]),
     "plan": Target(["kvcanary_cupy/backends/numpy_plan.py", "kvcanary_cupy/backends/numpy_plan_entries.py"],
                    ["tests/test_plan_edge_cases.py", "tests/test_plan_validation.py",
                     "tests/test_plan_device_value_messages.py", "tests/test_plan_reference_corner_cases.py",
@@ -79,7 +88,11 @@ TARGETS: dict[str, Target] = {
     "tiers": Target(["kvcanary_cupy/tiers.py"],
                     ["tests/test_tiers.py", "tests/test_runtime_tiers.py", "tests/test_tier_calls.py",
                      "tests/test_offloaded_records_checks.py"]),
-    "sim_tiers": Target(["kvcanary_cupy/sim/tiers.py"], ["tests/test_sim_tiers.py"]),
+    # the tiered simulator: its fault kinds' NumPy runs (tier-host-page-reused's among them), its bookkeeping
+    # (pins, locks, counts, fault records) and the L3 directory
+    "sim_tiers": Target(["kvcanary_cupy/sim/tiers.py"],
+                        ["tests/test_sim_tiers.py", "tests/test_sim_tier_bookkeeping.py", "tests/test_sim_tier_dir.py"],
+                        keywords="not cuda and (not host or numpy)"),
     "kv_bytes": Target(["kvcanary_cupy/kv_bytes.py"],
                        ["tests/test_kv_layouts.py", "tests/test_kv_layout_refusals.py",
                         "tests/test_kv_layouts_amx.py"]),
@@ -149,7 +162,7 @@ def run_python_target(name: str, max_children: int, mutants: list[str]) -> tuple
                 f'source_paths = ["kvcanary_cupy"]\n'
                 f"only_mutate = {_toml_list(modules)}\n"
                 f'also_copy = ["kernels", "setup.py", "README.md"]\n'
-                f"pytest_add_cli_args = {_toml_list(PYTEST)}\n"
+                f"pytest_add_cli_args = {_toml_list([*PYTEST, '-k', target.keywords])}\n"
                 f"pytest_add_cli_args_test_selection = {_toml_list(tests)}\n"
                 "use_git_change_detection = false\n")
     mutmut = [python, "-c", "import sys; from mutmut.__main__ import cli; sys.exit(cli())"]

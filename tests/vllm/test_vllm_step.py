@@ -6,7 +6,9 @@ in the test. The runtime behind it is the real one (NumPy backend): what it flag
 Pinned here: the same-step prefix hit (a row scheduled next to the sibling that writes its prefix) re-stamps
 exactly the positions written in the step and verifies the one before; past the per-step re-stamp budget the
 rows left over are read without a false positive and a fault is still caught; blocks the scheduler lists to
-zero leave the sweep's index.
+zero leave the sweep's index; a token the forward wrote to another slot than planned is stamped where it went;
+finished requests leave the rows waiting for their re-stamps, live ones stay; a step with no token reads as
+empty.
 """
 
 from __future__ import annotations
@@ -371,3 +373,105 @@ def test_a_step_in_which_every_row_waits_stamps_and_verifies_nothing():
         assert got.shape == (0,) and got.dtype == np.int64
     state.flush()
     assert state.violations == [] and endpoint_counts(state) == {"verify": (0, 1), "write": (0, 1)}
+
+
+# -- the TAIL phases stamp where the forward really wrote -----------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_token_the_forward_wrote_to_another_slot_is_stamped_there_and_its_planned_slot_is_flagged(seed):
+    """Step 0: A's 8-token prompt is planned into blocks 1, 2 (slots 4..11), but the forward writes position 5
+    into slot 30 instead of slot 9 (a slot-mapping fault). The TAIL write follows the forward: slot 30 is stamped
+    and slot 9 keeps no record. Step 1 (A decodes position 8 into block 3) verifies positions 0..7 through the
+    block table: slot 9 (position 5: no record, so token, position and chain all wrong) and slot 10 (position 6:
+    its chain continues from the empty slot 9) are flagged, at step 1, and nothing else. Stamping the planned
+    slots instead would have hidden the fault: every verify would pass."""
+    runner = Runner()
+    state = canary_state(runner)
+    a = Row("A", tokens(seed, 9), 0, 8, [1, 2])
+    kwargs, md = runner.inputs([a])
+    batch = state.read_step(kwargs, md)
+    state.before_forward(batch)
+    written = md[LAYER].slot_mapping.numpy().astype(np.int64)
+    assert written.tolist() == list(range(4, 12))
+    written[5] = 30
+    for slot in written.tolist():
+        runner.cache[slot // BS, :, slot % BS, :] = 1.0
+    state.after_forward(batch, {0: written})
+    a.prefix, a.extend, a.blocks = 8, 1, [1, 2, 3]
+    run_step(state, runner, [a], seed)
+    state.flush()
+    flagged = {(v.step, v.violation.slot) for v in state.violations}
+    assert flagged == {(1, 9), (1, 10)}
+    reasons = {v.violation.slot: set(v.violation.reasons) for v in state.violations}
+    assert {"VERIFY_TOKEN_MISMATCH", "VERIFY_POSITION_MISMATCH", "VERIFY_CHAIN_HASH_MISMATCH"} <= reasons[9]
+    assert "VERIFY_CHAIN_HASH_MISMATCH" in reasons[10]
+
+
+# -- the rows left waiting: pruned of finished requests, never of live ones -----------------------------------
+
+def test_finished_requests_leave_the_waiting_rows_and_a_live_waiting_request_still_catches_up():
+    """Five rounds of 8 parallel-sampling siblings (max_num_reqs 8, 20 forward tokens: S7 and S8 of each round
+    wait for their re-stamps, as worked out above); after each round every sibling finishes except, in the last
+    round, S7 and S8. The waiting rows never hold more than max_num_reqs requests (without pruning, 10 after
+    round 4), and the live ones stay. Round 4's S7 and S8 then decode and
+    re-stamp positions 0..12 before their verify: no violation. Dropping them with the finished ones would leave
+    position 12 of their own blocks unstamped, and their verify would flag it."""
+    n = 8
+    runner = Runner(max_num_reqs=n, max_num_tokens=13 + n - 1)
+    state = canary_state(runner)
+    for round_ in range(5):
+        _q, rows = many_siblings(100 * round_, n)
+        for r in rows:
+            r.rid = f"{r.rid}-{round_}"
+        batch = run_step(state, runner, rows)
+        assert batch.deferred == {f"S7-{round_}": 0, f"S8-{round_}": 0}
+        assert len(state.unstamped) <= n
+        if round_ < 4:
+            for r in rows:
+                del runner.requests[r.rid]  # finished: vLLM's runner drops its state
+    # the live ones are kept (how many finished ones stay below the bound is the state's own business)
+    assert state.unstamped.items() >= {"S7-4": 0, "S8-4": 0}.items()
+    live = rows[-2:]
+    decode(live)
+    batch = run_step(state, runner, live)
+    assert batch.prefix_lens.tolist() == [0, 0] and batch.extend_lens.tolist() == [14, 14]
+    decode(live)
+    run_step(state, runner, live)
+    state.flush()
+    assert state.violations == [] and state.health_problems == [] and state.dropped == 0
+
+
+# -- a step with no token at all -----------------------------------------------------------------------------
+
+def test_a_step_without_any_scheduled_request_reads_as_an_empty_step():
+    runner = Runner()
+    state = canary_state(runner)
+    kwargs = {"input_ids": torch.zeros(0, dtype=torch.int64), "positions": torch.zeros(0, dtype=torch.int64)}
+    md = SimpleNamespace(query_start_loc=torch.zeros(1, dtype=torch.int32),
+                         seq_lens=torch.zeros(0, dtype=torch.int32), block_table=torch.zeros(0, 1, dtype=torch.int32),
+                         slot_mapping=torch.zeros(0, dtype=torch.int64))
+    runner.input_batch = SimpleNamespace(num_reqs=0, req_ids=[])
+    batch = build_step(state.steps, runner, kwargs, {LAYER: md}, state.geos, state.max_tokens, state.unstamped)
+    assert batch.size == 0 and batch.forward_len == 0 and batch.deferred == {}
+    for got in (batch.slot_mappings[0], batch.source_index, batch.expected_input_ids, batch.expected_positions,
+                batch.input_ids, batch.positions, batch.prefix_lens, batch.extend_lens):
+        assert got.shape == (0,) and got.dtype == np.int64
+
+
+def test_a_step_whose_rows_compute_nothing_reads_as_rows_without_tokens():
+    """Two scheduled rows with no token in the forward (``query_start_loc`` all 0): both rows are read, with
+    their prefix lengths, and no canary token."""
+    runner = Runner()
+    state = canary_state(runner)
+    a, b = Row("A", tokens(1, 4), 4, 0, [1]), Row("B", tokens(2, 6), 6, 0, [2, 3])
+    runner.inputs([a, b])
+    kwargs = {"input_ids": torch.zeros(0, dtype=torch.int64), "positions": torch.zeros(0, dtype=torch.int64)}
+    md = SimpleNamespace(query_start_loc=torch.zeros(3, dtype=torch.int32),
+                         seq_lens=torch.tensor([4, 6], dtype=torch.int32),
+                         block_table=torch.tensor([[1, 0], [2, 3]], dtype=torch.int32),
+                         slot_mapping=torch.zeros(0, dtype=torch.int64))
+    batch = build_step(state.steps, runner, kwargs, {LAYER: md}, state.geos, state.max_tokens, state.unstamped)
+    assert batch.request_ids == ["A", "B"] and batch.extend_lens.tolist() == [0, 0]
+    assert batch.prefix_lens.tolist() == [4, 6]
+    for got in (batch.slot_mappings[0], batch.expected_input_ids, batch.expected_positions):
+        assert got.shape == (0,) and got.dtype == np.int64

@@ -1,7 +1,7 @@
 """Small values of the vLLM step read and the sweep's block index worked out by hand: the sweep's stated
 latency at its edges (fewer indexed blocks than one sweep takes, one block per sweep, the sweep off), a slot
-looked up through a step's block table, a per-token array put in the canary's token order, and the count of
-indexed blocks over groups."""
+looked up through a step's block table, a per-token array put in the canary's token order, the count of
+indexed blocks over groups, and a runner tensor that refuses a NumPy view read through a host copy."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+import torch
 
 from kvcanary_cupy.integrations.vllm.blocks import BlockIndex, sweep_latency_steps
-from kvcanary_cupy.integrations.vllm.step import VllmStep
+from kvcanary_cupy.integrations.vllm.step import VllmStep, _host
 
 
 @pytest.mark.parametrize(("indexed", "per_sweep", "interval", "steps"), [
@@ -74,3 +75,12 @@ def test_canary_tokens_take_each_forward_token_by_its_source_and_each_restamp_fr
 def test_canary_tokens_of_a_step_in_forward_order_are_the_forward_values_themselves():
     forward = np.array([10, 11])
     assert step_with(source_index=[0, 1]).canary_tokens(forward, np.array([20, 21])) is forward
+
+
+def test_a_runner_tensor_that_refuses_a_numpy_view_is_read_through_a_host_copy():
+    # a tensor that requires grad refuses ``.numpy()``: its values come through the detached host copy
+    tensor = torch.tensor([1.5, -2.0, 3.25], requires_grad=True)
+    with pytest.raises(RuntimeError):
+        tensor.numpy()
+    assert _host(tensor).tolist() == [1.5, -2.0, 3.25]
+    assert _host(torch.tensor([4, 5], dtype=torch.int32)).tolist() == [4, 5]
