@@ -30,11 +30,11 @@ disturbs less (a round that waits for a core loses wall time, not CPU time); the
 after is recorded. Next to it, per step, where the time goes: the forward of vLLM (timed in every round, with and
 without), the canary's phase timers, and wall clocks around each part of the canary's step (building the step, the
 slot table, staging, plan/HEAD, TAIL, the block index, the ring read and sweep, the observers), the rest of the hook
-being the hook's own Python. In ``log`` mode the TAIL launches, the block index and the ring read run on the
-canary's TAIL thread while vLLM samples and schedules, after the plan and HEAD launches (docs/vllm.md): their clocks are reported apart, and what
-the engine thread pays for them is the wait at the start of the next step (``wait for TAIL``). ``scaling`` (full
-size only): the canary's time per decode step against vLLM's own
-forward per step, for 1, 4 and 8 requests at 64- and 448-token contexts.
+being the hook's own Python. In ``log`` mode the plan, HEAD and TAIL launches, the block index and the ring
+read run on the canary's TAIL thread while vLLM samples and schedules (docs/vllm.md): their clocks are reported
+apart, and what the engine thread pays for them is the wait at the start of the next step (``wait for TAIL``).
+``scaling`` (full size only): the canary's time on the engine thread per decode step against vLLM's own forward
+per step, for 1, 4 and 8 requests at 64- and 448-token contexts.
 
 vLLM keeps process-wide state (one engine per process), so the measurement runs in a subprocess of its own:
 ``python bench/bench_vllm.py [--tiny] [--pairs N] [--engine NAME]`` prints one JSON object. Under
@@ -114,8 +114,8 @@ def patch_forward(runner: Any, clock_of: Any) -> None:
 
 def instrument(canary: Any, clock: StepClock) -> None:
     """Wall clocks around the canary's parts (instance attributes; ``remove()`` of the canary drops the hooks).
-    ``plan + HEAD``, ``TAIL``, ``block index`` and ``ring read + sweep`` run on the TAIL thread in log mode; ``wait for TAIL`` is
-    what the engine thread waits for them at the start of the next step."""
+    ``plan + HEAD``, ``TAIL``, ``block index`` and ``ring read + sweep`` run on the TAIL thread in log mode;
+    ``wait for TAIL`` is what the engine thread waits for them at the start of the next step."""
     st, runner = canary.state, canary.runner
     for name, part in (("read_step", "build step"), ("_fill_table", "slot table"),
                        ("_step_batches", "step batches"), ("_post_forward", "TAIL"),

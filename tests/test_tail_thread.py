@@ -93,6 +93,6 @@ def test_threads_on_this_thread_caps_the_calling_threads_launches_only():
             assert _capped(4) == 2
         assert _capped(4) == 1
     assert _capped(4) == 4
-    with pytest.raises(ValueError, match="^kv-canary: threads"), threads_on_this_thread(0):
+    with pytest.raises(ValueError, match=r"^kv-canary: threads"), threads_on_this_thread(0):
         pass
     assert _capped(4) == 4

@@ -60,7 +60,7 @@ def main() -> None:
             pass
 
     canary.observers.append(FlipOnHit())
-    llm.generate([{"prompt_token_ids": prompt + [7, 8, 9]}], params, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": [*prompt, 7, 8, 9]}], params, use_tqdm=False)
     canary.finish()
     rows = [v for v in canary.violations if v.step >= start]
     canary.remove()
