@@ -24,10 +24,12 @@ def main() -> None:
     from vllm import SamplingParams
 
     from kvcanary_cupy.integrations import vllm as kv
-    from kvcanary_cupy.integrations.vllm.workloads import engine, workloads
+    from kvcanary_cupy.integrations.vllm.workloads import KV_BLOCKS, MODEL_SIZES, engine, workloads
 
     model_dir, layer, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    llm = engine(Path(model_dir), "deep")
+    # the small model's KV budget per block is for its own layers: scaled to give KV_BLOCKS blocks of 6 layers
+    scale = -(-6 // MODEL_SIZES["small"]["num_hidden_layers"])
+    llm = engine(Path(model_dir), "small", KV_BLOCKS * scale)
     load = workloads()["shared-prefix"]
     want = load.run(llm)
     assert llm.reset_prefix_cache()

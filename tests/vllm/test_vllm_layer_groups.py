@@ -11,12 +11,23 @@ from pathlib import Path
 
 import pytest
 
-from kvcanary_cupy.integrations.vllm.workloads import save_llama
+from kvcanary_cupy.integrations.vllm.workloads import MODEL_SIZES
+
+# the tests' small model with 6 layers: more than one runtime group takes (4 sources per K and per V)
+DEEP_LAYERS = 6
 
 
 @pytest.fixture(scope="module")
 def deep_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_llama(tmp_path_factory.mktemp("deep-llama"), "deep")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory = tmp_path_factory.mktemp("deep-llama")
+    torch.manual_seed(0)
+    dims = {**MODEL_SIZES["small"], "num_hidden_layers": DEEP_LAYERS}
+    config = LlamaConfig(max_position_embeddings=2048, initializer_range=0.2, **dims)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    return directory
 
 
 def deep_run(model: Path, layer: int, seed: int) -> dict:

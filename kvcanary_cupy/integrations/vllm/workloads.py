@@ -14,10 +14,6 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
     # 2 layers, hidden 128: the tests' model
     "small": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=512),
-    # 6 layers, hidden 128: more layers than one runtime group takes (4 sources per K/V), so the KV cache group
-    # becomes two runtime groups sharing one plan
-    "deep": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512),
     # ~57M parameters: the cost benchmark's model
     "medium": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12,
                    num_key_value_heads=4, vocab_size=4096),
