@@ -96,3 +96,22 @@ def test_threads_on_this_thread_caps_the_calling_threads_launches_only():
     with pytest.raises(ValueError, match=r"^kv-canary: threads"), threads_on_this_thread(0):
         pass
     assert _capped(4) == 4
+
+
+def test_join_waits_for_the_work_and_leaves_its_error_for_wait():
+    tail = TailThread()
+    gate = threading.Event()
+    done: list[int] = []
+
+    def work() -> None:
+        gate.wait(5)
+        done.append(1)
+        raise ValueError("kv-canary: planted")
+
+    tail.submit(work)
+    threading.Timer(0.05, gate.set).start()
+    tail.join()
+    assert done == [1] and tail.busy  # done, its error still pending
+    with pytest.raises(ValueError, match="planted"):
+        tail.wait()
+    tail.close()

@@ -43,6 +43,7 @@ def main() -> None:
     prompt = np.random.default_rng(seed).integers(3, 500, 100).tolist()
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    canary.finish()  # the last step's TAIL work done: its step counted
     runner = canary.runner
     block = runner.cache_config.block_size
     cache = canary.state.geos[0].caches[layer]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from typing import Any
 
 
@@ -43,6 +44,12 @@ class TailThread:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
+
+    def join(self) -> None:
+        """Block until the work in flight (if any) is done, its error kept for :meth:`wait` (for readers of the
+        results, which must not take the error the next step is to raise)."""
+        if self._pending is not None:
+            wait_for([self._pending])
 
     def close(self) -> None:
         """Wait for the work in flight (its error is raised, the worker stopped either way)."""

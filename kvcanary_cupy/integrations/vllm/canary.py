@@ -247,8 +247,6 @@ class VllmCanaryState(EngineCanaryState):
         """This step's plan inputs (:func:`.step.build_step`, with the token histories kept from the last step),
         once the last step's TAIL work is done."""
         self.settle()
-        if len(self.unstamped) > self.max_requests:  # finished requests leave the runner's state
-            self.unstamped = {r: u for r, u in self.unstamped.items() if r in self.runner.requests}
         return build_step(self.steps, self.runner, kwargs, metadata, self.geos, self.max_tokens, self.unstamped,
                           self.histories, self.drafts)
 
@@ -319,6 +317,9 @@ class VllmCanaryState(EngineCanaryState):
                 self.unstamped[rid] = batch.deferred[rid]
             else:
                 self.unstamped.pop(rid, None)
+        if len(self.unstamped) > self.max_requests:  # finished requests leave the runner's state
+            # (membership tests only: vLLM changes its request map at the start of a step, after settle())
+            self.unstamped = {r: u for r, u in self.unstamped.items() if r in self.runner.requests}
         self._finish_step()
 
     def settle(self) -> None:
@@ -326,6 +327,11 @@ class VllmCanaryState(EngineCanaryState):
         read of the canary's state from outside the step."""
         if self.tail is not None:
             self.tail.wait()
+
+    def join_tail(self) -> None:
+        """Wait for the last step's TAIL work without taking its error (which the next step raises)."""
+        if self.tail is not None:
+            self.tail.join()
 
     def flush(self) -> None:
         self.settle()

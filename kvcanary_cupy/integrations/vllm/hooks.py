@@ -187,11 +187,19 @@ class VllmCanary(InstanceOverrides):
 
     @property
     def violations(self) -> list[StepViolation]:
-        return [] if self.state is None else list(self.state.violations)
+        """The violations read so far (after the last step's TAIL work)."""
+        if self.state is None:
+            return []
+        self.state.join_tail()
+        return list(self.state.violations)
 
     @property
     def steps(self) -> int:
-        return 0 if self.state is None else self.state.steps
+        """Engine steps the canary has finished (the last one's TAIL work included)."""
+        if self.state is None:
+            return 0
+        self.state.join_tail()
+        return self.state.steps
 
     def finish(self) -> list[StepViolation]:
         """Read what the last step appended (call once the engine is idle, e.g. after ``LLM.generate``)."""
