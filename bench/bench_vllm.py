@@ -28,16 +28,20 @@ and the figure is the median over the pairs of ``with / without - 1``, with its 
 of the process's CPU time (``time.process_time``, every thread of the engine), which other work on the machine
 disturbs less (a round that waits for a core loses wall time, not CPU time); the 1-minute load average before and
 after is recorded. Next to it, per step, where the time goes: the forward of vLLM (timed in every round, with and
-without), the canary's phase timers, and wall clocks around each part of the canary's step (building the step, the
-slot table, staging, plan/HEAD, TAIL, the block index, the ring read and sweep, the observers), the rest of the hook
-being the hook's own Python. In ``log`` mode the plan, HEAD and TAIL launches, the block index and the ring
+without), the median time between two forwards (vLLM's sampling, output and scheduling, with the canary's
+engine-thread parts and whatever the TAIL thread beside them slows; with and without), the canary's phase timers,
+and wall clocks around each part of the canary's step (building the step, the slot table, staging, plan/HEAD, TAIL,
+the block index, the ring read and sweep, the observers), the rest of the hook being the hook's own Python. In
+``log`` mode the plan, HEAD and TAIL launches, the block index and the ring
 read run on the canary's TAIL thread while vLLM samples and schedules (docs/vllm.md): their clocks are reported
 apart, and what the engine thread pays for them is the wait at the start of the next step (``wait for TAIL``).
 ``scaling`` (full size only): the canary's time on the engine thread per decode step against vLLM's own forward
 per step, for 1, 4 and 8 requests at 64- and 448-token contexts.
 
 vLLM keeps process-wide state (one engine per process), so the measurement runs in a subprocess of its own:
-``python bench/bench_vllm.py [--tiny] [--pairs N] [--engine NAME]`` prints one JSON object. Under
+``python bench/bench_vllm.py [--tiny] [--pairs N] [--engine NAME]`` prints one JSON object; with ``--engine``,
+``--workload NAME`` measures one workload only and ``--option FIELD=VALUE`` sets a ``CanaryOptions`` field other
+than its default (e.g. ``--option sweep_interval=0``; the result records the options measured). Under
 ``--benchmark-disable`` (``make test``) the pytest row runs each engine on its small model (2 to 4 layers, 1 pair of
 a few tokens per workload); ``make bench-vllm`` runs the full size.
 """
@@ -80,6 +84,10 @@ class StepClock:
         self.seconds: dict[str, float] = defaultdict(float)
         self.steps: list[dict[str, float]] = []  # per step: batch size, context, tokens, forward, canary
         self.forward = 0.0
+        # the wall time from the end of one forward to the start of the next: vLLM's sampling, output and
+        # scheduling, the canary's engine-thread parts, and whatever the TAIL thread beside them slows
+        self.between: list[float] = []
+        self.forward_end: float | None = None
 
     def timed(self, name: str, fn: Any) -> Any:
         @functools.wraps(fn)
@@ -106,8 +114,12 @@ def patch_forward(runner: Any, clock_of: Any) -> None:
         finally:
             clock = clock_of()
             if clock is not None:
-                clock.forward = time.perf_counter() - start
+                end = time.perf_counter()
+                clock.forward = end - start
                 clock.seconds["forward"] += clock.forward
+                if clock.forward_end is not None:
+                    clock.between.append(start - clock.forward_end)
+                clock.forward_end = end
 
     cls._model_forward = _model_forward
 
@@ -183,7 +195,9 @@ def build_engine(name: str, spec: dict[str, Any]) -> tuple[Any, int]:
     return engine(model_dir, spec["size"], spec["blocks"], **args), MODEL_SIZES[spec["size"]]["vocab_size"]
 
 
-def measure(spec: dict[str, Any], backend: str, profile: bool = True, engine_name: str = "llama") -> dict[str, Any]:
+def measure(spec: dict[str, Any], backend: str, profile: bool = True, engine_name: str = "llama",
+            option_fields: dict[str, Any] | None = None, workloads: tuple[str, ...] = tuple(WORKLOADS)
+            ) -> dict[str, Any]:
     import numpy as np
     from vllm import SamplingParams
 
@@ -195,7 +209,7 @@ def measure(spec: dict[str, Any], backend: str, profile: bool = True, engine_nam
         return {"skipped": reason}
     llm, vocab = build_engine(engine_name, spec)
     runner = find_runner(llm)
-    options = CanaryOptions(backend=backend)
+    options = CanaryOptions(backend=backend, **(option_fields or {}))
     current: dict[str, StepClock | None] = {"clock": None}
     patch_forward(runner, lambda: current["clock"])
     warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -226,7 +240,8 @@ def measure(spec: dict[str, Any], backend: str, profile: bool = True, engine_nam
         cpu = time.process_time() - cpu_start
         current["clock"] = None
         result: dict[str, Any] = {"wall": wall, "cpu": cpu, "tokens": [list(o.outputs[0].token_ids) for o in out],
-                                  "parts": dict(clock.seconds), "steps": clock.steps}
+                                  "parts": dict(clock.seconds), "steps": clock.steps,
+                                  "between_ms": statistics.median(clock.between) * 1e3 if clock.between else 0.0}
         if canary is not None:
             canary.finish()
             canary.remove()
@@ -242,15 +257,23 @@ def measure(spec: dict[str, Any], backend: str, profile: bool = True, engine_nam
 
     with safe_open(str(Path(runner.model_config.model) / "model.safetensors"), "np") as f:
         params = sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())
+    import torch
+
     out: dict[str, Any] = {"engine": engine_name, "params": params, "spec": spec, "backend": backend,
                            "load_before": os.getloadavg()[0],
+                           # vLLM's OpenMP threads: the forward's worker spins between forwards for KMP_BLOCKTIME
+                           # (libiomp5's default, 200 ms, when unset), so that core is not idle while vLLM
+                           # samples and schedules
+                           "openmp": {"torch_threads": torch.get_num_threads(),
+                                      "KMP_BLOCKTIME": os.environ.get("KMP_BLOCKTIME")},
                            "options": {k: getattr(options, k) for k in ("mode", "real_kv_hash", "with_v",
                                                                           "backend", "sweep_interval")},
                            "workloads": {}}
     # The first run with the canary in a process loads (or compiles) the kernels: once, outside the rounds.
     first = run(prompts_of(WORKLOADS["cost"], 99), 2, True)
     out["first_run_setup_s"] = first["setup"]
-    for name, w in WORKLOADS.items():
+    for name in workloads:
+        w = WORKLOADS[name]
         prompts = prompts_of(w, 0)
         new = max(2, w["new"] // spec["scale"])
         rounds: list[tuple[bool, dict[str, Any]]] = []
@@ -281,9 +304,12 @@ def measure(spec: dict[str, Any], backend: str, profile: bool = True, engine_nam
             "timer_share": statistics.median(sum(r["timers"].values()) / r["wall"] for r in ons),
             "hook_share": statistics.median(r["parts"].get("hook", 0.0) / r["wall"] for r in ons) if profile else None,
             "per_step_ms": per_step, "timers_per_step_ms": timers, "forward_without_per_step_ms": forward_off,
+            # the median time between two forwards of a round (decode steps: most of them), with and without
+            "between_forwards_ms": {"with": statistics.median(r["between_ms"] for r in ons),
+                                    "without": statistics.median(r["between_ms"] for r in offs)},
             "setup_s": statistics.median(r["setup"] for r in ons),
         }
-    if spec["scaling"] and profile and engine_name == "llama":
+    if spec["scaling"] and profile and engine_name == "llama" and len(workloads) == len(WORKLOADS):
         out["scaling"] = scaling(run, vocab)
     out["load_after"] = os.getloadavg()[0]
     return out
@@ -344,7 +370,11 @@ def markdown(result: dict[str, Any]) -> str:
             columns.append((f"{engine_name}: {name}", w))
     lines += ["", "| per step (ms) | " + " | ".join(c for c, _ in columns) + " |", "|---|" + "--:|" * len(columns)]
     rows = [("vLLM forward, without the canary", lambda w: w["forward_without_per_step_ms"]),
-            ("vLLM forward, with the canary", lambda w: w["per_step_ms"]["forward"])]
+            ("vLLM forward, with the canary", lambda w: w["per_step_ms"]["forward"]),
+            ("between two forwards (median), without the canary",
+             lambda w: w.get("between_forwards_ms", {}).get("without", float("nan"))),
+            ("between two forwards (median), with the canary",
+             lambda w: w.get("between_forwards_ms", {}).get("with", float("nan")))]
     rows += [(part, lambda w, part=part: w["per_step_ms"].get(part, 0.0)) for part in ENGINE_PARTS]
     rows += [("the hook's own Python (rest)", lambda w: w["per_step_ms"]["hook"] - w["per_step_ms"]["forward"]
               - sum(w["per_step_ms"].get(p, 0.0) for p in ENGINE_PARTS if p != "wait for TAIL")),
@@ -407,6 +437,10 @@ def main() -> None:
     parser.add_argument("--engine", choices=ENGINES, default=None,
                         help="measure this engine here (default: each engine in a process of its own)")
     parser.add_argument("--no-profile", action="store_true", help="no wall clocks around the canary's parts")
+    parser.add_argument("--option", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a CanaryOptions field other than the default (with --engine; e.g. sweep_interval=0)")
+    parser.add_argument("--workload", choices=list(WORKLOADS), action="append",
+                        help="measure only this workload (with --engine; repeatable)")
     parser.add_argument("--markdown", metavar="JSON", help="print the tables of a saved result and exit")
     args = parser.parse_args()
     if args.markdown:
@@ -422,7 +456,12 @@ def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # this checkout's package, not whichever one the environment installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    print("RESULT " + json.dumps(measure(spec, args.backend, not args.no_profile, args.engine)), flush=True)
+    fields = {}
+    for item in args.option:
+        key, _, value = item.partition("=")
+        fields[key] = int(value) if value.lstrip("-").isdigit() else {"true": True, "false": False}.get(value, value)
+    print("RESULT " + json.dumps(measure(spec, args.backend, not args.no_profile, args.engine, fields,
+                                         tuple(args.workload or WORKLOADS))), flush=True)
 
 
 if __name__ == "__main__":
