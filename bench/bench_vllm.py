@@ -315,6 +315,112 @@ def measure(spec: dict[str, Any], backend: str, profile: bool = True, engine_nam
     return out
 
 
+# A fixed amount of CPU work with no GIL held, compiled by the host backend (the same g++ the kernels use).
+SPIN_SOURCE = """
+extern "C" __global__ void kvc_bench_spin(long long rounds, unsigned long long* sink) {
+  unsigned long long x = 1;
+  for (long long i = 0; i < rounds; ++i) x = x * 6364136223846793005ull + 1442695040888963407ull;
+  *sink = x;
+}
+"""
+
+
+REFERENCE_US = 1000  # the full run's reference load: 1 ms of CPU a step
+
+
+class SyntheticLoad:
+    """``us`` microseconds of CPU a step, in compiled code that holds no GIL (a host launch), run after every
+    forward as the canary's TAIL work is: on a thread of its own, waited for before the next forward, or
+    ``inline`` on the engine thread. The reference for the canary's own cost: what that much CPU a step costs
+    vLLM, whatever it does."""
+
+    def __init__(self, us: int, inline: bool) -> None:
+        import numpy as np
+
+        from kvcanary_cupy.hostcuda import HostModule
+
+        self.us, self.inline = us, inline
+        self.kernel = HostModule(SPIN_SOURCE, name="bench_spin", threads=1).get_function("kvc_bench_spin")
+        self.sink = np.zeros(1, np.uint64)
+        self.rounds = 1 << 16
+        for _ in range(3):  # scaled to the median of a few calls, twice more at the new count
+            self.rounds = max(1, int(self.rounds * us * 1e-6 / statistics.median(self._timed() for _ in range(7))))
+        self.pending: Any = None
+        self.pool: Any = None
+
+    def _timed(self) -> float:
+        import numpy as np
+
+        start = time.thread_time()
+        self.kernel((1,), (1,), (np.int64(self.rounds), self.sink))
+        return max(time.thread_time() - start, 1e-6)
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+
+    def after_forward(self) -> None:
+        if self.inline:
+            self._timed()
+            return
+        if self.pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-load")
+        self.pending = self.pool.submit(self._timed)
+
+
+def measure_synthetic(spec: dict[str, Any], us: int, inline: bool, workloads: tuple[str, ...]) -> dict[str, Any]:
+    """ABBA rounds of the engine alone against the engine with a :class:`SyntheticLoad` instead of the canary."""
+    import numpy as np
+    from vllm import SamplingParams
+
+    from kvcanary_cupy.integrations.vllm import find_runner
+
+    llm, vocab = build_engine("llama", spec)
+    runner = find_runner(llm)
+    load = SyntheticLoad(us, inline)
+    state = {"on": False}
+    original = runner._model_forward
+
+    @functools.wraps(original)
+    def model_forward(*args: Any, **kwargs: Any) -> Any:
+        load.wait()
+        out = original(*args, **kwargs)
+        if state["on"]:
+            load.after_forward()
+        return out
+
+    runner._model_forward = model_forward
+    out: dict[str, Any] = {"synthetic_us": us, "inline": inline, "load_before": os.getloadavg()[0], "workloads": {},
+                           "calibrated_us": statistics.median(load._timed() for _ in range(9)) * 1e6}
+    for name in workloads:
+        w = WORKLOADS[name]
+        rng = np.random.default_rng(0)
+        shared = rng.integers(3, vocab, w["shared"] // spec["scale"]).tolist()
+        prompts = [{"prompt_token_ids": shared + rng.integers(3, vocab, max(1, w["own"] // spec["scale"])).tolist()}
+                   for _ in range(w["requests"])]
+        params = SamplingParams(max_tokens=max(2, w["new"] // spec["scale"]), temperature=0.0, ignore_eos=True)
+        walls: dict[bool, list[float]] = {False: [], True: []}
+        for p in range(spec["pairs"] + 1):  # the first pair warms up, untimed
+            for on in ((False, True) if p % 2 == 0 else (True, False)):
+                assert llm.reset_prefix_cache()
+                state["on"] = on
+                start = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                load.wait()
+                if p:
+                    walls[on].append(time.perf_counter() - start)
+        shares = [a / b - 1 for a, b in zip(walls[True], walls[False], strict=True)]
+        out["workloads"][name] = {"pairs": len(shares), "median_share": statistics.median(shares),
+                                  "quartiles": [float(q) for q in np.percentile(shares, [25, 75])],
+                                  "median_off_s": statistics.median(walls[False]),
+                                  "median_on_s": statistics.median(walls[True])}
+    out["load_after"] = os.getloadavg()[0]
+    return out
+
+
 def scaling(run: Any, vocab: int) -> list[dict[str, Any]]:
     """The canary's time per decode step against vLLM's forward per step, by batch size and context length."""
     import numpy as np
@@ -384,6 +490,14 @@ def markdown(result: dict[str, Any]) -> str:
              for k in sorted({k for _, w in columns for k in w["timers_per_step_ms"]})]
     for label, get in rows:
         lines.append(f"| {label} | " + " | ".join(f"{get(w):.3f}" for _, w in columns) + " |")
+    ref = result.get("reference")
+    if ref:
+        lines += ["", f"Reference ({ref['synthetic_us'] / 1e3:g} ms of GIL-free CPU a step on a thread of its own, "
+                  "instead of the canary; the Llama):", "", "| workload | pairs | share, median | middle half |",
+                  "|---|--:|--:|--:|"]
+        for name, w in ref["workloads"].items():
+            q = w["quartiles"]
+            lines.append(f"| {name} | {w['pairs']} | {w['median_share']:+.1%} | {q[0]:+.1%} .. {q[1]:+.1%} |")
     scaled = [(n, r) for n, r in engines.items() if r.get("scaling")]
     for engine_name, res in scaled:
         lines += ["", f"Scaling ({engine_name}):", "",
@@ -402,13 +516,19 @@ def run_subprocess(tiny: bool, pairs: int | None = None, backend: str = "host",
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env.pop("KVCANARY_VLLM", None)
     out: dict[str, Any] = {"engines": {}}
-    for name in engines:
-        args = [sys.executable, __file__, "--backend", backend, "--engine", name] + (["--tiny"] if tiny else [])
+
+    def one(*extra: str) -> dict[str, Any]:
+        args = [sys.executable, __file__, "--backend", backend, *extra] + (["--tiny"] if tiny else [])
         args += ["--pairs", str(pairs)] if pairs else []
         proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=3000)
         assert proc.returncode == 0, proc.stderr[-3000:]
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
-        out["engines"][name] = json.loads(line[len("RESULT "):])
+        return json.loads(line[len("RESULT "):])
+
+    for name in engines:
+        out["engines"][name] = one("--engine", name)
+    if not tiny:  # the reference: what REFERENCE_US of GIL-free CPU a step on a thread costs the Llama
+        out["reference"] = one("--engine", "llama", "--synthetic", str(REFERENCE_US))
     return out
 
 
@@ -441,6 +561,10 @@ def main() -> None:
                         help="a CanaryOptions field other than the default (with --engine; e.g. sweep_interval=0)")
     parser.add_argument("--workload", choices=list(WORKLOADS), action="append",
                         help="measure only this workload (with --engine; repeatable)")
+    parser.add_argument("--synthetic", type=int, metavar="US",
+                        help="instead of the canary, US microseconds of GIL-free CPU work a step on a thread of its "
+                             "own (the Llama engine; the reference for what that much CPU costs vLLM)")
+    parser.add_argument("--synthetic-inline", action="store_true", help="with --synthetic: on the engine thread")
     parser.add_argument("--markdown", metavar="JSON", help="print the tables of a saved result and exit")
     args = parser.parse_args()
     if args.markdown:
@@ -456,6 +580,10 @@ def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # this checkout's package, not whichever one the environment installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    if args.synthetic is not None:
+        print("RESULT " + json.dumps(measure_synthetic(spec, args.synthetic, args.synthetic_inline,
+                                                       tuple(args.workload or WORKLOADS))), flush=True)
+        return
     fields = {}
     for item in args.option:
         key, _, value = item.partition("=")
