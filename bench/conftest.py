@@ -43,6 +43,7 @@ from kvcanary_cupy.backends import unavailable_reason  # noqa: E402
 # of pytest-benchmark's calibrated loop (keeps `make bench` to a few minutes on a 2-core machine).
 SLOW_CALL_S = 0.2
 SLOW_ROUNDS = 3
+SETUP_ROUNDS = 60  # rounds of a row whose every call has an untimed setup
 
 
 _LOAD_AT_START: list[float] = []
@@ -135,13 +136,16 @@ def _without_gc(fn: Callable[[], Any]) -> Callable[[], Any]:
 
 
 def _measure(benchmark: Any, fn: Callable[[], Any], *, group: str, label: str, role: str, entries: int,
-            key: str, rounds: int | None = None, warmup: bool = True, **info: Any) -> None:
+            key: str, rounds: int | None = None, warmup: bool = True, setup: Callable[[], Any] | None = None,
+            **info: Any) -> None:
     """Time ``fn`` as one row of ``group``.
 
     ``role``: "subject" (an implementation under test), "info" (another implementation, for comparison),
     "floor", "baseline" or "oracle" (the rows ratios are taken against). ``entries``: work items of one
     call (verify entries, written tokens), for ns per entry. ``key``: stable id used by render.py's target
     table. ``rounds``: fixed rounds (no warm-up unless asked) instead of pytest-benchmark's calibration.
+    ``setup``: run before every call, untimed (e.g. evicting the caches); the row then takes ``rounds`` rounds
+    (SETUP_ROUNDS by default) of one call each.
     Each row starts after a full garbage collection and runs with the collector paused during its calls.
     With ``--benchmark-disable`` the function runs exactly once.
     """
@@ -150,7 +154,13 @@ def _measure(benchmark: Any, fn: Callable[[], Any], *, group: str, label: str, r
     fn = _without_gc(fn)
     gc.collect()
     if benchmark.disabled:
+        if setup is not None:
+            setup()
         benchmark(fn)
+        return
+    if setup is not None:
+        benchmark.pedantic(fn, setup=setup, rounds=rounds or SETUP_ROUNDS, iterations=1,
+                           warmup_rounds=1 if warmup else 0)
         return
     if rounds is not None:
         benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=1 if warmup else 0)

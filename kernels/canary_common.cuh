@@ -249,7 +249,7 @@ KVC_DEVICE EntryWalk thread_entries(i64 lo, i64 hi) {
 // thread runs a block's entries one after another and live KV is far larger than the caches (and its rows
 // sit on distinct pages), so each of those reads misses and stalls the thread; asking kPrefetchStrides of a
 // thread's own entries ahead overlaps the misses. On a GPU other warps hide the latency: nothing there.
-enum { kPrefetchStrides = 16, kPrefetchElements = 8 };
+enum { kPrefetchStrides = 8, kPrefetchElements = 8 };
 KVC_DEVICE void prefetch_entry(const i64* canary, i64 stride_words, i64 num_slots, const RealKvSources& sources,
                                const i64* slots, const i64* prev_slots, i64 index, i64 active) {
 #ifndef __CUDA_ARCH__
@@ -266,7 +266,7 @@ KVC_DEVICE void prefetch_entry(const i64* canary, i64 stride_words, i64 num_slot
     __builtin_prefetch(head);
     // Elements read one by one a wide stride apart (K stored column-major inside a block) sit on a line each,
     // which the block's next tokens share: ask for the lines of the first kPrefetchElements, not the first's
-    // alone (without them a cold K read stalls once per element line; 25 % of a cold TAIL K verify).
+    // alone (a cold TAIL K verify of vLLM's CPU cache then takes about a tenth less: bench_vllm_verify.py).
     if (src.access == kAccessElements && src.elements_per_group == 0 && src.element_stride >= 64) {
       const i64 eb = src.element_bytes;
       const i64 length = sources.mode == kHashPartial ? 16 : src.read_bytes;
