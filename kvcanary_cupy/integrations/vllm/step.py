@@ -270,7 +270,10 @@ def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[st
         table0 = tables[geo0.index]
         last_slot = (table0[np.arange(b), last // geo0.block_size].astype(np.int64) * geo0.block_size
                      + last % geo0.block_size)
-        tail_rows = np.flatnonzero((prefix > 0) & np.isin(last_slot, written_now))
+        # membership by a sorted search (np.isin costs tens of microseconds on a handful of slots)
+        ordered = np.sort(written_now)
+        found = ordered[np.minimum(np.searchsorted(ordered, last_slot), ordered.size - 1)] == last_slot
+        tail_rows = np.flatnonzero((prefix > 0) & found)
     # rows an earlier step left partly unstamped (rare: more same-step re-stamps than its capacity took)
     waiting = {i: pending[rid] for i, rid in enumerate(ids) if rid in pending} if pending else {}
     common = dict(step=step, request_ids=ids, rows=np.arange(1, b + 1, dtype=np.int64), input_ids=input_ids,
