@@ -1,0 +1,132 @@
+"""The runtime's reading side by exact counts: ``stats()`` and ``run_counters()`` after the toy engine's scripted
+run, worked out from its schedule (every prefix token verified once per verify endpoint and step, every new
+token written once per write endpoint); a full ring whose later rows are lost twice, counted as dropped each
+time; rows of consecutive steps read with nothing counted as dropped; ``check_health`` leaving the status
+words for the next report and adding to the failure count."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import runtime_scenario as sc
+from test_runtime import BACKENDS, LOGGER, drive, make, oracle_for
+
+from kvcanary_cupy import CanaryStatus
+from kvcanary_cupy.runtime import CanaryConfig, CanaryRuntime, Capacities
+
+ENDPOINTS = ("HEAD_K_FULL", "HEAD_V_FULL", "TAIL_K_FULL", "TAIL_V_FULL")
+
+
+def _schedule_totals() -> tuple[int, int, int]:
+    """(prefix tokens, new tokens, forwards) of the scripted schedule, from a fresh engine's batches."""
+    engine = sc.ToyEngine()
+    prefix = new = 0
+    for t in range(len(sc.SCHEDULE)):
+        batch = engine.schedule(t)
+        prefix += int(batch["prefix_lens"].sum())
+        new += int(batch["extend_seq_lens"].sum())
+        engine.finish_step(t)  # finished rows leave; a row that comes back starts a new request at position 0
+    return prefix, new, len(sc.SCHEDULE)
+
+
+def test_stats_and_run_counters_count_every_verified_and_written_token_exactly():
+    prefix, new, forwards = _schedule_totals()
+    assert (prefix, new, forwards) == (44, 24, 6)  # by hand: prefixes 0, 8, 6, 11, 8, 11; new 8, 2, 6, 2, 4, 2
+    engine = sc.ToyEngine(with_v=True)
+    rt = make(engine)
+    fresh = rt.stats()
+    assert fresh["protected_tokens"] == 0 and fresh["verified_entries"] == 0  # nothing read yet
+    drive(engine, rt)
+    stats = rt.stats()
+    assert set(stats) == {"mode", "steps", "forwards", "protected_tokens", "verified_entries", "sweeps",
+                          "swept_slots", "violations", "violations_by_group", "dropped", "status_bits", "overflows",
+                          "health_failures", "init_finished", "verify_entries_per_step", "verify_live_max",
+                          "verify_growth_max", "verify_bound_steps", "verify_bound_steps_growing"}
+    assert stats["mode"] == "log" and stats["steps"] == forwards and stats["forwards"] == {"target": forwards}
+    assert stats["protected_tokens"] == new  # HEAD K's writes only, not HEAD V's nor TAIL's
+    assert stats["verified_entries"] == 4 * prefix  # HEAD K, HEAD V, TAIL K, TAIL V
+    assert (stats["violations"], stats["violations_by_group"], stats["dropped"], stats["status_bits"],
+            stats["overflows"], stats["health_failures"]) == (0, {}, 0, 0, {}, 0)
+    counters = rt.run_counters()
+    want = {("FULL", tag, op): ((prefix if op == "verify" else new), forwards)
+            for tag in ENDPOINTS for op in ("verify", "write")}
+    want.update({("FULL", "SWEEP_K_FULL", "verify"): (0, 0), ("FULL", "SWEEP_V_FULL", "verify"): (0, 0)})
+    assert counters == want
+    rt.sweep()  # the prefix cache holds 4 + 5 slots: one SWEEP launch per K and V
+    assert rt.run_counters()[("FULL", "SWEEP_V_FULL", "verify")] == (9, 1)
+
+
+def _wrong(*indices):
+    def hook(sb):
+        sb.input_ids = sb.input_ids.copy()
+        sb.input_ids[list(indices)] += 5
+    return {"batch": hook}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_lost_behind_a_full_ring_are_counted_as_dropped_each_time_it_fills(backend):
+    """A ring of 2 rows, the write-input assert giving two rows (HEAD and TAIL) per wrong token: step 1 has two
+    wrong tokens (4 rows: 2 kept, 2 dropped), and step 2's one (2 rows) arrives while the ring still holds step 1's
+    rows, so both are lost; steps 4 and 5 do the same again. Each report counts its own losses; the totals add up."""
+    engine = sc.ToyEngine()
+    rt = CanaryRuntime.create(CanaryConfig(backend=backend, ring_capacity=2, write_input_assert=True,
+                                           logger=LOGGER), engine.pools(),
+                              Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS))
+    oracle = oracle_for(engine, rt)
+    hooks = {(1, "batch"): _wrong(0, 1)["batch"], (2, "batch"): _wrong(1)["batch"],
+             (4, "batch"): _wrong(0, 2)["batch"], (5, "batch"): _wrong(0)["batch"]}
+    reports = drive(engine, rt, oracle, hooks=hooks)
+    by_step = {r.launch_step: r for r in reports}
+    for step, total in ((1, 4), (4, 4)):
+        want = {tuple(r) for r in oracle.step_rows("FULL", step)}
+        got = [tuple(v.raw) for _, v in by_step[step].new_violations]
+        assert len(want) == total and len(got) == 2 and set(got) <= want, step
+        assert by_step[step].dropped == 2 and by_step[step].reports["FULL"].total == total, step
+    for step in (2, 5):
+        assert len(oracle.step_rows("FULL", step)) == 2
+        assert by_step[step].new_violations == [] and by_step[step].dropped == 2, step
+    assert by_step[3].clean
+    assert rt.stats()["dropped"] == 8 and rt.stats()["violations"] == 4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ring", [4, 16])
+def test_rows_of_consecutive_steps_are_all_read_and_none_counted_as_dropped(backend, ring):
+    """Wrong tokens at steps 1, 2 and 3 (2 rows each; a ring of 4 holds two steps' rows): the rows one step
+    appends while the previous step's are still in the ring stay there for the next report; nothing is dropped."""
+    engine = sc.ToyEngine()
+    rt = CanaryRuntime.create(CanaryConfig(backend=backend, ring_capacity=ring, write_input_assert=True,
+                                           logger=LOGGER), engine.pools(),
+                              Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS))
+    oracle = oracle_for(engine, rt)
+    hooks = {(t, "batch"): _wrong(1)["batch"] for t in (1, 2, 3)}
+    reports = drive(engine, rt, oracle, hooks=hooks)
+    by_step = {r.launch_step: r for r in reports}
+    for step in (1, 2, 3):
+        want = sorted(tuple(r) for r in oracle.step_rows("FULL", step))
+        assert len(want) == 2 and sorted(tuple(v.raw) for _, v in by_step[step].new_violations) == want, step
+    assert all(r.dropped == 0 for r in reports)
+    assert rt.stats()["dropped"] == 0 and rt.stats()["violations"] == 6
+
+
+def test_check_health_leaves_the_status_words_for_the_next_report():
+    engine = sc.ToyEngine()
+    rt = make(engine)
+    drive(engine, rt, steps=2)
+    rt.copy_slots([1], [sc.NUM_SLOTS + 3])  # sets SLOT_OUT_OF_RANGE in FULL's status word
+    assert rt.check_health() == []
+    assert rt.flush().status_bits == int(CanaryStatus.SLOT_OUT_OF_RANGE)
+
+
+def test_check_health_adds_its_problems_to_the_failures_counted_so_far():
+    engine = sc.ToyEngine()
+    rt = make(engine)
+    drive(engine, rt, steps=3, skip={(1, "post")})  # step 1's TAIL launches skipped: found by finish_step
+    earlier = rt.stats()["health_failures"]
+    assert earlier > 0
+    batch = engine.step_batch(engine.schedule(3))
+    rt.prepare(batch)
+    rt.pre_forward()  # no post_forward: the TAIL counters fall one behind again
+    problems = rt.check_health()
+    assert problems and rt.stats()["health_failures"] == earlier + len(problems)
+    assert all(isinstance(p, str) for p in problems) and np.all([p.startswith("group FULL: ") for p in problems])
