@@ -130,3 +130,22 @@ def test_check_health_adds_its_problems_to_the_failures_counted_so_far():
     problems = rt.check_health()
     assert problems and rt.stats()["health_failures"] == earlier + len(problems)
     assert all(isinstance(p, str) for p in problems) and np.all([p.startswith("group FULL: ") for p in problems])
+
+
+@pytest.mark.parametrize(("n", "tail"), [
+    (0, ""),  # the full verify states no bound
+    # the toy run: at most 11 live entries, at most 8 new tokens in one forward (step 0's prefills)
+    (10, "; bounded verify of 10 entries/step/group: every live slot verified within 2 steps (11 live entries), "
+         "within 12 while 8 entries are added per step"),  # ceil(11 / 10); 2 * ceil(11 / (10 - 8))
+    (2, "; bounded verify of 2 entries/step/group: every live slot verified within 6 steps (11 live entries), "
+        "no bound while 8 entries are added per step"),  # ceil(11 / 2); N <= G
+])
+def test_the_stats_line_states_the_counts_and_the_bound_in_words(n, tail):
+    engine = sc.ToyEngine()
+    rt = make(engine, max_verify_entries_per_step=n)
+    drive(engine, rt)
+    assert rt.stats_line() == "kv-canary: protected 24 tokens, 0 sweep passes, 0 violations" + tail
+    bound = rt.verify_bound()
+    assert bound == {"verify_entries_per_step": n, "verify_live_max": 11 if n else 0,
+                     "verify_growth_max": 8 if n else 0, "verify_bound_steps": {0: 1, 10: 2, 2: 6}[n],
+                     "verify_bound_steps_growing": {0: 1, 10: 12, 2: -1}[n]}
