@@ -136,6 +136,24 @@ def test_a_refused_sweep_answer_names_what_is_wrong(answer, message):
     assert str(info.value).startswith(f"kv-canary: {message}"), str(info.value)
 
 
+def test_a_refused_sweep_answer_offers_the_per_model_form_only_when_the_answer_was_not_one():
+    """The whole message, to its end: a plain answer that is no triple is told about the per-model dict; an
+    answer that is a dict, about the model whose entries are no triple, and nothing else."""
+    engine = sc.ToyEngine()
+    answers = {"plain": None, "per model": {"target": 7}}
+    rt = CanaryRuntime.create(CanaryConfig(logger=LOGGER), engine.pools(),
+                              Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS),
+                              sweep_source=lambda: answers[which])
+    for which, message in [
+        ("plain", "sweep_source must return (slots, positions, prev_slots), got NoneType (or a dict: model name -> "
+                  "(slots, positions, prev_slots))"),
+        ("per model", "sweep_source must return (slots, positions, prev_slots) of model 'target', got int"),
+    ]:
+        with pytest.raises(CanaryArgumentError) as info:
+            rt.sweep()
+        assert str(info.value) == "kv-canary: " + message, which
+
+
 def test_copy_slots_refusals_name_the_rule_and_copy_slots_refuses_capture(monkeypatch):
     engine = sc.ToyEngine()
     rt = make_capped(engine, "numpy")
