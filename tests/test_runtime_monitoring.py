@@ -149,3 +149,94 @@ def test_the_stats_line_states_the_counts_and_the_bound_in_words(n, tail):
     assert bound == {"verify_entries_per_step": n, "verify_live_max": 11 if n else 0,
                      "verify_growth_max": 8 if n else 0, "verify_bound_steps": {0: 1, 10: 2, 2: 6}[n],
                      "verify_bound_steps_growing": {0: 1, 10: 12, 2: -1}[n]}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_groups_report_carries_its_ring_capacity_and_run_counters_and_drops_add_up_over_groups(backend):
+    """FULL and SWA, a ring of 2, step 3 with two wrong tokens: each group's write-assert rows (HEAD and TAIL per
+    token: 4) overflow its ring by 2, so the step drops 4 in all. Each group's report carries the ring's capacity
+    and its HEAD K verify counters as of that step: the prefixes of steps 0 to 3 (0 + 8 + 6 + 11 for FULL; SWA
+    verifies only the last 3 positions of a prefix: 0 + 6 + 3 + 6), in 4 launches."""
+    engine = sc.ToyEngine(swa=True)
+    rt = CanaryRuntime.create(CanaryConfig(backend=backend, ring_capacity=2, write_input_assert=True,
+                                           logger=LOGGER), engine.pools(),
+                              Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS))
+    reports = drive(engine, rt, hooks={(3, "batch"): _wrong(0, 1)["batch"]})
+    step3 = next(r for r in reports if r.launch_step == 3)
+    assert step3.dropped == 4 and rt.stats()["dropped"] == 4
+    for name, verified in (("FULL", 25), ("SWA", 15)):
+        rep = step3.reports[name]
+        assert (rep.total, rep.capacity, len(rep.rows)) == (4, 2, 2), name
+        assert (rep.slot_run_counter, rep.kernel_run_counter) == (verified, 4), name
+    assert rt.stats()["violations_by_group"] == {"FULL": 2, "SWA": 2} and rt.stats()["violations"] == 4
+
+
+def test_rows_of_one_launch_keep_their_ring_order():
+    """Two wrong tokens of one step: HEAD K's rows are the first two of the ring, in token order, then TAIL K's."""
+    engine = sc.ToyEngine()
+    rt = make(engine, write_input_assert=True)
+    reports = drive(engine, rt, hooks={(2, "batch"): _wrong(1, 3)["batch"]})
+    rows = next(r for r in reports if r.launch_step == 2).new_violations
+    # slots go out in order: step 0 gives 1-5 and 6-8, step 1 gives 9 and 10, step 2 gives row 1 slot 11, row 2
+    # (a new request) slot 12 at position 0, row 3 slots 13-16 at positions 0-3; tokens 1 and 3 are 12 and 14
+    assert [(v.index, v.launch_tag, v.slot, v.position) for _, v in rows] == [
+        (0, "HEAD_K_FULL", 12, 0), (1, "HEAD_K_FULL", 14, 1), (2, "TAIL_K_FULL", 12, 0), (3, "TAIL_K_FULL", 14, 1)]
+
+
+def test_the_status_bits_seen_stay_in_the_stats_after_clean_reads():
+    engine = sc.ToyEngine()
+    rt = make(engine)
+    drive(engine, rt, steps=2)
+    rt.copy_slots([1], [sc.NUM_SLOTS + 3])
+    assert rt.flush().status_bits == int(CanaryStatus.SLOT_OUT_OF_RANGE)
+    assert rt.flush().status_bits == 0
+    assert rt.stats()["status_bits"] == int(CanaryStatus.SLOT_OUT_OF_RANGE)
+
+
+def test_a_plan_status_is_reported_once_by_the_group_whose_plan_it_is():
+    """A request row outside req_to_token's rows: the shared plan flags REQ_POOL_INDEX_OUT_OF_RANGE; only A, whose
+    plan it is, reports it (B shares A's plan)."""
+    from test_runtime_shared_plan import TwoGroupEngine
+    from test_runtime_shared_plan import make as make_shared
+
+    from kvcanary_cupy.constants import PlanStatus
+
+    engine = TwoGroupEngine(shared=True)
+    rt = make_shared(engine, "numpy")
+
+    def outside(sb):
+        sb.req_pool_indices = sb.req_pool_indices.copy()
+        sb.req_pool_indices[0] = sc.ROWS + 2
+    reports = drive(engine, rt, hooks={(2, "batch"): outside})
+    flagged = [(r.launch_step, r.plan_status) for r in reports if r.plan_status]
+    assert flagged == [(2, {"A": int(PlanStatus.REQ_POOL_INDEX_OUT_OF_RANGE)})]
+
+
+def test_a_bounded_verify_that_never_saw_a_prefix_states_zero_live_entries():
+    engine = sc.ToyEngine()
+    rt = make(engine, max_verify_entries_per_step=4)
+    drive(engine, rt, steps=1)  # step 0: prefills only, empty verify lists
+    assert rt.verify_bound()["verify_live_max"] == 0 and rt.verify_bound()["verify_bound_steps"] == 1
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_launches_after_a_flush_and_a_health_check_are_reported_by_the_step_after_the_next(steps):
+    """flush, then a health check while flush's snapshot is still to be read (both of the step counter's parity),
+    then a step with a wrong token: finish_step reads flush's snapshot (nothing), the next read finds the rows."""
+    engine = sc.ToyEngine()
+    rt = make(engine, write_input_assert=True)
+    drive(engine, rt, steps=steps)  # ends with flush
+    assert rt.check_health() == []
+    batch = engine.schedule(steps)
+    sb = engine.step_batch(batch, oracle=True)
+    sb.input_ids = sb.input_ids.copy()
+    sb.input_ids[0] += 5
+    rt.prepare(sb)
+    rt.pre_forward()
+    engine.forward(batch, "FULL", ids=sb.input_ids)
+    rt.post_forward()
+    assert rt.check_health() == []
+    assert rt.finish_step().new_violations == []
+    later = rt.flush()
+    assert later.launch_step == steps
+    assert [v.launch_tag for _, v in later.new_violations] == ["HEAD_K_FULL", "TAIL_K_FULL"]
