@@ -107,6 +107,7 @@ def test_rows_of_consecutive_steps_are_all_read_and_none_counted_as_dropped(back
         assert len(want) == 2 and sorted(tuple(v.raw) for _, v in by_step[step].new_violations) == want, step
     assert all(r.dropped == 0 for r in reports)
     assert rt.stats()["dropped"] == 0 and rt.stats()["violations"] == 6
+    assert rt.stats()["violations_by_group"] == {"FULL": 6}  # added up over the three reads
 
 
 def test_check_health_leaves_the_status_words_for_the_next_report():
