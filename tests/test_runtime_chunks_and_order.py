@@ -240,3 +240,29 @@ def test_sweep_launches_are_announced_to_the_observer_as_verifies_of_the_sweep_e
     want = [(when, "verify", "target", state, ep) for ep in state.endpoints["SWEEP"] for when in ("before", "after")]
     assert [(e.when, e.kind, e.model, e.group, e.endpoint) for e in events] == want
     assert [ep.tag.name for ep in state.endpoints["SWEEP"]] == ["SWEEP_K_FULL", "SWEEP_V_FULL"]
+
+
+def test_the_observer_sees_both_head_verifies_before_either_head_write_and_each_tail_verify_before_its_write():
+    """The launch order of a step with K and V (docs/contract.md, "Twin buffers"): the plan; HEAD K and HEAD V
+    verify, then HEAD K and HEAD V write; then per TAIL endpoint its verify and its write. Every event names
+    the launch, the model, the group, the endpoint and the staged batch."""
+    engine = sc.ToyEngine(with_v=True)
+    events = []
+    rt = CanaryRuntime.create(CanaryConfig(logger=LOGGER), engine.pools(),
+                              Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS), observer=events.append)
+    drive(engine, rt, steps=1)
+    events.clear()
+    batch = engine.schedule(1)
+    rt.prepare(engine.step_batch(batch))
+    rt.pre_forward()
+    engine.forward(batch, "FULL")
+    rt.post_forward()
+    got = [(e.kind, e.endpoint.tag.name if e.endpoint else None) for e in events if e.when == "before"]
+    assert got == [("plan", None), ("verify", "HEAD_K_FULL"), ("verify", "HEAD_V_FULL"), ("write", "HEAD_K_FULL"),
+                   ("write", "HEAD_V_FULL"), ("verify", "TAIL_K_FULL"), ("write", "TAIL_K_FULL"),
+                   ("verify", "TAIL_V_FULL"), ("write", "TAIL_V_FULL")]
+    assert [(e.when, e.kind, e.endpoint) for e in events][-2:] == [("before", "write", events[-1].endpoint),
+                                                                   ("after", "write", events[-1].endpoint)]
+    state, stage = rt.groups["FULL"], rt.stages["target"]
+    assert all(e.model == "target" and e.group is state and e.stage is stage for e in events)
+    assert len(events) == 2 * len(got)

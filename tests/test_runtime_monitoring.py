@@ -241,3 +241,55 @@ def test_launches_after_a_flush_and_a_health_check_are_reported_by_the_step_afte
     later = rt.flush()
     assert later.launch_step == steps
     assert [v.launch_tag for _, v in later.new_violations] == ["HEAD_K_FULL", "TAIL_K_FULL"]
+
+
+def _health_step(engine, rt, t: int, *, posts: int) -> list[str]:
+    """Step ``t`` with its TAIL phase run ``posts`` times; the health problems of the read it returns."""
+    batch = engine.schedule(t)
+    rt.prepare(engine.step_batch(batch))
+    rt.pre_forward()
+    engine.forward(batch, "FULL")
+    for _ in range(posts):
+        rt.post_forward()
+    engine.finish_step(t)
+    return rt.finish_step().health_problems
+
+
+@pytest.mark.parametrize(("posts", "made_up"), [
+    # two TAIL phases at step 3: the kernel count and TAIL K's written tokens (8 + 6 + 2 x 2 = 18) catch up with
+    # HEAD K's exactly, which the baseline of the deficit no longer expects
+    (2, ["verify {k}4, expected 3", "verify {s}28, expected 17", "write {k}4, expected 3", "write {s}18, expected 16"]),
+    # three: one kernel past HEAD K's, 6 + 3 x 11 = 39 verified, 8 + 6 + 3 x 2 = 20 written
+    (3, ["verify {k}5, expected 3", "verify {s}39, expected 17", "write {k}5, expected 3", "write {s}20, expected 16"]),
+])
+def test_a_deficit_is_reported_once_and_a_later_change_against_the_new_baseline(posts, made_up):
+    """Step 1 skips its TAIL phase: one TAIL kernel short, TAIL K's verify short of HEAD K's 8 prefix entries and
+    its write short of HEAD K's 2 tokens. Those become the baseline: step 2 is quiet. Step 3 runs its TAIL phase
+    ``posts`` times, and is compared with HEAD K less the baseline: 4 - 1 = 3 kernels, 25 - 8 = 17 verified
+    entries (HEAD K: 8 + 6 + 11), 18 - 2 = 16 written tokens (HEAD K: 8 + 2 + 6 + 2)."""
+    engine = sc.ToyEngine()
+    rt = make(engine)
+    problems = [_health_step(engine, rt, t, posts=p) for t, p in enumerate([1, 0, 1, posts, 1])]
+    prefix = "group FULL: TAIL_K_FULL "
+    kernels = "kernel ran (count) vs one per prepare() call of model 'target': "
+    slots = "slot count vs HEAD_K (same plan, same batch): "
+    assert problems[0] == [] and problems[1] == [] and problems[3] == []  # each read is of the step before
+    assert problems[2] == [f"{prefix}verify {kernels}1, expected 2", f"{prefix}verify {slots}0, expected 8",
+                           f"{prefix}write {kernels}1, expected 2", f"{prefix}write {slots}8, expected 10"]
+    assert problems[4] == [prefix + p.format(k=kernels, s=slots) for p in made_up]
+    assert rt.stats()["health_failures"] == 8
+
+
+@pytest.mark.parametrize("dropped", ["SWEEP_K_FULL", "SWEEP_V_FULL"])
+def test_a_sweep_launch_that_did_not_run_is_a_health_problem_of_its_endpoint(dropped, monkeypatch):
+    from kvcanary_cupy.bind import BoundLaunch
+
+    engine = sc.ToyEngine(with_v=True)
+    rt = make(engine)
+    drive(engine, rt)
+    skipped = next(ep.verify for ep in rt.groups["FULL"].endpoints["SWEEP"] if ep.tag.name == dropped)
+    run = BoundLaunch.run_checked
+    monkeypatch.setattr(BoundLaunch, "run_checked", lambda self: None if self is skipped else run(self))
+    assert rt.sweep() == 9
+    assert rt.check_health() == [f"group FULL: {dropped} verify kernel ran (count) vs one per sweep launch: 0, "
+                                 "expected 1"]
