@@ -170,3 +170,31 @@ def test_written_slots_under_capture_are_refused_with_the_whole_reason(monkeypat
                "validated on the host); capture post_forward() without it")
     with pytest.raises(CanaryArgumentError, match="^" + re.escape(message) + "$"):
         rt.post_forward(out_cache_loc=np.asarray(sb.out_cache_loc))
+
+
+def test_a_timer_failing_as_finish_step_reads_propagates_as_itself_and_the_rows_read_are_logged(caplog):
+    class TimerBroke(RuntimeError):
+        pass
+
+    phases: list[str] = []
+
+    @contextlib.contextmanager
+    def timer(phase):
+        phases.append(phase)
+        yield
+        if phase == "read" and armed:
+            raise TimerBroke("the timer's exporter is down")
+
+    armed = False
+    engine = sc.ToyEngine()
+    rt = _runtime(engine, write_input_assert=True, timer=timer)
+    _step(engine, rt, 0)
+    _step(engine, rt, 1, wrong=(1,))
+    _step(engine, rt, 2, finish=False)
+    phases.clear()
+    armed = True
+    with caplog.at_level(logging.WARNING, logger=LOGGER), pytest.raises(TimerBroke):
+        rt.finish_step()
+    assert phases == ["read"]
+    assert any("2 violation row(s)" in r.getMessage() for r in caplog.records)
+    assert rt.stats()["violations"] == 2

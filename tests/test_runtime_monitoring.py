@@ -6,6 +6,8 @@ words for the next report and adding to the failure count."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import runtime_scenario as sc
@@ -293,3 +295,15 @@ def test_a_sweep_launch_that_did_not_run_is_a_health_problem_of_its_endpoint(dro
     assert rt.sweep() == 9
     assert rt.check_health() == [f"group FULL: {dropped} verify kernel ran (count) vs one per sweep launch: 0, "
                                  "expected 1"]
+
+
+def test_stats_are_logged_every_stats_interval_steps_with_the_stats_as_fields(caplog):
+    engine = sc.ToyEngine()
+    rt = make(engine, stats_interval=4)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        drive(engine, rt)
+    records = [r for r in caplog.records if r.levelno == logging.INFO and r.name == LOGGER]
+    assert [r.kv_canary["stats"]["steps"] for r in records] == [4]  # 6 steps: after the 4th only
+    assert set(records[0].kv_canary) == {"stats"} and records[0].kv_canary["stats"]["forwards"] == {"target": 4}
+    # the counters as read one step late, up to step 2: 8 + 2 + 6 tokens
+    assert records[0].getMessage() == "kv-canary: protected 16 tokens, 0 sweep passes, 0 violations"
