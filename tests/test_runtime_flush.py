@@ -198,3 +198,25 @@ def test_a_timer_failing_as_finish_step_reads_propagates_as_itself_and_the_rows_
     assert phases == ["read"]
     assert any("2 violation row(s)" in r.getMessage() for r in caplog.records)
     assert rt.stats()["violations"] == 2
+
+
+def test_a_slot_table_moved_after_some_steps_refuses_the_head_phase_with_nothing_written():
+    """The plan reads the engine's req_to_token in place: a torch table the engine re-allocates after some steps
+    stops the next HEAD phase (plan, HEAD verify, HEAD write) before any of its launches."""
+    from test_runtime import runtime_arrays
+
+    torch = pytest.importorskip("torch")
+    engine = sc.ToyEngine()
+    table = torch.from_numpy(engine.req_to_token)
+    rt = CanaryRuntime.create(CanaryConfig(logger=LOGGER), type(engine.pools())(engine.groups(), req_to_token=table),
+                              Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS))
+    for t in range(3):
+        _step(engine, rt, t)
+    rt.prepare(engine.step_batch(engine.schedule(3)))
+    table.set_(torch.zeros_like(table))  # the engine re-allocated its slot table
+    before = runtime_arrays(rt)
+    with pytest.raises(CanaryArgumentError, match="storage moved or shrank") as info:
+        rt.pre_forward()
+    assert str(info.value).startswith("kv-canary: ") and "req_to_token" in str(info.value)
+    after = runtime_arrays(rt)
+    assert [k for k in before if not np.array_equal(before[k], after[k])] == []
