@@ -202,7 +202,8 @@ def test_a_timer_failing_as_finish_step_reads_propagates_as_itself_and_the_rows_
 
 def test_a_slot_table_moved_after_some_steps_refuses_the_head_phase_with_nothing_written():
     """The plan reads the engine's req_to_token in place: a torch table the engine re-allocates after some steps
-    stops the next HEAD phase (plan, HEAD verify, HEAD write) before any of its launches."""
+    stops the next HEAD phase (plan, HEAD verify, HEAD write) before any of its launches; the phases that read
+    no table (TAIL, the step's end) are not refused for it."""
     from test_runtime import runtime_arrays
 
     torch = pytest.importorskip("torch")
@@ -210,13 +211,32 @@ def test_a_slot_table_moved_after_some_steps_refuses_the_head_phase_with_nothing
     table = torch.from_numpy(engine.req_to_token)
     rt = CanaryRuntime.create(CanaryConfig(logger=LOGGER), type(engine.pools())(engine.groups(), req_to_token=table),
                               Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS))
-    for t in range(3):
+    for t in range(2):
         _step(engine, rt, t)
-    rt.prepare(engine.step_batch(engine.schedule(3)))
+    # moved after step 2's HEAD phase: its TAIL phase and a sweep read no slot table and go on
+    batch = engine.schedule(2)
+    rt.prepare(engine.step_batch(batch))
+    rt.pre_forward()
+    engine.forward(batch, "FULL")
     table.set_(torch.zeros_like(table))  # the engine re-allocated its slot table
+    rt.post_forward()
+    engine.finish_step(2)
+    rt.finish_step()
+    rt.prepare(engine.step_batch(engine.schedule(3)))
     before = runtime_arrays(rt)
     with pytest.raises(CanaryArgumentError, match="storage moved or shrank") as info:
         rt.pre_forward()
     assert str(info.value).startswith("kv-canary: ") and "req_to_token" in str(info.value)
     after = runtime_arrays(rt)
     assert [k for k in before if not np.array_equal(before[k], after[k])] == []
+
+
+def test_a_model_that_is_not_one_of_the_runtimes_is_refused_naming_every_model():
+    engine = sc.ToyEngine(draft=True)
+    rt = make(engine)
+    sb = engine.step_batch(engine.schedule(0))
+    for model in ("verifier", ["target"], None):
+        with pytest.raises(CanaryArgumentError) as info:
+            rt.prepare(sb, model=model)
+        assert str(info.value) == f"kv-canary: model must be one of target, draft, got {model!r}"
+    assert rt.forwards == {"target": 0, "draft": 0}
