@@ -240,3 +240,33 @@ def test_a_model_that_is_not_one_of_the_runtimes_is_refused_naming_every_model()
             rt.prepare(sb, model=model)
         assert str(info.value) == f"kv-canary: model must be one of target, draft, got {model!r}"
     assert rt.forwards == {"target": 0, "draft": 0}
+
+
+def test_prepare_stages_under_stage_and_scatters_the_histories_as_a_launch_of_its_model():
+    phases: list[str] = []
+
+    @contextlib.contextmanager
+    def timer(phase):
+        phases.append(phase)
+        yield
+
+    events = []
+    engine = sc.ToyEngine()
+    rt = CanaryRuntime.create(CanaryConfig(logger=LOGGER, verify_token_assert=True), engine.pools(),
+                              Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS), timer=timer,
+                              observer=events.append)
+    rt.prepare(engine.step_batch(engine.schedule(0), tokens=True))
+    assert phases == ["stage", "scatter"]
+    assert [(e.when, e.kind, e.model, e.group, e.endpoint) for e in events] == [
+        ("before", "scatter", "target", None, None), ("after", "scatter", "target", None, None)]
+
+
+def test_histories_given_with_the_token_check_off_are_refused_by_the_switch_name():
+    engine = sc.ToyEngine()
+    rt = make(engine)
+    sb = engine.step_batch(engine.schedule(0), tokens=True)
+    sb.valid_lens = None  # the check's other input, refused on its own
+    with pytest.raises(CanaryArgumentError) as info:
+        rt.prepare(sb)
+    assert str(info.value) == "kv-canary: batch.history_* is given but CanaryConfig.verify_token_assert is off"
+    assert rt.forwards == {"target": 0}
