@@ -163,3 +163,26 @@ def test_offload_and_restore_run_under_their_own_timer_phases():
         engine.lut[d] = d
     assert rt.restore(records, DST, POSITIONS, PREVS) == 4
     assert phases == ["restore"] * (2 + 4)
+
+
+def test_a_torch_framework_runtime_moves_records_like_the_oracle():
+    """The staging buffers of the record moves are allocated by the runtime's framework (torch tensors here):
+    copy_slots, offload and restore carry every record of every buffer exactly as the oracle does."""
+    pytest.importorskip("torch")
+    engine = sc.ToyEngine(swa=True, with_v=True)
+    rt = CanaryRuntime.create(CanaryConfig(logger=LOGGER), engine.pools(),
+                              Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS), framework="torch")
+    oracle = oracle_for(engine, rt)
+    drive(engine, rt, oracle)
+    src, dst = [1, 2, 3], [sc.NUM_SLOTS - 4, sc.NUM_SLOTS - 3, sc.NUM_SLOTS - 2]
+    for d in dst:
+        engine.lut[d] = d
+    rt.copy_slots(np.array(src), np.array(dst))
+    oracle.copy_slots(src, dst)
+    records = rt.offload(np.array([4, 5]))
+    for (group, b), got in records.records.items():
+        np.testing.assert_array_equal(got, _oracle_records(oracle, group, b, [4, 5]), err_msg=f"{group} {b}")
+    rt.restore(records, [sc.NUM_SLOTS - 6, sc.NUM_SLOTS - 5], positions=[0, 1], prev_slots=[-1, sc.NUM_SLOTS - 6])
+    oracle.copy_slots([4, 5], [sc.NUM_SLOTS - 6, sc.NUM_SLOTS - 5])
+    for name, got, want in canary_records(rt, oracle):
+        assert np.array_equal(np.asarray(got), want), name
