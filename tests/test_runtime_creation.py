@@ -34,3 +34,37 @@ def test_a_slot_table_the_plan_cannot_read_is_refused_by_the_pools_field_name(ta
     with pytest.raises(CanaryArgumentError) as info:
         _create(engine, KvPools(engine.groups(), req_to_token=table))
     assert str(info.value).startswith("kv-canary: KvPools.req_to_token must ")
+
+
+def test_without_a_slot_table_the_expected_token_pool_needs_both_capacities():
+    engine = sc.ToyEngine()
+    from kvcanary_cupy.layouts import BlockTable
+
+    pools = KvPools(engine.groups(), layout=BlockTable(engine.block_table, sc.PAGE, num_slots=sc.NUM_SLOTS))
+    message = ("kv-canary: Capacities.pool_rows and Capacities.max_context_len are required with verify_token_assert "
+               "when the pools have no req_to_token")
+    for caps in ({}, {"pool_rows": 5}, {"max_context_len": 32}):
+        with pytest.raises(CanaryArgumentError) as info:
+            _create(engine, pools, **caps)
+        assert str(info.value) == message, caps
+    assert _create(engine, pools, pool_rows=5, max_context_len=32).expected_token_pool.shape == (5, 32)
+
+
+def test_request_rows_are_required_exactly_when_a_group_reads_its_slots_through_them():
+    from kvcanary_cupy.layouts import BlockTable
+
+    engine = sc.ToyEngine()
+    sb = engine.step_batch(engine.schedule(0))
+    sb.req_pool_indices = None
+    rows = CanaryRuntime.create(CanaryConfig(logger=LOGGER), engine.pools(),
+                                Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS))
+    with pytest.raises(CanaryArgumentError) as info:
+        rows.prepare(sb)
+    assert str(info.value) == ("kv-canary: batch.req_pool_indices is required: a group of model 'target' reads its "
+                               "slots through request rows (req_to_token or a BlockTable with batch_rows=False)")
+    table = BlockTable(np.zeros((sc.MAX_BS, sc.WIDTH // sc.PAGE), np.int32), sc.PAGE, num_slots=sc.NUM_SLOTS,
+                       batch_rows=True)
+    row_less = CanaryRuntime.create(CanaryConfig(logger=LOGGER), KvPools(engine.groups(), layout=table),
+                                    Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS))
+    row_less.prepare(sb)  # the batch's rows are the table's rows
+    assert row_less.forwards == {"target": 1}

@@ -63,7 +63,7 @@ TARGETS: dict[str, Target] = {
                                         "tests/test_runtime_tiers.py", "tests/test_runtime_restore_arguments.py",
                                         "tests/test_offloaded_records_checks.py", "tests/test_runtime_record_moves.py",
                                         "tests/test_runtime_monitoring.py", "tests/test_runtime_flush.py",
-                                        "tests/test_runtime_creation.py",
+                                        "tests/test_runtime_creation.py", "tests/test_allocation_limits.py",
                                         "tests/test_runtime_sweep_models.py", "tests/test_runtime_shared_plan.py",
                                         "tests/test_bounded_verify_window.py",
                                         "tests/test_bounded_verify.py::test_the_bound_is_one_step_when_the_live_entries"
