@@ -68,3 +68,15 @@ def test_request_rows_are_required_exactly_when_a_group_reads_its_slots_through_
                                     Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS))
     row_less.prepare(sb)  # the batch's rows are the table's rows
     assert row_less.forwards == {"target": 1}
+
+
+def test_an_expected_token_pool_beyond_the_allocation_limit_is_refused_by_its_capacities():
+    """2000 x 2000 int32 entries (16 MB) and their history staging (32 MB) against a limit of 4 MB: the pool's
+    capacities ask for most, and are named."""
+    engine = sc.ToyEngine()
+    with pytest.raises(CanaryArgumentError) as info:
+        CanaryRuntime.create(CanaryConfig(logger=LOGGER, verify_token_assert=True), engine.pools(),
+                             Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS, pool_rows=2000,
+                                        max_context_len=2000), max_allocation_bytes=4 << 20)
+    assert str(info.value).startswith("kv-canary: Capacities.pool_rows=2000 x max_context_len=2000 makes "
+                                      "CanaryRuntime.create need ")
