@@ -80,3 +80,30 @@ def test_an_expected_token_pool_beyond_the_allocation_limit_is_refused_by_its_ca
                                         max_context_len=2000), max_allocation_bytes=4 << 20)
     assert str(info.value).startswith("kv-canary: Capacities.pool_rows=2000 x max_context_len=2000 makes "
                                       "CanaryRuntime.create need ")
+
+
+def test_the_constructor_refuses_wrong_parts_and_hooks_by_name_and_defaults_to_numpy_on_the_cpu():
+    engine = sc.ToyEngine()
+    config, pools = CanaryConfig(logger=LOGGER), engine.pools()
+    caps = Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS)
+    cases = [((dict(vars(config)), pools, caps), {}, "config must be a CanaryConfig, got dict"),
+             ((config, pools.groups, caps), {}, "pools must be a KvPools, got tuple"),
+             ((config, pools, None), {}, "capacities must be a Capacities, got NoneType"),
+             ((config, pools, caps), {"sweep_source": 3}, "sweep_source must be callable, got int"),
+             ((config, pools, caps), {"observer": "log"}, "observer must be callable, got str"),
+             ((config, pools, caps), {"timer": [1]}, "timer must be callable, got list"),
+             ((CanaryConfig(logger=LOGGER, sweep_interval=4), pools, caps), {},
+              "CanaryConfig.sweep_interval=4 needs a sweep_source (the slots the prefix cache holds)")]
+    for args, hooks, message in cases:
+        with pytest.raises(CanaryArgumentError) as info:
+            CanaryRuntime(*args, **hooks)
+        assert str(info.value) == "kv-canary: " + message
+    rt = CanaryRuntime(config, pools, caps)
+    assert str(rt.space.device) == "cpu" and rt.space.framework == "numpy"
+    assert rt.stats()["init_finished"] is False and np.all(rt.expected_token_pool is None)
+    assert CanaryRuntime(CanaryConfig(mode="off", logger=LOGGER), pools, caps).expected_token_pool is None
+
+
+def test_the_expected_token_pool_starts_as_zeros():
+    rt = _create(sc.ToyEngine())
+    assert np.array_equal(rt.expected_token_pool, np.zeros((5, 32), np.int32))
