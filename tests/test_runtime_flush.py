@@ -270,3 +270,32 @@ def test_histories_given_with_the_token_check_off_are_refused_by_the_switch_name
         rt.prepare(sb)
     assert str(info.value) == "kv-canary: batch.history_* is given but CanaryConfig.verify_token_assert is off"
     assert rt.forwards == {"target": 0}
+
+
+def test_finish_step_logs_as_many_rows_per_line_as_log_rows_says(caplog):
+    engine = sc.ToyEngine()
+    rt = _runtime(engine, write_input_assert=True, log_rows=1)
+    _step(engine, rt, 0)
+    _step(engine, rt, 1, wrong=(0, 1))
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        _step(engine, rt, 2)
+    lines = [r.getMessage() for r in caplog.records if " group FULL: " in r.getMessage()]
+    assert len(lines) == 1 and "; 3 more row(s) counted, not logged" in lines[0]
+
+
+def test_a_bounded_verify_selects_its_window_under_the_window_phase():
+    phases: list[str] = []
+
+    @contextlib.contextmanager
+    def timer(phase):
+        phases.append(phase)
+        yield
+
+    engine = sc.ToyEngine()
+    rt = _runtime(engine, timer=timer, max_verify_entries_per_step=4)
+    _step(engine, rt, 0)
+    batch = engine.schedule(1)
+    rt.prepare(engine.step_batch(batch))
+    phases.clear()
+    rt.pre_forward()
+    assert phases == ["plan", "window", "verify", "write"]
