@@ -88,7 +88,7 @@ def test_the_constructor_refuses_wrong_parts_and_hooks_by_name_and_defaults_to_n
     caps = Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS)
     cases = [((dict(vars(config)), pools, caps), {}, "config must be a CanaryConfig, got dict"),
              ((config, pools.groups, caps), {}, "pools must be a KvPools, got tuple"),
-             ((config, pools, None), {}, "capacities must be a Capacities, got NoneType"),
+             ((config, pools, {"max_tokens": 8}), {}, "capacities must be a Capacities, got dict"),
              ((config, pools, caps), {"sweep_source": 3}, "sweep_source must be callable, got int"),
              ((config, pools, caps), {"observer": "log"}, "observer must be callable, got str"),
              ((config, pools, caps), {"timer": [1]}, "timer must be callable, got list"),

@@ -172,6 +172,7 @@ def test_a_torch_framework_runtime_moves_records_like_the_oracle():
     engine = sc.ToyEngine(swa=True, with_v=True)
     rt = CanaryRuntime.create(CanaryConfig(logger=LOGGER), engine.pools(),
                               Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS), framework="torch")
+    assert rt.space.framework == "torch"
     oracle = oracle_for(engine, rt)
     drive(engine, rt, oracle)
     src, dst = [1, 2, 3], [sc.NUM_SLOTS - 4, sc.NUM_SLOTS - 3, sc.NUM_SLOTS - 2]
