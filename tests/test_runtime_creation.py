@@ -107,3 +107,21 @@ def test_the_constructor_refuses_wrong_parts_and_hooks_by_name_and_defaults_to_n
 def test_the_expected_token_pool_starts_as_zeros():
     rt = _create(sc.ToyEngine())
     assert np.array_equal(rt.expected_token_pool, np.zeros((5, 32), np.int32))
+
+
+def test_the_history_staging_holds_pool_rows_times_max_context_len_tokens_and_a_row_past_the_pool_is_flagged():
+    """Capacities(pool_rows=5, max_context_len=3): 15 history tokens per forward by default, so step 1's histories
+    (6 + 4 = 10 tokens) are staged. The second names pool row 7, past the pool's 5: the scatter skips it and flags
+    SCATTER_OUT_OF_RANGE, reported like any status bit; the first lands in row 1 (its first 3 positions)."""
+    from kvcanary_cupy import CanaryStatus
+
+    engine = sc.ToyEngine()
+    rt = _create(engine, pool_rows=5, max_context_len=3)
+    engine.schedule(0)
+    engine.finish_step(0)
+    sb = engine.step_batch(engine.schedule(1), tokens=True)
+    assert sb.history_ids.shape[0] == 10
+    sb.history_req_pool_indices = np.array([1, 7], np.int64)
+    rt.prepare(sb)
+    assert rt.flush().scatter_status == int(CanaryStatus.SCATTER_OUT_OF_RANGE)
+    assert rt.expected_token_pool[1].tolist() == [sc.token(1, q) for q in range(3)]
