@@ -125,3 +125,25 @@ def test_the_history_staging_holds_pool_rows_times_max_context_len_tokens_and_a_
     rt.prepare(sb)
     assert rt.flush().scatter_status == int(CanaryStatus.SCATTER_OUT_OF_RANGE)
     assert rt.expected_token_pool[1].tolist() == [sc.token(1, q) for q in range(3)]
+
+
+@pytest.mark.parametrize(("last_prefix", "overflows"), [(3, False), (4, True)])
+def test_the_default_verify_capacity_is_three_entries_per_slot(last_prefix, overflows):
+    """A group of 8 slots plans at most 24 verify entries by default: four rows sharing slots 1-7 (radix sharing)
+    with prefixes 7 + 7 + 7 + 3 = 24 fit, 7 + 7 + 7 + 4 = 25 overflow."""
+    from kvcanary_cupy import RealKvSource
+    from kvcanary_cupy.runtime import KvGroup, StepBatch
+
+    source = RealKvSource(np.zeros((8, 32), np.uint8), page_size=1, num_bytes_per_token=32, read_bytes=32)
+    table = np.zeros((5, 8), np.int32)
+    table[1:, :7] = np.arange(1, 8)
+    rt = CanaryRuntime.create(CanaryConfig(logger=LOGGER), KvPools((KvGroup("FULL", 8, (source,)),),
+                                                                   req_to_token=table),
+                              Capacities(max_batch_size=4, max_tokens=4))
+    prefixes = np.array([7, 7, 7, last_prefix], np.int64)
+    rt.prepare(StepBatch(req_pool_indices=np.arange(1, 5, dtype=np.int64), prefix_lens=prefixes,
+                         extend_seq_lens=np.ones(4, np.int64), input_ids=np.arange(4, dtype=np.int64),
+                         positions=prefixes.copy(), out_cache_loc=np.array([7, 7, 7, 7], np.int64)))
+    rt.pre_forward()
+    rt.post_forward()
+    assert rt.flush().overflowed == (["FULL"] if overflows else [])
