@@ -989,6 +989,122 @@ def _runtime_step_case(rt: CanaryRuntime, is_full: bool,
     return lambda: rt.prepare(StepBatch(**fields)), watched, what
 
 
+# ---- groups that share a plan (KvGroup.plan_of) ---------------------------------------------------------------
+
+# plan_of values that name nothing a group could share: not a str (numpy strings are str), or no group at all
+BAD_PLAN_OF_TYPES = [3, 0, np.int64(1), True, False, 1.5, b"A", ["A"], ("A",), np.array(["A"]), np.array("A"),
+                     object(), 2**64, {"A": 1}]
+MISSING_PLAN_OF = ["C", "", "a", "A ", " A", "A\x00", "\u0391", "FULL"]  # \u0391: Greek capital alpha
+
+
+def _plan_of_case(rng: random.Random, engine: _RtEngine) -> tuple[Callable[[], Any], str]:
+    """A group whose plan_of names no earlier group, or one whose plan inputs differ from the group's."""
+    src = engine.source("F")
+    lut = engine.lut
+    base = {"name": "B", "num_slots": RT_SLOTS, "k_sources": (src,), "plan_of": "A"}
+    leader = KvGroup("A", RT_SLOTS, (src,))
+    kind = rng.choice(["type", "self", "missing", "later", "chain", "differs"])
+    if kind == "type":
+        base["plan_of"] = rng.choice(BAD_PLAN_OF_TYPES)
+        return lambda: KvGroup(**base), f"KvGroup(plan_of={base['plan_of']!r})"
+    if kind == "self":
+        base["plan_of"] = rng.choice(["B", np.str_("B")])
+        return lambda: KvGroup(**base), "KvGroup naming itself"
+    if kind == "missing":
+        base["plan_of"] = rng.choice(MISSING_PLAN_OF)
+        follower = KvGroup(**base)
+        return lambda: KvPools((leader, follower), req_to_token=engine.req_to_token), f"plan_of={base['plan_of']!r}"
+    if kind == "later":  # the named group exists, but after the group
+        follower = KvGroup(**base)
+        groups = rng.choice([[follower, leader], [KvGroup("C", RT_SLOTS, (src,)), follower, leader]])
+        return lambda: KvPools(tuple(groups), req_to_token=engine.req_to_token), "plan_of names a later group"
+    if kind == "chain":  # the named group shares a plan itself
+        middle = KvGroup(**base)
+        last = KvGroup("C", RT_SLOTS, (src,), plan_of="B")
+        return (lambda: KvPools([leader, middle, last], req_to_token=engine.req_to_token),
+                "plan_of names a group sharing another's plan")
+    change = rng.choice(["num_slots", "model", "window", "lut", "offset", "layout", "leader layout"])
+    pools_layout: dict[str, Any] = {"req_to_token": engine.req_to_token}
+    if change == "num_slots":
+        base["num_slots"] = rng.choice([RT_SLOTS - 1, RT_SLOTS + 1, 2 * RT_SLOTS, np.int64(RT_SLOTS + 8)])
+    elif change == "model":
+        base["model"] = rng.choice(["draft", "Target", "target "])
+    elif change == "window":  # a sliding-window follower of a full leader
+        base.update(swa_window=rng.choice([1, 2, np.int32(5)]), full_to_swa_index_mapping=lut)
+    elif change == "lut":  # both sliding-window, same window, a LUT of the same values in another array
+        leader = KvGroup("A", RT_SLOTS, (src,), swa_window=2, full_to_swa_index_mapping=lut)
+        base.update(swa_window=2, full_to_swa_index_mapping=rng.choice([lut.copy(), lut[:], lut.view()]))
+    elif change == "offset":
+        base["kv_token_id_vs_position_offset"] = rng.choice([1, -1, np.int64(1)])
+    elif change == "layout":  # a layout of its own, over the same table or a copy of it
+        base["layout"] = TokenTable(rng.choice([engine.req_to_token, engine.req_to_token.copy()]))
+    else:  # the leader has a layout of its own, the follower the pools'
+        leader = KvGroup("A", RT_SLOTS, (src,), layout=TokenTable(engine.req_to_token))
+        pools_layout = rng.choice([{"req_to_token": engine.req_to_token},
+                                   {"layout": TokenTable(engine.req_to_token)}])
+    follower = KvGroup(**base)
+    return lambda: KvPools((leader, follower), **pools_layout), f"plan inputs differ: {change}"
+
+
+def test_shared_plans_are_refused_by_plan_of_unless_an_earlier_group_has_the_same_plan_inputs():
+    """``KvGroup(plan_of=...)`` takes the name of another group (a str); ``KvPools`` then requires an earlier
+    group with its own plan and the same model, slot count, window, LUT (the same array), offset and layout (the
+    same object). Every other combination is refused naming plan_of, with no engine array touched."""
+    rng = random.Random("plan-of")
+    engine = _RtEngine()
+    src = engine.source("F")
+    # the baselines are valid: a full pair, a sliding-window pair over one LUT, a pair over one own layout
+    KvPools((KvGroup("A", RT_SLOTS, (src,)), KvGroup("B", np.int64(RT_SLOTS), (src,), plan_of=np.str_("A"))),
+            req_to_token=engine.req_to_token)
+    KvPools((KvGroup("A", RT_SLOTS, (src,), swa_window=2, full_to_swa_index_mapping=engine.lut),
+             KvGroup("B", RT_SLOTS, (src,), swa_window=2, full_to_swa_index_mapping=engine.lut, plan_of="A")),
+            req_to_token=engine.req_to_token)
+    own = TokenTable(engine.req_to_token)
+    KvPools((KvGroup("A", RT_SLOTS, (src,), layout=own), KvGroup("C", RT_SLOTS, (src,)),
+             KvGroup("B", RT_SLOTS, (src,), layout=own, plan_of="A")), req_to_token=engine.req_to_token)
+    for case in range(400):
+        call, what = _plan_of_case(rng, engine)
+        refuses(call, engine.arrays(), f"case {case}: {what}", names=("plan_of",))
+
+
+# ---- the host backend's per-thread cap (threads_on_this_thread) -------------------------------------------------
+
+BAD_THREAD_COUNTS = [0, -1, 257, 1000, 2**31, 2**63, 2**64, -(2**63) - 1, 10**30, np.int64(0), np.int32(257),
+                     np.uint64(2**64 - 1), np.int8(-1), np.uint16(300), True, False, np.bool_(True), 1.5,
+                     np.float64(4.0), np.float32(8), "4", b"4", None, [4], (4,), np.array([4]), np.array(4), object(),
+                     complex(4, 0)]
+
+
+def test_threads_on_this_thread_refuses_counts_outside_1_to_256_naming_threads_and_keeps_the_cap():
+    """A refused count raises on entering the block, names ``threads``, and leaves the calling thread's cap as it
+    was (none, or the enclosing block's); valid counts (ints and NumPy integers, 1 to 256) cap launches inside
+    the block only."""
+    from kvcanary_cupy import hostcuda
+
+    rng = random.Random("threads-on-this-thread")
+    assert hostcuda._capped(300) == 300  # no cap on this thread to begin with
+    for case in range(300):
+        bad = rng.choice(BAD_THREAD_COUNTS)
+        outer = rng.choice([None, 1, 7, np.int16(256)])
+
+        def enter(bad: Any = bad) -> None:
+            with hostcuda.threads_on_this_thread(bad):
+                raise AssertionError("the block ran")
+
+        if outer is None:
+            refuses(enter, None, f"case {case}: threads={bad!r}", names=("threads",))
+            assert hostcuda._capped(300) == 300, f"case {case}: a refused count left a cap"
+            continue
+        with hostcuda.threads_on_this_thread(outer):
+            refuses(enter, None, f"case {case}: threads={bad!r} inside a cap of {outer!r}", names=("threads",))
+            assert hostcuda._capped(300) == int(outer), f"case {case}: a refused count changed the enclosing cap"
+        assert hostcuda._capped(300) == 300
+    for good in [1, 256, np.int64(3), np.uint8(200), np.int32(1)]:
+        with hostcuda.threads_on_this_thread(good):
+            assert hostcuda._capped(300) == int(good) and hostcuda._capped(1) == 1
+        assert hostcuda._capped(300) == 300
+
+
 # ---- host slot lists: copy_slots and what a sweep source answers ---------------------------------------------
 
 def _bad_slot_lists(rng: random.Random) -> Any:

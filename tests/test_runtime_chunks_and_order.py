@@ -136,6 +136,24 @@ def test_a_refused_sweep_answer_names_what_is_wrong(answer, message):
     assert str(info.value).startswith(f"kv-canary: {message}"), str(info.value)
 
 
+def test_a_refused_sweep_answer_offers_the_per_model_form_only_when_the_answer_was_not_one():
+    """The whole message, to its end: a plain answer that is no triple is told about the per-model dict; an
+    answer that is a dict, about the model whose entries are no triple, and nothing else."""
+    engine = sc.ToyEngine()
+    answers = {"plain": None, "per model": {"target": 7}}
+    rt = CanaryRuntime.create(CanaryConfig(logger=LOGGER), engine.pools(),
+                              Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS),
+                              sweep_source=lambda: answers[which])
+    for which, message in [
+        ("plain", "sweep_source must return (slots, positions, prev_slots), got NoneType (or a dict: model name -> "
+                  "(slots, positions, prev_slots))"),
+        ("per model", "sweep_source must return (slots, positions, prev_slots) of model 'target', got int"),
+    ]:
+        with pytest.raises(CanaryArgumentError) as info:
+            rt.sweep()
+        assert str(info.value) == "kv-canary: " + message, which
+
+
 def test_copy_slots_refusals_name_the_rule_and_copy_slots_refuses_capture(monkeypatch):
     engine = sc.ToyEngine()
     rt = make_capped(engine, "numpy")
@@ -222,3 +240,29 @@ def test_sweep_launches_are_announced_to_the_observer_as_verifies_of_the_sweep_e
     want = [(when, "verify", "target", state, ep) for ep in state.endpoints["SWEEP"] for when in ("before", "after")]
     assert [(e.when, e.kind, e.model, e.group, e.endpoint) for e in events] == want
     assert [ep.tag.name for ep in state.endpoints["SWEEP"]] == ["SWEEP_K_FULL", "SWEEP_V_FULL"]
+
+
+def test_the_observer_sees_both_head_verifies_before_either_head_write_and_each_tail_verify_before_its_write():
+    """The launch order of a step with K and V (docs/contract.md, "Twin buffers"): the plan; HEAD K and HEAD V
+    verify, then HEAD K and HEAD V write; then per TAIL endpoint its verify and its write. Every event names
+    the launch, the model, the group, the endpoint and the staged batch."""
+    engine = sc.ToyEngine(with_v=True)
+    events = []
+    rt = CanaryRuntime.create(CanaryConfig(logger=LOGGER), engine.pools(),
+                              Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS), observer=events.append)
+    drive(engine, rt, steps=1)
+    events.clear()
+    batch = engine.schedule(1)
+    rt.prepare(engine.step_batch(batch))
+    rt.pre_forward()
+    engine.forward(batch, "FULL")
+    rt.post_forward()
+    got = [(e.kind, e.endpoint.tag.name if e.endpoint else None) for e in events if e.when == "before"]
+    assert got == [("plan", None), ("verify", "HEAD_K_FULL"), ("verify", "HEAD_V_FULL"), ("write", "HEAD_K_FULL"),
+                   ("write", "HEAD_V_FULL"), ("verify", "TAIL_K_FULL"), ("write", "TAIL_K_FULL"),
+                   ("verify", "TAIL_V_FULL"), ("write", "TAIL_V_FULL")]
+    assert [(e.when, e.kind, e.endpoint) for e in events][-2:] == [("before", "write", events[-1].endpoint),
+                                                                   ("after", "write", events[-1].endpoint)]
+    state, stage = rt.groups["FULL"], rt.stages["target"]
+    assert all(e.model == "target" and e.group is state and e.stage is stage for e in events)
+    assert len(events) == 2 * len(got)

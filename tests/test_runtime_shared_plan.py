@@ -134,3 +134,23 @@ def test_plan_of_is_refused_unless_it_names_an_earlier_group_with_the_same_plan_
     with pytest.raises(ValueError, match="plans would differ"):
         KvPools((a, other), req_to_token=table)
     KvPools((a, KvGroup("B", sc.NUM_SLOTS, v, k, plan_of="A")), req_to_token=table)  # accepted
+
+
+def test_a_group_with_its_own_plan_after_a_sharing_one_still_plans_and_runs_its_head():
+    """A, then B sharing A's plan, then C with its own: A and C each launch their plan and HEAD endpoints."""
+    engine = sc.ToyEngine(with_v=True)
+    k, v = engine.sources("FULL", "K"), engine.sources("FULL", "V")
+    pools = KvPools((KvGroup.full("A", sc.NUM_SLOTS, k, v), KvGroup("B", sc.NUM_SLOTS, v, k, plan_of="A"),
+                     KvGroup.full("C", sc.NUM_SLOTS, v, k)), req_to_token=engine.req_to_token)
+    launches: list[tuple[str, str, str]] = []
+    rt = CanaryRuntime.create(CanaryConfig(logger=LOGGER), pools,
+                              Capacities(max_batch_size=sc.MAX_BS, max_tokens=sc.MAX_TOKENS),
+                              observer=lambda ev: launches.append((ev.group.name, ev.kind, ev.endpoint.role
+                                                                   if ev.endpoint else "-"))
+                              if ev.when == "before" else None)
+    batch = engine.schedule(0)
+    rt.prepare(engine.step_batch(batch))
+    rt.pre_forward()
+    assert launches == [(g, kind, role) for g in ("A", "C")
+                        for kind, role in (("plan", "-"), ("verify", "HEAD"), ("verify", "HEAD"), ("write", "HEAD"),
+                                           ("write", "HEAD"))]

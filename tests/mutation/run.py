@@ -56,10 +56,20 @@ BOUNDED_VERIFY_MUTANTS = ["*x_select_window__mutmut_*", "*x_verify_latency_bound
 TARGETS: dict[str, Target] = {
     "transfer": Target(["kvcanary_cupy/transfer.py", "kvcanary_cupy/backends/numpy_transfer.py"],
                        ["tests/test_transfer.py", "tests/test_transfer_edges.py", "tests/test_tier_calls.py"]),
-    # the record moves (offload, restore) are pinned by the tier tests of the runtime
+    # the record moves (offload, restore) are pinned by the tier tests of the runtime; the per-model sweep, shared
+    # plans and the stated bound by their own runtime tests (of test_bounded_verify.py, the two that read the bound
+    # back from a run: the rest of it is the bounded_verify target's)
     "runtime": Target(RUNTIME_MODULES, ["tests/test_runtime.py", "tests/test_runtime_chunks_and_order.py",
                                         "tests/test_runtime_tiers.py", "tests/test_runtime_restore_arguments.py",
-                                        "tests/test_offloaded_records_checks.py"]),
+                                        "tests/test_offloaded_records_checks.py", "tests/test_runtime_record_moves.py",
+                                        "tests/test_runtime_monitoring.py", "tests/test_runtime_flush.py",
+                                        "tests/test_runtime_creation.py", "tests/test_allocation_limits.py",
+                                        "tests/test_runtime_sweep_models.py", "tests/test_runtime_shared_plan.py",
+                                        "tests/test_bounded_verify_window.py",
+                                        "tests/test_bounded_verify.py::test_the_bound_is_one_step_when_the_live_entries"
+                                        "_equal_the_window_even_with_growth",
+                                        "tests/test_bounded_verify.py::test_an_overflowed_plan_counts_neither_in_the"
+                                        "_live_maximum_nor_in_the_bound"]),
     "plan": Target(["kvcanary_cupy/backends/numpy_plan.py", "kvcanary_cupy/backends/numpy_plan_entries.py"],
                    ["tests/test_plan_edge_cases.py", "tests/test_plan_validation.py",
                     "tests/test_plan_device_value_messages.py", "tests/test_plan_reference_corner_cases.py",
