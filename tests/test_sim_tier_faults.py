@@ -29,10 +29,10 @@ def _ints(a) -> list[int]:
     return [int(x) for x in np.asarray(a).tolist()]
 
 
-def checked_run(tmp_path, *, seed, inject, preset="decode", steps=60, requests=24, second_reads=False):
-    """A small tiered run whose every load-back is checked as it completes (``check_finish``); with
-    ``second_reads``, each load that damaged its page's file is followed at once by a second load of the same
-    page for a request of the same prompt (its file read after the damage, no fault of its own)."""
+def checked_run(tmp_path, *, seed, inject, preset="decode", steps=60, requests=24, second_load=None):
+    """A small tiered run whose every load-back is checked as it completes (``check_finish``); each load for which
+    ``second_load(load)`` holds is followed at once by a second load of the same page for a request of the same
+    prompt (with no fault of its own; a file is read after the first load's fault damaged it)."""
     cfg = SimConfig(preset=preset, steps=steps, requests=requests, seed=seed, backend="numpy",
                     tiers=("host", "disk"), tier_dir=str(tmp_path / "l3"), inject=inject, ring_capacity=512)
     sim = Simulation(cfg)
@@ -44,9 +44,7 @@ def checked_run(tmp_path, *, seed, inject, preset="decode", steps=60, requests=2
     def lookup_and_read_again(spec, keys, shared, node, step):
         started = lookup(spec, keys, shared, node, step)
         load = store.loads.get(spec.rid)
-        if (second_reads and started and spec.rid not in log.seen and load is not None
-                and any(f.kind in FILE_KINDS for f in load.faults)):
-            log.seen.add(spec.rid)
+        if second_load and started and load is not None and id(load) not in log.seen and second_load(load):
             again = RequestSpec(-1 - len(log.second), spec.arrival, spec.tokens, spec.prompt_len)
             pending = dict(store.injector.pending)
             store.injector.pending.update(dict.fromkeys(pending, 0))  # no fault of its own
@@ -55,7 +53,8 @@ def checked_run(tmp_path, *, seed, inject, preset="decode", steps=60, requests=2
                     log.second.append(store.loads[again.rid])
             finally:
                 store.injector.pending.update(pending)
-        log.seen.add(spec.rid)
+        if load is not None:
+            log.seen.add(id(load))
         return started
 
     def checked_finish(load, step):
@@ -130,7 +129,8 @@ def test_a_rotten_or_torn_file_is_charged_to_every_load_that_reads_it(tmp_path, 
     short file): its restore verify fails and the earlier fault explains it (no false positive); both loads
     count their file reads."""
     kind = FILE_KINDS[seed % 2]
-    sim, report, log = checked_run(tmp_path, seed=seed, inject={kind: 0.2}, second_reads=True)
+    sim, report, log = checked_run(tmp_path, seed=seed, inject={kind: 0.2},
+                                   second_load=lambda load: any(f.kind in FILE_KINDS for f in load.faults))
     assert log.second, seed  # a damaged file was read twice
     for load in log.second:
         assert not load.faults and load in log.finished
@@ -149,9 +149,13 @@ JOINING_RUNS = [("decode", 0, 90, 32), ("mixed", 1, 60, 24), ("swa", 2, 60, 24),
 @pytest.mark.parametrize(("preset", "seed", "steps", "requests"), JOINING_RUNS)
 def test_each_load_back_joins_taints_and_hands_its_page_to_the_cache_as_it_should(tmp_path, preset, seed, steps,
                                                                                    requests):
-    _sim, report, log = checked_run(tmp_path, seed=seed, preset=preset, steps=steps, requests=requests,
-                                   inject=dict.fromkeys(TIER_FAULT_KINDS, 0.05))
-    assert log.joins >= 1 and any(load.faults for load in log.finished), seed
+    """Every load is checked as it completes; a load that continues a resident prefix is followed by a second
+    load of its page (whose restored copy the prefix cache then holds: it goes back as duplicates)."""
+    sim, report, log = checked_run(tmp_path, seed=seed, preset=preset, steps=steps, requests=requests,
+                                   inject=dict.fromkeys(TIER_FAULT_KINDS, 0.05),
+                                   second_load=lambda load: load.page.depth > 0)
+    assert log.joins >= 1 and log.duplicates >= 1 and any(load.faults for load in log.finished), seed
+    assert all(load in log.finished or load.rid in sim.tiers.loads for load in log.second)
     assert report["violations"]["false_positives"] == 0
 
 
@@ -159,17 +163,18 @@ def test_each_load_back_joins_taints_and_hands_its_page_to_the_cache_as_it_shoul
 
 
 @pytest.fixture
-def midway(tmp_path):
-    """A tiered run stopped after 40 of its 60 steps (pages in host memory and on disk), no fault requested: the
-    tests set the pending injections and the faults made themselves."""
-    cfg = SimConfig(preset="decode", steps=60, requests=24, seed=0, backend="numpy", tiers=("host", "disk"),
+def midway(tmp_path, request):
+    """A tiered run (``decode``, or the preset given as the fixture's parameter) stopped after 40 of its 60 steps
+    (pages in host memory and on disk), no fault requested: the tests set the pending injections and the faults
+    made themselves."""
+    cfg = SimConfig(preset=getattr(request, "param", "decode"), steps=60, requests=24, seed=0, backend="numpy", tiers=("host", "disk"),
                     tier_dir=str(tmp_path / "l3"), ring_capacity=512)
     sim = Simulation(cfg)
     sim.tiers.l2_slots = 96
     for t in range(40):
         sim._step(t)
     store = sim.tiers
-    assert any(p.n >= 3 for p in store.l2.values()) and any(p.n >= 2 for p in store.l3.values())
+    assert cfg.preset != "decode" or (any(p.n >= 3 for p in store.l2.values()) and any(store.l3.values()))
     store.injector.pending = dict.fromkeys(TIER_FAULT_KINDS, 0)
     yield sim
     store.close()
@@ -283,28 +288,31 @@ def test_a_confused_tier_may_hand_back_any_of_its_candidates(midway):
     assert {store._other(load, other_tokens=True).key for _ in range(60)} == {"other", "longer"}
 
 
-def _with_records(page, records):
-    """``page`` holding ``records`` as its target FULL records (its KV unchanged)."""
-    parts = _unpack(page.layout, page.blob)
+def _with_records(store, page, records):
+    """``page`` in host memory, holding ``records`` as its target FULL records (its KV unchanged)."""
+    parts = _unpack(page.layout, store._read(page, count=False))
     parts["rec:target:FULL:0"] = records
     layout, blob = _pack(parts)
-    return dataclasses.replace(page, layout=layout, blob=blob)
+    return dataclasses.replace(page, layout=layout, blob=blob, tier="L2")
 
 
+@pytest.mark.parametrize("midway", ["decode", "swa"], indirect=True)
 def test_a_stale_copy_fits_only_a_page_whose_old_slots_were_rewritten(midway):
     store, rt = midway.tiers, midway.runtime
-    page = _page(store, "L2")
+    pages = [*store.l2.values(), *store.l3.values()]
+    page = next(p for p in pages if p.n >= 2 and (p.swa_alive.any() or not midway.engine.swa))
     now = rt.offload(page.origin, model="target").records[("FULL", 0)]
     _due(store, "tier-stale-copy")
-    fresh = _with_records(page, now.copy())  # its old slots still hold what it holds
+    fresh = _with_records(store, page, now.copy())  # its old slots still hold what it holds
     assert store._stale(fresh) is None and store._plan_fault(_load(fresh)) is None
     changed = now.copy()
     changed.reshape(-1)[0] += 1
-    rewritten = _with_records(page, changed)
+    rewritten = _with_records(store, page, changed)
     stale = store._stale(rewritten)
     assert stale is not None and store._plan_fault(_load(rewritten)) == "tier-stale-copy"
     np.testing.assert_array_equal(stale["rec:target:FULL:0"], now)  # what the old slots hold now
-    assert {k: v.shape for k, v in stale.items()} == dict(page.layout)  # shaped as the page
+    # shaped as the page (on the SWA preset: SWA KV for the positions that had an SWA slot)
+    assert {k: v.shape for k, v in stale.items()} == dict(page.layout)
 
 
 def test_the_late_injections_skip_a_load_already_struck_or_no_longer_due(midway):
