@@ -167,8 +167,8 @@ def midway(tmp_path, request):
     """A tiered run (``decode``, or the preset given as the fixture's parameter) stopped after 40 of its 60 steps
     (pages in host memory and on disk), no fault requested: the tests set the pending injections and the faults
     made themselves."""
-    cfg = SimConfig(preset=getattr(request, "param", "decode"), steps=60, requests=24, seed=0, backend="numpy", tiers=("host", "disk"),
-                    tier_dir=str(tmp_path / "l3"), ring_capacity=512)
+    cfg = SimConfig(preset=getattr(request, "param", "decode"), steps=60, requests=24, seed=0, backend="numpy",
+                    tiers=("host", "disk"), tier_dir=str(tmp_path / "l3"), ring_capacity=512)
     sim = Simulation(cfg)
     sim.tiers.l2_slots = 96
     for t in range(40):
