@@ -144,3 +144,9 @@ def test_the_reports_tier_section_states_the_capacities_the_pages_left_and_the_l
     assert tiers["loads_in_flight"] == len(log.in_flight)
     assert tiers["kv_bytes"] > 0 and tiers["record_bytes"] > 0
     assert tiers["record_bytes_per_kv_byte"] == pytest.approx(tiers["record_bytes"] / tiers["kv_bytes"])
+
+
+def test_a_run_too_short_to_write_anything_back_reports_no_record_bytes_per_kv_byte(tmp_path):
+    _sim, report, _log = recorded_run(tmp_path, seed=0, inject={}, steps=6, requests=2)
+    tiers = report["tiers"]
+    assert tiers["written_back"] == tiers["kv_bytes"] == 0 and tiers["record_bytes_per_kv_byte"] == 0.0
