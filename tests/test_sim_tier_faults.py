@@ -375,3 +375,26 @@ def test_a_torn_write_keeps_half_to_nine_tenths_of_the_file_in_whole_words(midwa
         assert page.damaged_by[-1] is fault
         kept.append(keep / page.nbytes)
     assert min(kept) < 0.6 and max(kept) > 0.8  # spread over the range
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_wrong_slots_fault_swaps_two_neighbouring_positions_and_names_them(midway, seed):
+    store = midway.tiers
+    store.rng = np.random.default_rng(seed)
+    page = dataclasses.replace(_page(store, "L2", n=3), n=3)  # three positions: two pairs to strike
+    data = _unpack(page.layout, page.blob)
+    swapped = set()
+    for _ in range(30):
+        _due(store, "tier-wrong-slots")
+        load = _load(page)
+        load.planned = "tier-wrong-slots"
+        order = store._inject_at_finish(load, data)["kv_order"].astype(np.int64)
+        (i,) = np.flatnonzero(order[:-1] > order[1:])  # one descent: one neighbouring pair swapped
+        expected = np.arange(page.n)
+        expected[[i, i + 1]] = [i + 1, i]
+        np.testing.assert_array_equal(order, expected)
+        (fault,) = load.faults
+        assert fault.detail.endswith(f"positions {page.depth + i} and {page.depth + i + 1} were copied into each "
+                                     "other's device slots")
+        swapped.add(int(i))
+    assert swapped == {0, 1}  # either pair may be struck
