@@ -398,3 +398,45 @@ def test_a_wrong_slots_fault_swaps_two_neighbouring_positions_and_names_them(mid
                                      "other's device slots")
         swapped.add(int(i))
     assert swapped == {0, 1}  # either pair may be struck
+
+
+def test_the_late_faults_bring_back_the_other_pages_bytes_and_name_it(midway):
+    store = midway.tiers
+    page = _page(store, "L2")
+    names = [name for name, _ in page.layout]
+    other = next(p for p in store.l3.values() if p.n >= page.n and [name for name, _ in p.layout] == names)
+    data = _unpack(page.layout, page.blob)
+    theirs = _unpack(other.layout, store._read(other, count=False))
+    n = page.n
+
+    def strike(kind, held):
+        _due(store, kind)
+        _hold(store, page, held)
+        load = _load(page)
+        load.planned = kind
+        return load, store._inject_at_finish(load, data)
+
+    load, out = strike("tier-host-page-reused", [dataclasses.replace(page, key="same")])
+    assert out is data and not load.faults  # the same KV: nothing to see, no fault
+    load, out = strike("tier-host-page-reused", [other])
+    for name in names:  # the other page's KV for its first positions, our records
+        np.testing.assert_array_equal(out[name], (theirs if name.startswith("kv:") else data)[name][:n])
+    (fault,) = load.faults
+    assert fault.detail.endswith(f"its host page was evicted and refilled with {other.key}'s KV before the copy "
+                                 "to the device")
+    load, out = strike("tier-wrong-key", [other])
+    for name in names:  # the other page's first positions, records too
+        np.testing.assert_array_equal(out[name], theirs[name][:n])
+    (fault,) = load.faults
+    assert fault.detail.endswith(f"the lookup answered with {other.key} (positions {other.depth}.."
+                                 f"{other.depth + n - 1} of another prefix)")
+    now = midway.runtime.offload(page.origin, model="target").records[("FULL", 0)].copy()
+    now.reshape(-1)[0] += 1
+    rewritten = _with_records(store, page, now)
+    _due(store, "tier-stale-copy")
+    load = _load(rewritten)
+    load.planned = "tier-stale-copy"
+    store._inject_at_finish(load, data)
+    (fault,) = load.faults
+    assert fault.detail.endswith("the copy came from its old device slots after they were given to another "
+                                 "request and rewritten")
