@@ -2,7 +2,8 @@
 a load pins its page and locks the resident prefix it continues exactly while it is in flight; the restored-slot
 and L3 byte counts are the sums over the loads; every tier fault is recorded at its load (group, first
 position and slot, request, step), each firing of a kind makes at most one fault; a wrong-key fault on a
-sliding-window model swaps the SWA KV too and is caught."""
+sliding-window model swaps the SWA KV too and is caught; the report's tier section states the capacities, the
+pages left and the loads in flight."""
 
 from __future__ import annotations
 
@@ -127,3 +128,25 @@ def test_a_kind_that_fits_every_load_is_made_once_per_firing(tmp_path, seed):
     (fault,) = made
     later = [load for load in log.finished if load.start_step > fault.step and load.page.n >= 2]
     assert later  # loads it would have fitted
+
+
+def test_the_reports_tier_section_states_the_capacities_the_pages_left_and_the_loads_in_flight(tmp_path):
+    """The run's ``tiers`` section: the tiers asked for, the capacities in force (host memory cut to 128 slots
+    here, the disk tier's default 4 MiB), the pages host memory still holds and the loads still in flight at
+    the end (recorded before the store is emptied; the L3 files are gone by then), and the record bytes moved
+    per KV byte moved."""
+    _sim, report, log = recorded_run(tmp_path, seed=0, inject={})
+    tiers = report["tiers"]
+    assert tiers["tiers"] == ["host", "disk"]
+    assert (tiers["l2_capacity_slots"], tiers["l3_capacity_bytes"]) == (128, 4 << 20)
+    assert tiers["l2_pages"] == sum(p.tier == "L2" for p in log.pages) > 0
+    assert tiers["l3_files"] == 0 and any(p.tier == "L3" for p in log.pages)
+    assert tiers["loads_in_flight"] == len(log.in_flight)
+    assert tiers["kv_bytes"] > 0 and tiers["record_bytes"] > 0
+    assert tiers["record_bytes_per_kv_byte"] == pytest.approx(tiers["record_bytes"] / tiers["kv_bytes"])
+
+
+def test_a_run_too_short_to_write_anything_back_reports_no_record_bytes_per_kv_byte(tmp_path):
+    _sim, report, _log = recorded_run(tmp_path, seed=0, inject={}, steps=6, requests=2)
+    tiers = report["tiers"]
+    assert tiers["written_back"] == tiers["kv_bytes"] == 0 and tiers["record_bytes_per_kv_byte"] == 0.0

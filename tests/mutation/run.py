@@ -99,9 +99,11 @@ TARGETS: dict[str, Target] = {
                     ["tests/test_tiers.py", "tests/test_runtime_tiers.py", "tests/test_tier_calls.py",
                      "tests/test_offloaded_records_checks.py"]),
     # the tiered simulator: its fault kinds' NumPy runs (tier-host-page-reused's among them), its bookkeeping
-    # (pins, locks, counts, fault records) and the L3 directory
+    # (pins, locks, counts, fault records), each load-back's join, taint and duplicates, the fault planner's
+    # choices, and the L3 directory
     "sim_tiers": Target(["kvcanary_cupy/sim/tiers.py"],
-                        ["tests/test_sim_tiers.py", "tests/test_sim_tier_bookkeeping.py", "tests/test_sim_tier_dir.py"],
+                        ["tests/test_sim_tiers.py", "tests/test_sim_tier_bookkeeping.py",
+                         "tests/test_sim_tier_faults.py", "tests/test_sim_tier_dir.py"],
                         keywords="not cuda and (not host or numpy)"),
     "kv_bytes": Target(["kvcanary_cupy/kv_bytes.py"],
                        ["tests/test_kv_layouts.py", "tests/test_kv_layout_refusals.py",
