@@ -45,6 +45,38 @@ def _step(engine, rt, t: int, *, wrong=(), post: bool = True, finish: bool = Tru
         rt.finish_step()
 
 
+def _phase_recorder():
+    """A runtime timer that records the phase of every block it times, and the list it records into."""
+    phases: list[str] = []
+
+    @contextlib.contextmanager
+    def timer(phase):
+        phases.append(phase)
+        yield
+
+    return phases, timer
+
+
+class TimerBroke(RuntimeError):
+    pass
+
+
+class _ReadBreakingTimer:
+    """A runtime timer that records every phase it times and, once ``armed``, fails as a ``read`` block ends (an
+    exporter that goes down)."""
+
+    def __init__(self) -> None:
+        self.phases: list[str] = []
+        self.armed = False
+
+    @contextlib.contextmanager
+    def __call__(self, phase):
+        self.phases.append(phase)
+        yield
+        if phase == "read" and self.armed:
+            raise TimerBroke("the timer's exporter is down")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_flush_adds_the_drops_and_health_problems_of_the_last_step_and_of_the_launches_after_it(backend):
     """A ring of 2. Step 4 (TAIL skipped) gets 3 wrong tokens: 3 HEAD rows, 2 kept, 1 dropped, the TAIL counters
@@ -107,21 +139,12 @@ def test_flush_logs_as_many_rows_per_line_as_log_rows_says(caplog):
 
 @pytest.mark.parametrize("rows_in", ["last step", "after it"])
 def test_a_timer_failing_as_flush_reads_propagates_as_itself_and_the_rows_read_are_logged(rows_in, caplog):
-    class TimerBroke(RuntimeError):
-        pass
-
-    @contextlib.contextmanager
-    def timer(phase):
-        yield
-        if phase == "read" and armed:
-            raise TimerBroke("the timer's exporter is down")
-
-    armed = False
+    timer = _ReadBreakingTimer()
     engine = sc.ToyEngine()
     rt = _runtime(engine, write_input_assert=True, timer=timer)
     _step(engine, rt, 0)
     _step(engine, rt, 1, wrong=(1,), finish=rows_in == "last step")
-    armed = True
+    timer.armed = True
     with caplog.at_level(logging.WARNING, logger=LOGGER), pytest.raises(TimerBroke):
         rt.flush()
     assert any("2 violation row(s)" in r.getMessage() for r in caplog.records)
@@ -129,13 +152,7 @@ def test_a_timer_failing_as_flush_reads_propagates_as_itself_and_the_rows_read_a
 
 
 def test_flush_reads_under_the_read_phase_and_written_slots_are_staged_under_stage():
-    phases: list[str] = []
-
-    @contextlib.contextmanager
-    def timer(phase):
-        phases.append(phase)
-        yield
-
+    phases, timer = _phase_recorder()
     engine = sc.ToyEngine()
     rt = _runtime(engine, timer=timer)
     _step(engine, rt, 0)
@@ -173,29 +190,17 @@ def test_written_slots_under_capture_are_refused_with_the_whole_reason(monkeypat
 
 
 def test_a_timer_failing_as_finish_step_reads_propagates_as_itself_and_the_rows_read_are_logged(caplog):
-    class TimerBroke(RuntimeError):
-        pass
-
-    phases: list[str] = []
-
-    @contextlib.contextmanager
-    def timer(phase):
-        phases.append(phase)
-        yield
-        if phase == "read" and armed:
-            raise TimerBroke("the timer's exporter is down")
-
-    armed = False
+    timer = _ReadBreakingTimer()
     engine = sc.ToyEngine()
     rt = _runtime(engine, write_input_assert=True, timer=timer)
     _step(engine, rt, 0)
     _step(engine, rt, 1, wrong=(1,))
     _step(engine, rt, 2, finish=False)
-    phases.clear()
-    armed = True
+    timer.phases.clear()
+    timer.armed = True
     with caplog.at_level(logging.WARNING, logger=LOGGER), pytest.raises(TimerBroke):
         rt.finish_step()
-    assert phases == ["read"]
+    assert timer.phases == ["read"]
     assert any("2 violation row(s)" in r.getMessage() for r in caplog.records)
     assert rt.stats()["violations"] == 2
 
@@ -243,13 +248,7 @@ def test_a_model_that_is_not_one_of_the_runtimes_is_refused_naming_every_model()
 
 
 def test_prepare_stages_under_stage_and_scatters_the_histories_as_a_launch_of_its_model():
-    phases: list[str] = []
-
-    @contextlib.contextmanager
-    def timer(phase):
-        phases.append(phase)
-        yield
-
+    phases, timer = _phase_recorder()
     events = []
     engine = sc.ToyEngine()
     rt = CanaryRuntime.create(CanaryConfig(logger=LOGGER, verify_token_assert=True), engine.pools(),
@@ -284,13 +283,7 @@ def test_finish_step_logs_as_many_rows_per_line_as_log_rows_says(caplog):
 
 
 def test_a_bounded_verify_selects_its_window_under_the_window_phase():
-    phases: list[str] = []
-
-    @contextlib.contextmanager
-    def timer(phase):
-        phases.append(phase)
-        yield
-
+    phases, timer = _phase_recorder()
     engine = sc.ToyEngine()
     rt = _runtime(engine, timer=timer, max_verify_entries_per_step=4)
     _step(engine, rt, 0)
