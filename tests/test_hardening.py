@@ -606,3 +606,46 @@ def test_hardening_cases_under_address_sanitizer_have_zero_reports():
     assert result.returncode == 0, output[-6000:]
     assert "AddressSanitizer" not in output and "runtime error" not in output, output[-6000:]
     assert " passed" in output, output[-2000:]
+
+
+# ---- a verify that reads K column-major (vLLM's CPU cache) up to the tensor's last byte --------------------------
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_verify_of_column_major_k_reads_inside_its_cache_up_to_the_last_block(backend):
+    """vLLM's CPU K is read element by element, each element a block's width apart, and the host verify asks for
+    those elements' lines ahead of reading them. On a cache that ends exactly where its last block's last head
+    ends (a view to the end of its allocation), every slot up to the cache's last one verifies clean, a changed
+    K element of the last slot is reported at that slot alone, and nothing is read outside the cache (the
+    AddressSanitizer run above repeats this case)."""
+    from kvcanary_cupy.kv_layouts import vllm_cpu_source
+
+    blocks, heads, block, head = 6, 2, 16, 8
+    cache = np.random.default_rng(3).standard_normal((blocks, heads, block, 2 * head)).astype(np.float32)
+    source = vllm_cpu_source(cache, block_size=block, num_kv_heads=heads, head_size=head, which="k", read_bytes=16,
+                             isa="vec")
+    num_slots = blocks * block
+    slots = np.arange(block, num_slots, dtype=np.int64)  # blocks 1.., one chain, up to the cache's last slot
+    n = slots.shape[0]
+    ctx = kc.VerifyOrWriteContext.allocate(num_slots=num_slots, ring_capacity=16, real_kv_sources=(source,),
+                                           real_kv_hash_mode=kc.RealKvHashMode.PARTIAL)
+    wp = kc.WritePlan.allocate(write_req_capacity=1)
+    wp.write_offsets[:] = [0, n]
+    wp.write_seed_slot_indices[0] = -1
+    wp.write_num_valid_reqs[0] = 1
+    positions = np.arange(n, dtype=np.int64)
+    kc.launch_canary_write_kernel(context=ctx, plan=wp, input_ids=positions + 5, positions=positions,
+                                  out_cache_loc=slots, enable_write_input_assert=False, backend="numpy")
+    vp = kc.VerifyPlan.allocate(verify_capacity=n)
+    vp.verify_slot_indices[:] = slots
+    vp.verify_expected_tokens[:] = -1
+    vp.verify_expected_positions[:] = positions
+    vp.verify_prev_slot_indices[:] = np.concatenate([[-1], slots[:-1]])
+    vp.verify_num_valid[0] = n
+    vp.enable[0] = 1
+    kc.launch_canary_verify_kernel(context=ctx, plan=vp, check_verify_expected_token=False, backend=backend)
+    assert int(ctx.violation_write_index[0]) == 0 and int(ctx.status[0]) == 0
+    cache[-1, 0, 3, block - 1] += 1.0  # K element 3 of the last slot (column-major: d * block + o)
+    kc.launch_canary_verify_kernel(context=ctx, plan=vp, check_verify_expected_token=False, backend=backend)
+    assert int(ctx.violation_write_index[0]) == 1 and int(ctx.status[0]) == 0
+    assert int(ctx.violation_ring[0, 1]) == num_slots - 1
+    assert int(ctx.violation_ring[0, 7]) == 4  # the real-KV reason alone (SPEC §1.2)
