@@ -25,15 +25,13 @@ its baseline back to back (in alternating order), of their time ratio. Nothing h
 from __future__ import annotations
 
 import functools
-import statistics
 import subprocess
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+from alternating import alternating_ratio
 
 import kvcanary_cupy as kc
 from kvcanary_cupy.backends import resolve_backend, unavailable_reason
@@ -106,20 +104,6 @@ def verify_launch(key: str):
     return prepare_verify_launch(context=ctx, plan=vp, check_verify_expected_token=False)
 
 
-def alternating_ratio(subject: Callable[[], object], baseline: Callable[[], object]) -> float:
-    """Median over rounds of time(subject) / time(baseline), the two timed back to back, order alternating."""
-    ratios = []
-    for r in range(ALTERNATING_ROUNDS):
-        times = {}
-        for name in (("s", "b") if r % 2 else ("b", "s")):
-            fn = subject if name == "s" else baseline
-            start = time.perf_counter()
-            fn()
-            times[name] = time.perf_counter() - start
-        ratios.append(times["s"] / times["b"])
-    return statistics.median(ratios)
-
-
 def clean(launch) -> None:
     assert int(launch.context.write_index[0]) == 0 and int(launch.context.status[0]) == 0
 
@@ -187,7 +171,7 @@ def test_verify_with_real_kv_on_the_host(measure, benchmark, key):
         module = pre_layout_module()
         if not isinstance(module, str):
             old = functools.partial(pre_layout_verify, module, backend.shape, verify_launch("contiguous"))
-            info["alternating_ratio"] = round(alternating_ratio(fn, old), 4)
+            info["alternating_ratio"] = round(alternating_ratio(fn, old, ALTERNATING_ROUNDS), 4)
     measure(fn, **info, group=f"real-KV verify · host · {ENTRIES} entries × {SOURCES} sources × {TOKEN_BYTES} B",
             label=f"host: {label}", role=role, entries=ENTRIES, key=f"cpu.kv-layouts.verify.host.{key}")
     clean(launch)
@@ -212,7 +196,7 @@ def test_fold_real_kv_in_numpy(measure, benchmark, key):
         plain = [(p, PAGE, TOKEN_BYTES, TOKEN_BYTES) for p in pools()]
         info["alternating_ratio"] = round(alternating_ratio(
             lambda: fold_real_kv(s, views, int(kc.RealKvHashMode.ALL)),
-            lambda: fold_real_kv(s, plain, int(kc.RealKvHashMode.ALL))), 4)
+            lambda: fold_real_kv(s, plain, int(kc.RealKvHashMode.ALL)), ALTERNATING_ROUNDS), 4)
     measure(lambda: fold_real_kv(s, views, int(kc.RealKvHashMode.ALL)), **info,
             group=f"real-KV fold · numpy · {ENTRIES} slots × {SOURCES} sources × {TOKEN_BYTES} B",
             label=f"numpy: {label}", role=role, entries=ENTRIES, key=f"cpu.kv-layouts.fold.numpy.{key}")

@@ -16,14 +16,13 @@ alternating, caches evicted before each), of their time ratio. Nothing here fail
 from __future__ import annotations
 
 import functools
-import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from alternating import alternating_ratio
 
 from kvcanary_cupy import RealKvHashMode, VerifyOrWriteContext, VerifyPlan, WritePlan, launch_canary_write_kernel
 from kvcanary_cupy.backends import resolve_backend, unavailable_reason
@@ -115,19 +114,6 @@ def clean(launch) -> None:
     assert int(launch.context.write_index[0]) == 0 and int(launch.context.status[0]) == 0
 
 
-def alternating_ratio(subject, baseline) -> float:
-    ratios = []
-    for r in range(ALTERNATING_ROUNDS):
-        times = {}
-        for name in (("s", "b") if r % 2 else ("b", "s")):
-            evict()
-            start = time.perf_counter()
-            (subject if name == "s" else baseline)()
-            times[name] = time.perf_counter() - start
-        ratios.append(times["s"] / times["b"])
-    return statistics.median(ratios)
-
-
 @needs_host
 @pytest.mark.parametrize("role", ["subject", "baseline"])
 @pytest.mark.parametrize("which", ["k", "v"])
@@ -147,7 +133,8 @@ def test_cold_tail_verify_of_a_vllm_decode_step(measure, benchmark, which, role)
         if role == "subject" and not benchmark.disabled:
             old = baseline_backend()
             if not isinstance(old, str):
-                info["alternating_ratio"] = round(alternating_ratio(fn, functools.partial(old.verify, launch)), 4)
+                info["alternating_ratio"] = round(alternating_ratio(fn, functools.partial(old.verify, launch),
+                                                                     ALTERNATING_ROUNDS, setup=evict), 4)
         label = ("today's kernels" if role == "subject" else f"kernels at git {BASELINE_REVISION[:7]}")
         measure(fn, setup=evict, **info, label=f"{which.upper()}: {label}", role=role, entries=ENTRIES,
                 group=f"cold TAIL verify · vLLM CPU cache ({which.upper()}) · {ENTRIES} entries × {LAYERS} "
