@@ -327,6 +327,70 @@ def test_a_same_step_hit_inside_the_window_verifies_nothing_below_the_window(see
     assert flagged(state) == set()
 
 
+def window_block_taken_in_step(seed: int, b_token_7: int | None = None):
+    """The schedule vLLM's engine core gave a Gemma3-style model when a shared prompt's requests arrived while the
+    first one was running (blocks of 4, window 6). Step 0: A prefills a 12-token prompt (SW blocks 1, 2, 3; full
+    11, 12, 13). Step 1: A decodes 12 (window 7..12; SW block 1 freed). Step 2: A decodes 13 (window 8..13: SW
+    block 2, positions 4..7, freed and handed out again); B, with the same prompt and no hit, prefills 16
+    tokens into SW blocks 5, 6, 7, 8 (full 15..18), its SW block 6 (positions 4..7) cached as it is given out;
+    C, the same prompt again, hits 12 tokens: its window (7..12) reads position 7 from B's block 6, written in
+    this very step, and 8..11 from A's block 3, cached before; its full-attention hit is A's. With
+    ``b_token_7``, B's prompt differs at position 7: C's table then points at a slot B writes with another
+    token, a fault."""
+    q = tokens(seed, 20)
+    a_tok, c_tok = q[:15], q[:12] + tokens(seed + 1, 5)
+    b_tok = q[:12] + tokens(seed + 2, 5)
+    if b_token_7 is not None:
+        b_tok[7] = b_token_7
+    step0 = [Row("A", a_tok, 0, 12, {SW: [1, 2, 3], FULL: [11, 12, 13]})]
+    step1 = [Row("A", a_tok, 12, 1, {SW: [1, 2, 3, 4], FULL: [11, 12, 13, 14]})]
+    step2 = [Row("A", a_tok, 13, 1, {SW: [1, 2, 3, 4], FULL: [11, 12, 13, 14]}),
+             Row("B", b_tok, 0, 16, {SW: [5, 6, 7, 8], FULL: [15, 16, 17, 18]}),
+             Row("C", c_tok, 12, 4, {SW: [0, 6, 3, 9], FULL: [11, 12, 13, 19]})]
+    step3 = [Row("A", a_tok, 14, 1, {SW: [1, 2, 3, 4], FULL: [11, 12, 13, 14]}),
+             Row("B", b_tok, 16, 1, {SW: [5, 6, 7, 8, 10], FULL: [15, 16, 17, 18, 20]}),
+             Row("C", c_tok, 16, 1, {SW: [0, 6, 3, 9, 21], FULL: [11, 12, 13, 19, 22]})]
+    return [step0, step1, step2, step3]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_window_block_another_request_writes_in_the_step_is_restamped_not_verified(seed):
+    """``window_block_taken_in_step``: C's same-step slot is the first of its window, with cached blocks after it
+    (the last prefix slot, which an anchor group's tail would show, is not written in the step). C re-stamps from
+    0 (its same-step position is its window's first): position 7 into B's slot 27 (B stamps the identical
+    record), everything cached before the step or below the window into slot 0, in both groups; A's window
+    (8..13) verifies A's block 3 in this step, and C's own window verifies it from step 3 on. Nothing is
+    flagged."""
+    runner = Runner(hybrid=True)
+    state = canary_state(runner)
+    steps = window_block_taken_in_step(seed)
+    for rows in steps[:2]:
+        run_step(state, runner, rows, seed)
+    batch = run_step(state, runner, steps[2], seed)
+    assert batch.prefix_lens.tolist() == [13, 0, 0] and batch.extend_lens.tolist() == [1, 16, 16]
+    sw_b = [b * BS + k for b in (5, 6, 7, 8) for k in range(BS)]
+    assert batch.slot_mappings[SW].tolist() == [4 * BS + 1] + sw_b + [0] * 7 + [6 * BS + 3] + [0] * 4 + [
+        9 * BS + k for k in range(BS)]
+    full_b = [b * BS + k for b in (15, 16, 17, 18) for k in range(BS)]
+    assert batch.slot_mappings[FULL].tolist() == [14 * BS + 1] + full_b + [0] * 12 + [19 * BS + k for k in range(BS)]
+    run_step(state, runner, steps[3], seed)
+    assert flagged(state) == set()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_window_slot_another_request_writes_with_another_token_is_verified_and_flagged(seed):
+    """The same schedule, but B's prompt differs at position 7: C's table points at slot 27, which B writes with
+    another token in this step. That slot is not C's to re-stamp: C verifies its window 7..11 at step 2 and the
+    verify flags slot 27 (not stamped when the step's verify reads it) and, by its chain, slot 12 (position 8,
+    whose predecessor it is)."""
+    runner = Runner(hybrid=True)
+    state = canary_state(runner)
+    steps = window_block_taken_in_step(seed, b_token_7=7)
+    batches = [run_step(state, runner, rows, seed) for rows in steps]
+    assert batches[2].prefix_lens.tolist() == [13, 0, 12]
+    assert {(step, group, slot) for step, group, slot, _ in flagged(state)} == {(2, "G0", 27), (2, "G0", 12)}
+
+
 # -- the sweep's block index of a window group ----------------------------------------------------------------
 
 @pytest.mark.parametrize("seed", range(3))

@@ -206,10 +206,55 @@ def with_drafts(histories: RequestHistories, ids: list[str], requests: Any, ends
     return parts, confirmed
 
 
-def _anchor(geos: Sequence[GroupGeometry]) -> GroupGeometry:
-    """The group whose block table tells which prefix slots a step writes: a full-attention one where there is
-    one (its table holds no stale entries), else the first."""
-    return next((g for g in geos if not g.window), geos[0])
+def _sorted_member(values: np.ndarray, ordered: np.ndarray) -> np.ndarray:
+    """``values`` (any shape) found in the sorted, non-empty ``ordered``: a sorted search (np.isin costs tens of
+    microseconds on the handful of blocks and slots of a step)."""
+    at = np.minimum(np.searchsorted(ordered, values), ordered.size - 1)
+    return ordered[at] == values
+
+
+def _same_step_rows(prefix: np.ndarray, tables: dict[int, np.ndarray], forward_slots: dict[int, np.ndarray],
+                    geos: Sequence[GroupGeometry]) -> np.ndarray:
+    """The rows some of whose verified prefix slots (``window_start .. prefix - 1`` in some group) the forward
+    writes in this very step, found for every row at once; a superset (a block written in part counts for the
+    whole block) that :func:`_with_restamps` narrows to slots. Most steps: none."""
+    b = prefix.shape[0]
+    found = np.zeros(b, bool)
+    rows = np.arange(b)
+    for geo in geos:
+        written = forward_slots[geo.index]
+        written = np.sort(written[written > 0])
+        table = tables[geo.index].astype(np.int64)
+        if not written.size or not table.shape[1]:
+            continue
+        bs = geo.block_size
+        starts = geo.window_starts(prefix)
+        # blocks wholly inside the prefix, from the window's first block on
+        cols = np.arange(table.shape[1])
+        inside = (cols[None, :] >= (starts // bs)[:, None]) & (cols[None, :] < (prefix // bs)[:, None])
+        found |= (inside & (table > 0) & _sorted_member(table, np.unique(written // bs))).any(axis=1)
+        # the prefix's slots in its last, partly filled block (the row's own new tokens go to its other slots)
+        last = np.minimum(prefix // bs, table.shape[1] - 1)
+        partial = (prefix % bs > 0) & (prefix > starts)
+        block = table[rows, last]
+        lo = block * bs + np.maximum(starts - (prefix // bs) * bs, 0)
+        hi = block * bs + prefix % bs
+        found |= partial & (block > 0) & (np.searchsorted(written, hi) > np.searchsorted(written, lo))
+    return np.flatnonzero(found)
+
+
+def _legit_same_step(geo: GroupGeometry, table_row: np.ndarray, past: int, history: np.ndarray,
+                     written: np.ndarray, order: np.ndarray, positions: np.ndarray,
+                     input_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Of a row's prefix positions ``0 .. past - 1`` in ``geo``: those whose slot the forward writes in this step
+    with the same position and the row's own token there (a same-step prefix hit: the row's records are those
+    the writing row stamps) and those it writes with anything else (a fault the verify must see). ``order``
+    sorts ``written``."""
+    slots = geo.slots_of(table_row, past)
+    at = order[np.minimum(np.searchsorted(written, slots, sorter=order), written.size - 1)]
+    now = (written[at] == slots) & (slots > 0)
+    same = now & (positions[at] == np.arange(past)) & (input_ids[at] == history[:past])
+    return same, now & ~same
 
 
 def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[str, Any],
@@ -259,21 +304,12 @@ def build_step(step: int, runner: Any, kwargs: dict[str, Any], metadata: dict[st
     # written yet; attention is right (every layer writes all rows' K/V before it attends) but the canary's
     # verify and the write's seed would run before the stamp. The canary sees such a row as writing from the
     # first same-step position on: those tokens (the same ids, positions and slots the other row writes) are
-    # stamped twice with identical records, and only what was really cached before the step is verified.
-    # Only a row whose last prefix slot is written in this very step can have such a tail: one slot per row,
-    # looked up for every row at once (most steps: no row, and the canary's tokens are the forward's).
-    geo0 = _anchor(geos)
-    written_now = forward_slots[geo0.index]
-    tail_rows = np.zeros(0, np.int64)
-    if b and t:
-        last = np.maximum(prefix - 1, 0)
-        table0 = tables[geo0.index]
-        last_slot = (table0[np.arange(b), last // geo0.block_size].astype(np.int64) * geo0.block_size
-                     + last % geo0.block_size)
-        # membership by a sorted search (np.isin costs tens of microseconds on a handful of slots)
-        ordered = np.sort(written_now)
-        found = ordered[np.minimum(np.searchsorted(ordered, last_slot), ordered.size - 1)] == last_slot
-        tail_rows = np.flatnonzero((prefix > 0) & found)
+    # stamped twice with identical records, and only what was really cached before the step is verified. In a
+    # sliding-window group the same-step block may sit inside the window with cached blocks after it (the
+    # window's first block, freed by the request that wrote it and written again by another one in this step):
+    # every group's verified slots are looked up, for every row at once (most steps: no row, and the canary's
+    # tokens are the forward's).
+    tail_rows = _same_step_rows(prefix, tables, forward_slots, geos) if b and t else np.zeros(0, np.int64)
     # rows an earlier step left partly unstamped (rare: more same-step re-stamps than its capacity took)
     waiting = {i: pending[rid] for i, rid in enumerate(ids) if rid in pending} if pending else {}
     common = dict(step=step, request_ids=ids, rows=np.arange(1, b + 1, dtype=np.int64), input_ids=input_ids,
@@ -297,9 +333,8 @@ def _with_restamps(common: dict[str, Any], prefix: np.ndarray, extend: np.ndarra
     unstamped position): each such row's tail of same-step (or unstamped) slots goes before its own tokens,
     re-stamped (at most ``budget`` re-stamped tokens in all, what the runtime's token capacity still takes); a
     row whose re-stamps do not fit waits for a later step (``deferred``)."""
-    geo0 = _anchor(geos)
-    written_now = forward_slots[geo0.index]
     b = prefix.shape[0]
+    orders = {g.index: np.argsort(forward_slots[g.index], kind="stable") for g in geos}
     # per sliding-window group, each row's window start (positions below it are out of the row's window: their
     # block-table entries may be stale, they are never verified, nor stamped where the table says)
     windowed = {g.index: g.window_starts(prefix) for g in geos if g.window}
@@ -315,23 +350,35 @@ def _with_restamps(common: dict[str, Any], prefix: np.ndarray, extend: np.ndarra
     for i in range(b):
         past = int(prefix[i])
         run = 0
+        # per group, the positions whose slot the forward writes in this step with this row's token there
+        legit: dict[int, np.ndarray] = {}
         if i in candidates:
-            # only the tail of the prefix that is written in this very step (a block table pointing elsewhere
-            # is a fault the verify must see, not a dependency to re-stamp)
-            now = np.isin(geo0.slots_of(tables[geo0.index][i], past), written_now)
-            if geo0.window:
-                now[: int(windowed[geo0.index][i])] = False
-            run = past - int(np.flatnonzero(~now)[-1]) - 1 if not now.all() else past
+            foreign = np.zeros(past, bool)
+            for geo in geos:
+                same, other = _legit_same_step(geo, tables[geo.index][i], past, histories[i],
+                                               forward_slots[geo.index], orders[geo.index], positions, input_ids)
+                if geo.window:  # below the window: stale entries, never the row's to verify or stamp
+                    same[: int(windowed[geo.index][i])] = other[: int(windowed[geo.index][i])] = False
+                legit[geo.index] = same
+                foreign |= other
+            # Re-stamped from the first same-step position after the last slot written with anything else (a
+            # block table pointing at what another request writes now is a fault the verify must see)
+            after = int(np.flatnonzero(foreign)[-1]) + 1 if foreign.any() else 0
+            shared = np.zeros(past, bool)
+            for same in legit.values():
+                shared |= same
+            shared[:after] = False
+            run = past - int(np.flatnonzero(shared)[0]) if shared.any() else 0
         # positions an earlier step left unstamped (below) are re-stamped with the tail
-        run = max(run, past - min(waiting.get(i, past), past))
+        unstamped = min(waiting.get(i, past), past)
+        run = max(run, past - unstamped)
         # A re-stamp that starts inside a sliding-window group's stale part (below the row's window) would seed
         # its chain from a slot the group no longer holds: such a row re-stamps from position 0 (no seed), so
         # that its records are those the row writing them stamps (the same chain from position 0). What it
         # re-stamps only to carry the chain (below the window; in every group, what was cached before the step)
         # goes to slot 0, the null block no request reads: the records there are never verified.
-        floor = 0
         if 0 < past - run and any(past - run <= int(w[i]) for w in windowed.values()):
-            floor, run = past - run, past
+            run = past
         lo, hi = int(cu[i]), int(cu[i + 1])
         if run > budget:
             # More re-stamps than the runtime takes this step: the row verifies only what was stamped before
@@ -348,9 +395,17 @@ def _with_restamps(common: dict[str, Any], prefix: np.ndarray, extend: np.ndarra
         parts_ids += [histories[i][start:past], want_ids[lo:hi]]
         parts_pos += [np.arange(start, past, dtype=np.int64), want_pos[lo:hi]]
         for geo in geos:
+            # A re-stamp writes where the table says only what the forward writes there now (identical records)
+            # and what an earlier step left unstamped; what was cached before the step, or lies below the
+            # window, is re-stamped into slot 0 only to carry the chain: stamping over it would vouch for bytes
+            # no verify checked
             slots = geo.slots_of(tables[geo.index][i], past, start)
-            below = max(floor, int(windowed[geo.index][i])) if geo.window else floor
-            slots[: max(0, below - start)] = 0
+            real = np.arange(start, past) >= unstamped
+            if geo.index in legit:
+                real |= legit[geo.index][start:past]
+            if geo.window:
+                real &= np.arange(start, past) >= int(windowed[geo.index][i])
+            slots[~real] = 0
             parts_slots[geo.index] += [slots, forward_slots[geo.index][lo:hi]]
     source = np.concatenate(parts_src) if parts_src else np.zeros(0, np.int64)
     restamp_ids = np.concatenate(parts_ids) if parts_ids else np.zeros(0, np.int64)
