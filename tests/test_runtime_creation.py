@@ -4,6 +4,8 @@ refused by the pools' field name before anything is allocated."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import runtime_scenario as sc
@@ -147,3 +149,114 @@ def test_the_default_verify_capacity_is_three_entries_per_slot(last_prefix, over
     rt.pre_forward()
     rt.post_forward()
     assert rt.flush().overflowed == (["FULL"] if overflows else [])
+
+
+# A runtime of three groups (FULL, an SWA group with its LUT, a DRAFT model's group; K and V) with every capacity set
+# to a value no other takes, so that a buffer's shape and dtype say which argument sized it.
+_DISTINCT_CAPS = dict(max_batch_size=3, max_tokens=11, max_sweep_slots=13, pool_rows=6, max_context_len=35,
+                      verify_capacity=17)
+_RING, _WINDOW = 19, 23
+# (shape, dtype) -> the argument a failed allocation of it must name, worked out from the capacities above: a
+# violation ring row has 8 int64 fields, a canary record 4 (32 bytes), the history staging defaults to
+# pool_rows x max_context_len = 210 tokens, and the SWA group's scratch takes the larger of max_tokens and
+# max_sweep_slots (here the sweep's).
+_SIZED_BY = {
+    ((3,), "int64"): "Capacities.max_batch_size",  # request rows, write seeds, history rows
+    ((4,), "int64"): "Capacities.max_batch_size",  # offsets, one past the rows
+    # staged tokens, the SWA group's slots, copy_slots' slots and their LUT gathers
+    ((11,), "int64"): "Capacities.max_tokens",
+    ((11, 4), "int64"): "Capacities.max_tokens",  # copy_slots' records in flight
+    ((13,), "int64"): "Capacities.max_sweep_slots",  # sweep plans, the sweep's staging, the SWA scratch
+    ((13,), "bool"): "Capacities.max_sweep_slots",  # the SWA scratch's mask
+    ((17,), "int64"): "Capacities.verify_capacity",
+    ((23,), "int64"): "CanaryConfig.max_verify_entries_per_step",
+    ((19, 8), "int64"): "CanaryConfig.ring_capacity",
+    ((6, 35), "int32"): "Capacities.pool_rows x Capacities.max_context_len",
+    ((210,), "int64"): "Capacities.max_history_tokens",
+}
+_CANARY_BUFFER = ((sc.NUM_SLOTS, 32), "uint8")  # one per (HEAD/TAIL, K/V) of each group, named by its group
+
+
+def _create_with_distinct_capacities(engine: sc.ToyEngine, framework: str) -> CanaryRuntime:
+    config = CanaryConfig(logger=LOGGER, verify_token_assert=True, write_input_assert=True, ring_capacity=_RING,
+                          max_verify_entries_per_step=_WINDOW)
+    return CanaryRuntime.create(config, engine.pools(), Capacities(**_DISTINCT_CAPS), framework=framework,
+                                sweep_source=engine.held)
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_a_buffer_the_allocator_cannot_make_is_refused_naming_the_argument_that_sized_it(monkeypatch, framework):
+    """The allocator itself fails (the allocation limit let the creation through, the memory is not there): NumPy's
+    ``np.full`` raises a MemoryError, torch's ``torch.full`` on the CPU a RuntimeError. Made to fail at each of the
+    creation's allocations in turn, the creation is refused with the whole message naming the capacity or config
+    field that sized that buffer, its bytes and its shape. Both frameworks name the buffer the runtime asked for;
+    torch's own message is checked at the first buffer of each shape (each creation costs more under torch)."""
+    engine = sc.ToyEngine(swa=True, draft=True, with_v=True)
+    seen: list[tuple[tuple[int, ...], str]] = []
+    fail_at: list[int | None] = [None]
+
+    def allocating(shape: Any, dtype_name: str) -> None:
+        """Note one allocation; fail it when it is the one chosen."""
+        seen.append((tuple(shape) if isinstance(shape, tuple) else (int(shape),), dtype_name))
+        if fail_at[0] is not None and len(seen) - 1 == fail_at[0]:
+            raise error_type(error_text)
+
+    if framework == "numpy":
+        import kvcanary_cupy.plan as plan_module
+
+        error_type, error_text = MemoryError, "Unable to allocate (faked)"
+
+        class FailingNumpy:
+            """NumPy as the plan module sees it, but for ``full``, the runtime's allocation."""
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(np, name)
+
+            @staticmethod
+            def full(shape: Any, fill: Any, dtype: Any) -> np.ndarray:
+                allocating(shape, np.dtype(dtype).name)
+                return np.full(shape, fill, dtype)
+
+        monkeypatch.setattr(plan_module, "np", FailingNumpy())
+    else:
+        torch = pytest.importorskip("torch")
+        real_full = torch.full
+        error_type, error_text = RuntimeError, "DefaultCPUAllocator: can't allocate memory (faked)"
+
+        def failing_full(size: Any, fill: Any, **kwargs: Any) -> Any:
+            allocating(size, str(kwargs["dtype"]).removeprefix("torch."))
+            return real_full(size, fill, **kwargs)
+
+        monkeypatch.setattr(torch, "full", failing_full)
+
+    _create_with_distinct_capacities(engine, framework)
+    made = list(seen)
+    names_met: list[str] = []
+    for k, (shape, dtype) in enumerate(made):
+        if framework == "torch" and (shape, dtype) in made[:k]:
+            continue
+        seen.clear()
+        fail_at[0] = k
+        with pytest.raises(CanaryArgumentError) as info:
+            _create_with_distinct_capacities(engine, framework)
+        assert len(seen) == k + 1  # refused at the failed allocation, nothing allocated after it
+        message = str(info.value)
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        shown = str(shape[0]) if len(shape) == 1 else str(shape)  # the runtime sizes 1-D buffers by an int
+        tail = (f" asks for {nbytes} bytes ({shown} x {dtype}), which cannot be allocated on device='cpu' "
+                f"({error_type.__name__}: {error_text})")
+        if (shape, dtype) == _CANARY_BUFFER:
+            name = message.removeprefix("kv-canary: ").removesuffix(tail)
+            assert name in ("KvGroup 'FULL' num_slots", "KvGroup 'SWA' num_slots", "KvGroup 'DRAFT' num_slots"), \
+                message
+        elif (shape, dtype) in _SIZED_BY:
+            name = _SIZED_BY[(shape, dtype)]
+        else:  # the runtime's 1-element words, in one int32 and one int64 block: sized by no argument
+            assert len(shape) == 1 and dtype in ("int32", "int64"), (shape, dtype)
+            name = "the requested size"
+        assert message == "kv-canary: " + name + tail, (k, shape, dtype)
+        names_met.append(name)
+    assert set(names_met) >= set(_SIZED_BY.values()) | {"the requested size"}
+    if framework == "numpy":
+        for group in ("FULL", "SWA", "DRAFT"):  # HEAD and TAIL buffers of K and V
+            assert names_met.count(f"KvGroup {group!r} num_slots") == 4, group
