@@ -1,5 +1,5 @@
 """The canary's share of vLLM's generation wall time with the plugin's default options, and where that time goes
-(vLLM's CPU build, in-process engine, random weights).
+(vLLM's CPU build, random weights), in vLLM's own process layout and with the engine in-process.
 
 Options: ``CanaryOptions()`` as ``KVCANARY_VLLM=log`` gives them (PARTIAL real-KV hashing of K and V over every
 layer, sweep every 8 steps), with ``backend="host"``, what ``auto`` picks on a CPU where g++ compiles the kernels
@@ -14,36 +14,47 @@ Engines (``--engine``; each in a process of its own), at full size:
 * ``llama-ngram``: the Llama with n-gram speculative decoding (3 draft tokens a step);
 
 all fp32, block size 32, 128 KV blocks, chunked prefill at 2048 tokens, prefix caching on, greedy,
-``ignore_eos``. Workloads:
+``ignore_eos``. Layouts (``--layout``):
+
+* ``vllm``, vLLM's default and what ``vllm serve`` runs: ``LLM`` starts its engine core and the model's worker in
+  processes of their own (``VLLM_ENABLE_V1_MULTIPROCESSING=1``), and vLLM gives the worker its cores, keeping
+  one for the engine core's scheduler (on 2 cores: the worker on one core, one OpenMP thread, ``KMP_BLOCKTIME``
+  5 ms). The canary is installed in the worker each round with ``collective_rpc`` (as the plugin installs it
+  there), and the worker's clocks and the canary's timers come back the same way; the CPU time is that of the
+  three processes;
+* ``in-process``: the engine core and the worker in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); torch
+  runs an OpenMP thread per core.
+
+Workloads:
 
 * ``cost``: 8 requests x 256-token prompts + 64 new tokens (the cost benchmark's shape);
 * ``shared-prefix``: 12 requests sharing a 256-token system prompt, each with 64 tokens of its own, + 32 new
   tokens (prefix-cache hits on the system prompt's blocks).
 
 A round is one ``LLM.generate`` of the workload with or without the canary, from an empty prefix cache. Before the
-timed call each round runs one short untimed request (with the canary, the runtime is created at install and lives
-as long as the engine: its one-time setup is reported apart, ``setup_s``). Rounds go in ABBA order (without, with,
-with, without, ...), so a drift of the machine's speed cancels; a pair is one round without and one with the canary,
-and the figure is the median over the pairs of ``with / without - 1``, with its spread; next to it the same median
-of the process's CPU time (``time.process_time``, every thread of the engine), which other work on the machine
-disturbs less (a round that waits for a core loses wall time, not CPU time); the 1-minute load average before and
-after is recorded. Next to it, per step, where the time goes: the forward of vLLM (timed in every round, with and
-without), the median time between two forwards (vLLM's sampling, output and scheduling, with the canary's
-engine-thread parts and whatever the TAIL thread beside them slows; with and without), the canary's phase timers,
-and wall clocks around each part of the canary's step (building the step, the slot table, staging, plan/HEAD, TAIL,
-the block index, the ring read and sweep, the observers), the rest of the hook being the hook's own Python. In
-``log`` mode the plan, HEAD and TAIL launches, the block index and the ring
-read run on the canary's TAIL thread while vLLM samples and schedules (docs/vllm.md): their clocks are reported
-apart, and what the engine thread pays for them is the wait at the start of the next step (``wait for TAIL``).
-``scaling`` (full size only): the canary's time on the engine thread per decode step against vLLM's own forward
-per step, for 1, 4 and 8 requests at 64- and 448-token contexts.
+timed call each round runs one short untimed request (with the canary, the runtime is created at install and lives as
+long as the engine: its one-time setup is reported apart, ``setup_s``). Rounds go in ABBA order (without, with, with,
+without, ...), so a drift of the machine's speed cancels; a pair is one round without and one with the canary, and the
+figure is the median over the pairs of ``with / without - 1``, with its spread; next to it the same median of the
+engine's CPU time (every thread of its processes: this one and, in vLLM's layout, those it started), which other work
+on the machine disturbs less (a round that waits for a core loses wall time, not CPU time); the 1-minute load average
+before and after is recorded. Next to it, per step, where the time goes: the forward of vLLM (timed in every round,
+with and without), the median time between two forwards (vLLM's sampling, output and scheduling, with the canary's
+engine-thread parts and whatever the TAIL thread beside them slows; with and without), the canary's phase timers, and
+wall clocks around each part of the canary's step (building the step, the slot table, staging, plan/HEAD, TAIL, the
+block index, the ring read and sweep, the observers), the rest of the hook being the hook's own Python. In ``log``
+mode the plan, HEAD and TAIL launches, the block index and the ring read run on the canary's TAIL thread while vLLM
+samples and schedules (docs/vllm.md): their clocks are reported apart, and what the engine thread pays for them is the
+wait at the start of the next step (``wait for TAIL``). ``scaling`` (full size only): the canary's time on the engine
+thread per decode step against vLLM's own forward per step, for 1, 4 and 8 requests at 64- and 448-token contexts.
 
-vLLM keeps process-wide state (one engine per process), so the measurement runs in a subprocess of its own:
-``python bench/bench_vllm.py [--tiny] [--pairs N] [--engine NAME]`` prints one JSON object; with ``--engine``,
-``--workload NAME`` measures one workload only and ``--option FIELD=VALUE`` sets a ``CanaryOptions`` field other
-than its default (e.g. ``--option sweep_interval=0``; the result records the options measured). Under
-``--benchmark-disable`` (``make test``) the pytest row runs each engine on its small model (2 to 4 layers, 1 pair of
-a few tokens per workload); ``make bench-vllm`` runs the full size.
+vLLM keeps process-wide state (one engine per process), so the measurement runs in a subprocess of its own: ``python
+bench/bench_vllm.py [--tiny] [--pairs N] [--engine NAME [--layout vllm|in-process]]`` prints one JSON object; with
+``--engine``, ``--workload NAME`` measures one workload only and ``--option FIELD=VALUE`` sets a ``CanaryOptions``
+field other than its default (e.g. ``--option sweep_interval=0``; the result records the options measured). Under
+``--benchmark-disable`` (``make test``) the pytest row runs the Llama and the hybrid on their small models (2 to 4
+layers, 1 pair of a few tokens per workload) in vLLM's layout; ``make bench-vllm`` runs the full size, every engine in
+both layouts.
 """
 
 from __future__ import annotations
@@ -66,6 +77,9 @@ WORKLOADS = {
     "shared-prefix": dict(requests=12, shared=256, own=64, new=32),
 }
 ENGINES = ("llama", "gemma3", "llama-ngram")
+# vLLM's own process layout (its default: the engine core and the model's worker in processes of their own, the
+# worker bound to the cores vLLM gives it) and the engine in the calling process
+LAYOUTS = ("vllm", "in-process")
 # the full-size Gemma3-style hybrid: the Llama's dimensions, sliding-window and full layers alternating
 GEMMA3_MEDIUM = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12,
                      num_key_value_heads=4, head_dim=64, vocab_size=4096, sliding_window=128,
@@ -195,23 +209,146 @@ def build_engine(name: str, spec: dict[str, Any]) -> tuple[Any, int]:
     return engine(model_dir, spec["size"], spec["blocks"], **args), MODEL_SIZES[spec["size"]]["vocab_size"]
 
 
+# -- the model runner's side of a round: in this process, or in vLLM's worker through ``collective_rpc`` ------------
+
+_round: dict[str, Any] = {"clock": None, "canary": None, "before": {}}
+
+
+def runner_setup(runner: Any) -> dict[str, Any]:
+    """Once per engine: time the runner's forward; returns the runner process's OpenMP settings and cores."""
+    import torch
+
+    patch_forward(runner, lambda: _round["clock"])
+    return {"torch_threads": torch.get_num_threads(), "cores": sorted(os.sched_getaffinity(0)),
+            **{k: v for k, v in os.environ.items() if k.startswith(("KMP_", "OMP_"))}}
+
+
+def runner_install(runner: Any, option_fields: dict[str, Any] | None) -> None:
+    """Install the canary with ``CanaryOptions(**option_fields)`` (None: a round without it). Fields, not the
+    options object: ``collective_rpc`` passes plain data."""
+    from kvcanary_cupy.integrations.vllm import CanaryOptions, install
+
+    _round["canary"] = install(runner, CanaryOptions(**option_fields)) if option_fields is not None else None
+
+
+def runner_start(runner: Any, profile: bool) -> None:
+    """Start the round's clocks (after its untimed request)."""
+    clock, canary = StepClock(), _round["canary"]
+    _round["clock"], _round["before"] = clock, {}
+    if canary is not None:
+        assert canary.state is not None
+        _round["before"] = dict(canary.state.seconds)
+        if profile:
+            instrument(canary, clock)
+
+
+def runner_stop(runner: Any) -> dict[str, Any]:
+    """Stop the round: its clocks, and with the canary its timers, setup and findings (the canary removed)."""
+    clock, canary, before = _round["clock"], _round["canary"], _round["before"]
+    _round["clock"] = _round["canary"] = None
+    result: dict[str, Any] = {"parts": dict(clock.seconds), "steps": clock.steps,
+                              "between_ms": statistics.median(clock.between) * 1e3 if clock.between else 0.0}
+    if canary is not None:
+        canary.finish()
+        canary.remove()
+        assert canary.state is not None
+        result["violations"] = [str(v) for v in canary.violations[:3]]
+        result["timers"] = {k: v - before.get(k, 0.0) for k, v in canary.state.seconds.items()
+                            if k != "setup" and v - before.get(k, 0.0) > 0}
+        result["setup"] = canary.state.seconds.get("setup", 0.0)
+        result["canary_steps"] = canary.state.steps
+    return result
+
+
+def on_worker(worker: Any, name: str, *args: Any) -> Any:
+    """``collective_rpc``'s entry in vLLM's worker process: the runner-side function ``name`` on its runner."""
+    return globals()[name](worker.model_runner, *args)
+
+
+class InProcess:
+    """The engine's model runner in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+
+    def __init__(self, llm: Any) -> None:
+        from kvcanary_cupy.integrations.vllm import find_runner
+
+        self.runner = find_runner(llm)
+
+    def call(self, name: str, *args: Any) -> Any:
+        return globals()[name](self.runner, *args)
+
+    def pids(self) -> list[int]:
+        return [os.getpid()]
+
+
+class InWorker:
+    """The model runner in vLLM's worker process (vLLM's own layout: this process, the engine core's and the
+    worker's), reached through ``LLM.collective_rpc`` by this module's name (on the worker's ``PYTHONPATH``)."""
+
+    def __init__(self, llm: Any) -> None:
+        import bench_vllm
+
+        self.llm, self.module = llm, bench_vllm
+
+    def call(self, name: str, *args: Any) -> Any:
+        results = self.llm.collective_rpc(self.module.on_worker, args=(name, *args))
+        assert len(results) == 1, "one worker (no tensor parallelism) in this measurement"
+        return results[0]
+
+    def pids(self) -> list[int]:
+        return _process_tree(os.getpid())
+
+
+def runner_pid(runner: Any) -> int:
+    return os.getpid()
+
+
+def _process_tree(root: int) -> list[int]:
+    """``root`` and every process below it (vLLM's engine core and workers)."""
+    parents: dict[int, list[int]] = defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(stat.rsplit(")", 1)[1].split()[1])].append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += parents.get(pid, [])
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes, every thread."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def measure(spec: dict[str, Any], backend: str, profile: bool = True, engine_name: str = "llama",
-            option_fields: dict[str, Any] | None = None, workloads: tuple[str, ...] = tuple(WORKLOADS)
-            ) -> dict[str, Any]:
+            option_fields: dict[str, Any] | None = None, workloads: tuple[str, ...] = tuple(WORKLOADS),
+            layout: str = "in-process") -> dict[str, Any]:
     import numpy as np
     from vllm import SamplingParams
 
     from kvcanary_cupy.backends import unavailable_reason
-    from kvcanary_cupy.integrations.vllm import CanaryOptions, find_runner, install
+    from kvcanary_cupy.integrations.vllm import CanaryOptions
 
     reason = unavailable_reason(backend)
     if reason is not None:
         return {"skipped": reason}
     llm, vocab = build_engine(engine_name, spec)
-    runner = find_runner(llm)
-    options = CanaryOptions(backend=backend, **(option_fields or {}))
-    current: dict[str, StepClock | None] = {"clock": None}
-    patch_forward(runner, lambda: current["clock"])
+    side = InProcess(llm) if layout == "in-process" else InWorker(llm)
+    fields = {"backend": backend, **(option_fields or {})}
+    options = CanaryOptions(**fields)
+    openmp = {**side.call("runner_setup"), "worker_pid": side.call("runner_pid")}
     warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
     def prompts_of(w: dict[str, Any], seed: int) -> list[dict[str, Any]]:
@@ -222,50 +359,29 @@ def measure(spec: dict[str, Any], backend: str, profile: bool = True, engine_nam
 
     def run(prompts: list[dict[str, Any]], new: int, with_canary: bool) -> dict[str, Any]:
         assert llm.reset_prefix_cache()
-        canary = install(llm, options) if with_canary else None
+        side.call("runner_install", fields if with_canary else None)
         # untimed: one short request (the canary's runtime is created at install, once per engine)
         llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}], warm, use_tqdm=False)
-        clock = StepClock()
-        before: dict[str, float] = {}
-        if canary is not None:
-            assert canary.state is not None
-            before = dict(canary.state.seconds)
-            if profile:
-                instrument(canary, clock)
-        current["clock"] = clock
+        side.call("runner_start", profile)
         params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-        start, cpu_start = time.perf_counter(), time.process_time()
+        pids = side.pids()
+        start, cpu_start = time.perf_counter(), cpu_seconds(pids)
         out = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
-        cpu = time.process_time() - cpu_start
-        current["clock"] = None
+        cpu = cpu_seconds(pids) - cpu_start
         result: dict[str, Any] = {"wall": wall, "cpu": cpu, "tokens": [list(o.outputs[0].token_ids) for o in out],
-                                  "parts": dict(clock.seconds), "steps": clock.steps,
-                                  "between_ms": statistics.median(clock.between) * 1e3 if clock.between else 0.0}
-        if canary is not None:
-            canary.finish()
-            canary.remove()
-            assert canary.violations == [], canary.violations[:3]
-            assert canary.state is not None
-            result["timers"] = {k: v - before.get(k, 0.0) for k, v in canary.state.seconds.items()
-                                if k != "setup" and v - before.get(k, 0.0) > 0}
-            result["setup"] = canary.state.seconds.get("setup", 0.0)
-            result["canary_steps"] = canary.state.steps
+                                  **side.call("runner_stop")}
+        assert result.get("violations", []) == [], result["violations"]
         return result
 
     from safetensors import safe_open
 
-    with safe_open(str(Path(runner.model_config.model) / "model.safetensors"), "np") as f:
+    with safe_open(str(Path(llm.llm_engine.model_config.model) / "model.safetensors"), "np") as f:
         params = sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())
-    import torch
-
     out: dict[str, Any] = {"engine": engine_name, "params": params, "spec": spec, "backend": backend,
-                           "load_before": os.getloadavg()[0],
-                           # vLLM's OpenMP threads: the forward's worker spins between forwards for KMP_BLOCKTIME
-                           # (libiomp5's default, 200 ms, when unset), so that core is not idle while vLLM
-                           # samples and schedules
-                           "openmp": {"torch_threads": torch.get_num_threads(),
-                                      "KMP_BLOCKTIME": os.environ.get("KMP_BLOCKTIME")},
+                           "layout": layout, "engine_pid": os.getpid(), "load_before": os.getloadavg()[0],
+                           # the model runner's process: its OpenMP threads, settings and cores
+                           "openmp": openmp,
                            "options": {k: getattr(options, k) for k in ("mode", "real_kv_hash", "with_v",
                                                                           "backend", "sweep_interval")},
                            "workloads": {}}
@@ -309,7 +425,8 @@ def measure(spec: dict[str, Any], backend: str, profile: bool = True, engine_nam
                                     "without": statistics.median(r["between_ms"] for r in offs)},
             "setup_s": statistics.median(r["setup"] for r in ons),
         }
-    if spec["scaling"] and profile and engine_name == "llama" and len(workloads) == len(WORKLOADS):
+    if (spec["scaling"] and profile and engine_name == "llama" and len(workloads) == len(WORKLOADS)
+            and layout == "in-process"):
         out["scaling"] = scaling(run, vocab)
     out["load_after"] = os.getloadavg()[0]
     return out
@@ -371,30 +488,45 @@ class SyntheticLoad:
         self.pending = self.pool.submit(self._timed)
 
 
-def measure_synthetic(spec: dict[str, Any], us: int, inline: bool, workloads: tuple[str, ...]) -> dict[str, Any]:
-    """ABBA rounds of the engine alone against the engine with a :class:`SyntheticLoad` instead of the canary."""
-    import numpy as np
-    from vllm import SamplingParams
+_load: dict[str, Any] = {"load": None, "on": False}
 
-    from kvcanary_cupy.integrations.vllm import find_runner
 
-    llm, vocab = build_engine("llama", spec)
-    runner = find_runner(llm)
+def runner_synthetic(runner: Any, us: int, inline: bool) -> float:
+    """Put a :class:`SyntheticLoad` after the runner's forward, off until :func:`runner_synthetic_on`; returns the
+    load's calibrated microseconds a call."""
     load = SyntheticLoad(us, inline)
-    state = {"on": False}
     original = runner._model_forward
 
     @functools.wraps(original)
     def model_forward(*args: Any, **kwargs: Any) -> Any:
         load.wait()
         out = original(*args, **kwargs)
-        if state["on"]:
+        if _load["on"]:
             load.after_forward()
         return out
 
     runner._model_forward = model_forward
-    out: dict[str, Any] = {"synthetic_us": us, "inline": inline, "load_before": os.getloadavg()[0], "workloads": {},
-                           "calibrated_us": statistics.median(load._timed() for _ in range(9)) * 1e6}
+    _load["load"] = load
+    return statistics.median(load._timed() for _ in range(9)) * 1e6
+
+
+def runner_synthetic_on(runner: Any, on: bool) -> None:
+    """Turn the load on or off, once the last round's load is done."""
+    _load["load"].wait()
+    _load["on"] = on
+
+
+def measure_synthetic(spec: dict[str, Any], us: int, inline: bool, workloads: tuple[str, ...],
+                      layout: str = "in-process") -> dict[str, Any]:
+    """ABBA rounds of the engine alone against the engine with a :class:`SyntheticLoad` instead of the canary."""
+    import numpy as np
+    from vllm import SamplingParams
+
+    llm, vocab = build_engine("llama", spec)
+    side = InProcess(llm) if layout == "in-process" else InWorker(llm)
+    out: dict[str, Any] = {"synthetic_us": us, "inline": inline, "layout": layout,
+                           "load_before": os.getloadavg()[0], "workloads": {},
+                           "calibrated_us": side.call("runner_synthetic", us, inline)}
     for name in workloads:
         w = WORKLOADS[name]
         rng = np.random.default_rng(0)
@@ -406,10 +538,9 @@ def measure_synthetic(spec: dict[str, Any], us: int, inline: bool, workloads: tu
         for p in range(spec["pairs"] + 1):  # the first pair warms up, untimed
             for on in ((False, True) if p % 2 == 0 else (True, False)):
                 assert llm.reset_prefix_cache()
-                state["on"] = on
+                side.call("runner_synthetic_on", on)
                 start = time.perf_counter()
                 llm.generate(prompts, params, use_tqdm=False)
-                load.wait()
                 if p:
                     walls[on].append(time.perf_counter() - start)
         shares = [a / b - 1 for a, b in zip(walls[True], walls[False], strict=True)]
@@ -456,9 +587,21 @@ def _engine_thread_ms(w: dict[str, Any]) -> float:
     return ms["hook"] - ms["forward"] + ms.get("wait for TAIL", 0.0)
 
 
+LAYOUT_TITLES = {"vllm": "vLLM's own process layout (the engine core and the model's worker in processes of their own)",
+                 "in-process": "The engine in the calling process (VLLM_ENABLE_V1_MULTIPROCESSING=0)"}
+
+
 def markdown(result: dict[str, Any]) -> str:
-    """The result's tables: the end-to-end share per engine and workload, the per-step breakdown, the scaling."""
-    engines = result["engines"] if "engines" in result else {"llama": result}
+    """The result's tables, per layout (a result of one layout, or one engine, as it is)."""
+    if "layouts" not in result:
+        return markdown_layout(result)
+    return "\n\n".join(f"{LAYOUT_TITLES.get(layout, layout)}:\n\n{markdown_layout(part)}"
+                        for layout, part in result["layouts"].items())
+
+
+def markdown_layout(result: dict[str, Any]) -> str:
+    """One layout's tables: the end-to-end share per engine and workload, the per-step breakdown, the scaling."""
+    engines = result["engines"] if "engines" in result else {result.get("engine", "llama"): result}
     lines = ["| engine | workload | pairs | share, median | middle half | spread (min..max) | CPU share, median "
              "(middle half) | canary on the engine thread | without (median) | with (median) |",
              "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
@@ -510,12 +653,13 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def run_subprocess(tiny: bool, pairs: int | None = None, backend: str = "host",
-                   engines: tuple[str, ...] = ENGINES) -> dict[str, Any]:
-    """The measurement of each engine in a fresh process (vLLM: one engine per process); the JSON results."""
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+                   engines: tuple[str, ...] = ENGINES, layouts: tuple[str, ...] = LAYOUTS) -> dict[str, Any]:
+    """The measurement of each engine in each layout in a fresh process (vLLM: one engine per process); the JSON
+    results. The in-process layout also runs the reference load, at full size."""
+    env = dict(os.environ)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env.pop("KVCANARY_VLLM", None)
-    out: dict[str, Any] = {"engines": {}}
+    out: dict[str, Any] = {"layouts": {}}
 
     def one(*extra: str) -> dict[str, Any]:
         args = [sys.executable, __file__, "--backend", backend, *extra] + (["--tiny"] if tiny else [])
@@ -525,27 +669,39 @@ def run_subprocess(tiny: bool, pairs: int | None = None, backend: str = "host",
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
         return json.loads(line[len("RESULT "):])
 
-    for name in engines:
-        out["engines"][name] = one("--engine", name)
-    if not tiny:  # the reference: what REFERENCE_US of GIL-free CPU a step on a thread costs the Llama
-        out["reference"] = one("--engine", "llama", "--synthetic", str(REFERENCE_US))
+    for layout in layouts:
+        part: dict[str, Any] = {"engines": {}}
+        for name in engines:
+            part["engines"][name] = one("--engine", name, "--layout", layout)
+        if not tiny:  # what REFERENCE_US of GIL-free CPU a step costs the Llama
+            part["reference"] = one("--engine", "llama", "--synthetic", str(REFERENCE_US), "--layout", layout)
+        out["layouts"][layout] = part
     return out
 
 
 def test_vllm_canary_share_of_generation_time(benchmark):
     """One row: the ABBA measurement of every engine (full size under ``make bench-vllm``, tiny in make test)."""
     tiny = bool(getattr(benchmark, "disabled", False))
-    result = benchmark.pedantic(run_subprocess, args=(tiny,), rounds=1, iterations=1)
+    # make test's tiny run: the Llama and the hybrid in vLLM's own layout (the in-process hooks of every engine are
+    # driven by the tests under tests/vllm; an engine in vLLM's layout takes tens of seconds to start)
+    engines, layouts = (ENGINES[:2], ("vllm",)) if tiny else (ENGINES, LAYOUTS)
+    result = benchmark.pedantic(run_subprocess, args=(tiny, None, "host", engines, layouts), rounds=1, iterations=1)
     benchmark.extra_info.update(result)
-    for engine_name, res in result["engines"].items():
-        if "skipped" in res:
-            print(engine_name, res["skipped"])
-            continue
-        for name in WORKLOADS:
-            row = res["workloads"][name]
-            assert row["pairs"] >= 1 and row["steps"] > 1 and row["timer_share"] > 0
-            assert row["per_step_ms"]["hook"] >= row["per_step_ms"]["build step"] > 0
-            assert row["per_step_ms"]["TAIL"] > 0  # the TAIL thread ran the TAIL launches
+    for layout, part in result["layouts"].items():
+        for engine_name, res in part["engines"].items():
+            if "skipped" in res:
+                print(layout, engine_name, res["skipped"])
+                continue
+            assert res["layout"] == layout
+            for name in WORKLOADS:
+                row = res["workloads"][name]
+                assert row["pairs"] >= 1 and row["steps"] > 1 and row["timer_share"] > 0
+                assert row["per_step_ms"]["hook"] >= row["per_step_ms"]["build step"] > 0
+                assert row["per_step_ms"]["TAIL"] > 0  # the TAIL thread ran the TAIL launches
+    # vLLM's own layout runs the model in a worker process of its own, on the cores vLLM gives it
+    worker = result["layouts"]["vllm"]["engines"]["llama"]
+    if "skipped" not in worker:
+        assert worker["openmp"]["worker_pid"] != worker["engine_pid"]
     print(json.dumps(result, indent=1))
 
 
@@ -565,6 +721,9 @@ def main() -> None:
                         help="instead of the canary, US microseconds of GIL-free CPU work a step on a thread of its "
                              "own (the Llama engine; the reference for what that much CPU costs vLLM)")
     parser.add_argument("--synthetic-inline", action="store_true", help="with --synthetic: on the engine thread")
+    parser.add_argument("--layout", choices=LAYOUTS, default="vllm",
+                        help="with --engine: vLLM's own process layout (engine core and worker in processes of "
+                             "their own; the default) or the engine in this process")
     parser.add_argument("--markdown", metavar="JSON", help="print the tables of a saved result and exit")
     args = parser.parse_args()
     if args.markdown:
@@ -577,19 +736,23 @@ def main() -> None:
     spec = dict(TINY if args.tiny else FULL)
     if args.pairs:
         spec["pairs"] = args.pairs
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    # this checkout's package, not whichever one the environment installed
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if args.layout == "in-process" else "1"
+    # this checkout's package, not whichever one the environment installed, here and in vLLM's worker, which
+    # also imports this module by name (collective_rpc passes its functions by reference)
+    here = Path(__file__).resolve().parent
+    sys.path.insert(0, str(here.parent))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function
     if args.synthetic is not None:
         print("RESULT " + json.dumps(measure_synthetic(spec, args.synthetic, args.synthetic_inline,
-                                                       tuple(args.workload or WORKLOADS))), flush=True)
+                                                       tuple(args.workload or WORKLOADS), args.layout)), flush=True)
         return
     fields = {}
     for item in args.option:
         key, _, value = item.partition("=")
         fields[key] = int(value) if value.lstrip("-").isdigit() else {"true": True, "false": False}.get(value, value)
     print("RESULT " + json.dumps(measure(spec, args.backend, not args.no_profile, args.engine, fields,
-                                         tuple(args.workload or WORKLOADS))), flush=True)
+                                         tuple(args.workload or WORKLOADS), args.layout)), flush=True)
 
 
 if __name__ == "__main__":
