@@ -7,14 +7,16 @@ pages left and the loads in flight."""
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from kvcanary_cupy.sim.config import SimConfig
 from kvcanary_cupy.sim.faults import TIER_FAULT_KINDS
 from kvcanary_cupy.sim.runner import Simulation
+from kvcanary_cupy.sim.tiers import _host, _pack, _unpack
 
 # the kinds under which a load reads exactly its own page's file, whole: a torn write shortens the file; a host
 # page reused or a wrong key makes the load read another page (a file too, when that page is in L3)
@@ -150,3 +152,167 @@ def test_a_run_too_short_to_write_anything_back_reports_no_record_bytes_per_kv_b
     _sim, report, _log = recorded_run(tmp_path, seed=0, inject={}, steps=6, requests=2)
     tiers = report["tiers"]
     assert tiers["written_back"] == tiers["kv_bytes"] == 0 and tiers["record_bytes_per_kv_byte"] == 0.0
+
+
+class _RecordingTier(OrderedDict):
+    """A tier's page dictionary that records every page put in and taken out, and checks that a page taken out
+    is the least recently used one not pinned (the write-back's and demotion's eviction order)."""
+
+    def __init__(self, log: list) -> None:
+        super().__init__()
+        self.log = log
+        self.blob_bytes: dict[int, int] = {}  # id(page): its packed bytes in host memory as it came in
+
+    def __setitem__(self, key, page) -> None:
+        self.log.append(("in", page))
+        if page.blob is not None:
+            self.blob_bytes[id(page)] = page.blob.nbytes
+        super().__setitem__(key, page)
+
+    def __delitem__(self, key) -> None:
+        page = self[key]
+        assert key == next(k for k, p in self.items() if not p.pinned)  # the least recently used unpinned page
+        self.log.append(("out", page))
+        super().__delitem__(key)
+
+
+def _part_bytes(page, prefix: str) -> int:
+    return sum(int(np.prod(shape)) * 8 for name, shape in page.layout if name.startswith(prefix))
+
+
+def counted_run(tmp_path, *, seed, tiers, l2_slots=96, l3_bytes=None):
+    """A clean tiered run whose store is watched: every page put into or taken out of host memory and the disk
+    tier (in order), every L3 file created or removed, the pages a write-back made for each evicted node, and
+    the tiers' fill after every write-back, completion and demotion."""
+    cfg = SimConfig(preset="decode", steps=60, requests=24, seed=seed, backend="numpy", tiers=tiers,
+                    tier_dir=str(tmp_path / "l3") if "disk" in tiers else None, ring_capacity=512)
+    sim = Simulation(cfg)
+    store, eng = sim.tiers, sim.engine
+    store.l2_slots = l2_slots
+    if l3_bytes is not None:
+        store.l3_bytes = l3_bytes
+    log = SimpleNamespace(l2=[], l3=[], created=[], removed=[], l2_fill=[], l3_fill=[], evicted=[])
+    store.l2, store.l3 = _RecordingTier(log.l2), _RecordingTier(log.l3)
+
+    def fill_checked():
+        """Each tier's fill is the sum over its pages, and within its cap unless every page left is pinned."""
+        l2_fill = sum(p.n for p in store.l2.values())
+        l3_fill = sum(p.nbytes for p in store.l3.values())
+        assert (store.l2_used, store.l3_used) == (l2_fill, l3_fill)
+        assert l2_fill <= store.l2_slots or all(p.pinned for p in store.l2.values())
+        assert l3_fill <= store.l3_bytes or all(p.pinned for p in store.l3.values())
+        return l2_fill, l3_fill
+
+    write_back, complete, demote = store.write_back, store.complete, store._demote
+
+    def watched_write_back(node):
+        before = len(log.l2)
+        write_back(node)
+        made = [page for what, page in log.l2[before:] if what == "in"]
+        log.evicted.append((np.asarray(node.slots, np.int64).copy(), eng.tree.path_keys(node).copy(), made))
+        log.l2_fill.append(fill_checked()[0])
+
+    def watched_complete(step):
+        complete(step)
+        fill_checked()
+
+    def watched_demote(page):
+        demote(page)
+        log.l3_fill.append(sum(p.nbytes for p in store.l3.values()))
+
+    eng.on_evict, store.complete, store._demote = watched_write_back, watched_complete, watched_demote
+    if store.l3dir is not None:
+        create, remove = store.l3dir.create, store.l3dir.remove
+
+        def watched_create(key, data):
+            log.created.append((key, len(data)))
+            return create(key, data)
+
+        def watched_remove(name, **kwargs):
+            log.removed.append(name)
+            return remove(name, **kwargs)
+
+        store.l3dir.create, store.l3dir.remove = watched_create, watched_remove
+    report = sim.run()
+    return sim, report, log
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_tier_counts_are_the_sums_over_the_pages_written_back_demoted_and_deleted(tmp_path, seed):
+    """Host memory cut to 96 slots and the disk tier to 64 KiB: pages are written back, demoted to files and
+    deleted from the disk tier within the run. Every evicted node becomes one page (its slots, its prefix's
+    keys, its KV and records packed), unless a tier holds its prefix already; every count in the report is the
+    sum over those events; each tier holds the sum of its pages and stays within its cap."""
+    sim, report, log = counted_run(tmp_path, seed=seed, tiers=("host", "disk"), l3_bytes=64 << 10)
+    tiers, store = report["tiers"], sim.tiers
+    written = [page for what, page in log.l2 if what == "in"]
+    demoted = [page for what, page in log.l3 if what == "in"]
+    deleted = [page for what, page in log.l3 if what == "out"]
+    assert written and demoted and deleted, seed  # the run reached every path
+    for slots, keys, made in log.evicted:
+        if made:
+            (page,) = made
+            np.testing.assert_array_equal(page.origin, slots)
+            np.testing.assert_array_equal(page.keys, keys)
+            assert (page.depth, page.n) == (len(keys) - len(slots), len(slots))
+            assert page.nbytes == _part_bytes(page, "") == store.l2.blob_bytes[id(page)]
+    assert tiers["written_back"] == len(written) == sum(bool(made) for *_, made in log.evicted)
+    assert tiers["written_back_slots"] == sum(page.n for page in written)
+    assert tiers["kv_bytes"] == sum(_part_bytes(page, "kv:") for page in written) > 0
+    assert tiers["record_bytes"] == sum(_part_bytes(page, "rec:") for page in written) > 0
+    # every page leaving host memory is demoted to a file of its bytes; files leave the disk tier as deletions
+    assert [page for what, page in log.l2 if what == "out"] == demoted
+    assert tiers["demoted_to_l3"] == tiers["l3_files_written"] == len(demoted) == len(log.created)
+    assert log.created == [(page.key, page.nbytes) for page in demoted]
+    assert tiers["l3_bytes_written"] == sum(page.nbytes for page in demoted)
+    assert tiers["l3_evicted"] == len(deleted) == len(log.removed)
+    assert log.removed == [page.file for page in deleted] and tiers["l2_evicted"] == 0
+    assert tiers["peak_l2_slots"] == max(log.l2_fill) and tiers["peak_l3_bytes"] == max(log.l3_fill)
+    assert max(log.l3_fill) <= 64 << 10
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_host_memory_alone_deletes_its_least_recently_used_pages_and_writes_no_file(tmp_path, seed):
+    _sim, report, log = counted_run(tmp_path, seed=seed, tiers=("host",))
+    tiers = report["tiers"]
+    dropped = [page for what, page in log.l2 if what == "out"]
+    assert dropped and not log.l3, seed
+    assert tiers["l2_evicted"] == len(dropped)
+    assert tiers["peak_l2_slots"] == max(log.l2_fill) <= 96
+    assert tiers["demoted_to_l3"] == tiers["l3_files_written"] == tiers["l3_bytes_written"] == 0
+    assert tiers["l3_evicted"] == tiers["peak_l3_bytes"] == tiers["l3_bytes_read"] == tiers["l3_hits"] == 0
+
+
+class _DeviceArray:
+    """Stands in for a CuPy array: its host copy comes from ``.get()``."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.values = values
+
+    def get(self) -> np.ndarray:
+        return self.values.copy()
+
+
+def test_a_page_is_copied_to_the_host_from_a_numpy_array_or_through_a_device_arrays_get():
+    kv = np.arange(12, dtype=np.uint64).reshape(3, 4)
+    copied = _host(kv)
+    np.testing.assert_array_equal(copied, kv)
+    assert copied.dtype == np.uint64 and not np.shares_memory(copied, kv)  # a copy: the page outlives the slots
+    fetched = _host(_DeviceArray(kv))
+    assert isinstance(fetched, np.ndarray) and fetched.dtype == np.uint64
+    np.testing.assert_array_equal(fetched, kv)
+
+
+def test_a_page_packs_its_parts_into_one_byte_blob_and_unpacks_them_whole():
+    parts = {"kv:FULL:K:0": np.arange(6, dtype=np.uint64).reshape(3, 2) << np.uint64(60),
+             "rec:target:FULL:0": -np.arange(12, dtype=np.int64).reshape(3, 4)}
+    layout, blob = _pack(parts)
+    assert layout == [("kv:FULL:K:0", (3, 2)), ("rec:target:FULL:0", (3, 4))]
+    assert blob.dtype == np.uint8 and blob.shape == ((6 + 12) * 8,)
+    assert blob[:48].tobytes() == parts["kv:FULL:K:0"].tobytes()  # in order, each part's bytes as they are
+    unpacked = _unpack(layout, blob)
+    for name, values in parts.items():
+        assert unpacked[name].dtype == values.dtype
+        np.testing.assert_array_equal(unpacked[name], values)
+    layout, blob = _pack({})  # a page of no part: no byte
+    assert layout == [] and blob.dtype == np.uint8 and blob.shape == (0,)
