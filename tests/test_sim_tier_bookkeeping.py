@@ -7,6 +7,8 @@ pages left and the loads in flight."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections import Counter, OrderedDict
 from types import SimpleNamespace
 
@@ -16,7 +18,8 @@ import pytest
 from kvcanary_cupy.sim.config import SimConfig
 from kvcanary_cupy.sim.faults import TIER_FAULT_KINDS
 from kvcanary_cupy.sim.runner import Simulation
-from kvcanary_cupy.sim.tiers import _host, _pack, _unpack
+from kvcanary_cupy.sim import tiers as tiers_module
+from kvcanary_cupy.sim.tiers import TieredStore, TierPage, _host, _pack, _unpack
 
 # the kinds under which a load reads exactly its own page's file, whole: a torn write shortens the file; a host
 # page reused or a wrong key makes the load read another page (a file too, when that page is in L3)
@@ -272,7 +275,7 @@ def test_the_tier_counts_are_the_sums_over_the_pages_written_back_demoted_and_de
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_host_memory_alone_deletes_its_least_recently_used_pages_and_writes_no_file(tmp_path, seed):
+def test_without_a_disk_tier_the_least_recently_used_pages_are_deleted_and_no_file_written(tmp_path, seed):
     _sim, report, log = counted_run(tmp_path, seed=seed, tiers=("host",))
     tiers = report["tiers"]
     dropped = [page for what, page in log.l2 if what == "out"]
@@ -293,7 +296,7 @@ class _DeviceArray:
         return self.values.copy()
 
 
-def test_a_page_is_copied_to_the_host_from_a_numpy_array_or_through_a_device_arrays_get():
+def test_a_page_is_copied_off_the_device_from_a_numpy_array_or_through_a_device_arrays_get():
     kv = np.arange(12, dtype=np.uint64).reshape(3, 4)
     copied = _host(kv)
     np.testing.assert_array_equal(copied, kv)
@@ -316,3 +319,126 @@ def test_a_page_packs_its_parts_into_one_byte_blob_and_unpacks_them_whole():
         np.testing.assert_array_equal(unpacked[name], values)
     layout, blob = _pack({})  # a page of no part: no byte
     assert layout == [] and blob.dtype == np.uint8 and blob.shape == (0,)
+
+
+# -- the tiers' caps, eviction order and page lookup, on stores whose pages are made by hand ----------------------
+
+
+def idle_store(tmp_path, *, tiers=("host", "disk")):
+    """A tiered simulation's store before its first step (no page yet), its L3 files in ``tmp_path / "l3"``."""
+    cfg = SimConfig(preset="decode", steps=60, requests=24, seed=0, backend="numpy", tiers=tiers,
+                    tier_dir=str(tmp_path / "l3") if "disk" in tiers else None, ring_capacity=512)
+    return Simulation(cfg).tiers
+
+
+def made_page(key: str, *, n: int = 2, nbytes: int = 1000, keys=None, depth: int = 0) -> TierPage:
+    """A page in host memory of ``n`` positions after ``depth`` whose packed bytes are ``nbytes`` bytes of ``key``'s
+    first character (the caps and the lookup read only its size, keys and pins)."""
+    keys = np.arange(depth + n, dtype=np.int64) if keys is None else np.asarray(keys, np.int64)
+    return TierPage(key, keys, depth, n, [], np.full(nbytes, ord(key[0]), np.uint8), np.arange(n, dtype=np.int64),
+                    np.zeros(n, bool), nbytes)
+
+
+def _in_l2(store, *pages) -> None:
+    for page in pages:
+        store.l2[page.key] = page
+        store.l2_used += page.n
+
+
+def test_the_disk_tier_keeps_to_its_cap_and_deletes_its_least_recently_used_unpinned_file_first(tmp_path):
+    store = idle_store(tmp_path)
+    store.l3_bytes = 3000
+    a, b, c, d = (made_page(k) for k in ("aa", "bb", "cc", "dd"))
+    for page in (a, b, c):
+        blob = page.blob.tobytes()
+        store._demote(page)
+        assert (page.blob, page.tier) == (None, "L3") and store.l3dir.read(page.file) == blob  # its bytes, on disk
+    assert list(store.l3) == ["aa", "bb", "cc"] and store.l3_used == 3000  # exactly at the cap: every file stays
+    a.pinned = 1  # a load reads it: it stays, the next least recently used goes
+    store._demote(d)
+    assert list(store.l3) == ["aa", "cc", "dd"] and store.l3_used == 3000
+    assert not os.path.exists(os.path.join(store.dir, b.file)) and os.path.exists(os.path.join(store.dir, a.file))
+    a.pinned = 0
+    e = made_page("ee", nbytes=1500)
+    store._demote(e)  # 4,500 bytes: the two least recently used go
+    assert list(store.l3) == ["dd", "ee"] and store.l3_used == 2500
+    assert sorted(os.listdir(store.dir)) == sorted([d.file, e.file])
+    s = store.stats
+    assert (s["demoted_to_l3"], s["l3_files_written"], s["l3_bytes_written"]) == (5, 5, 5500)
+    assert (s["l3_evicted"], s["peak_l3_bytes"]) == (3, 3000)
+    store.close()
+
+
+def test_the_memory_tier_keeps_to_its_cap_by_demoting_its_least_recently_used_unpinned_pages(tmp_path):
+    store = idle_store(tmp_path)
+    store.l2_slots = 6
+    x, y, z = (made_page(k) for k in ("aa", "bb", "cc"))
+    _in_l2(store, x, y, z)
+    store._fit_l2()
+    assert list(store.l2) == ["aa", "bb", "cc"] and not store.l3  # exactly at the cap: nothing moves
+    x.pinned = 1
+    _in_l2(store, made_page("dd", n=3))
+    store._fit_l2()  # 9 slots: the pinned page stays, the next two go down to disk
+    assert list(store.l2) == ["aa", "dd"] and store.l2_used == 5
+    assert list(store.l3) == ["bb", "cc"] and store.stats["demoted_to_l3"] == 2 and store.stats["l2_evicted"] == 0
+    store.close()
+    host_only = idle_store(tmp_path, tiers=("host",))
+    host_only.l2_slots = 4
+    _in_l2(host_only, *(made_page(k) for k in ("aa", "bb", "cc")))
+    host_only._fit_l2()  # no disk: the least recently used page is dropped
+    assert list(host_only.l2) == ["bb", "cc"] and host_only.l2_used == 4 and host_only.stats["l2_evicted"] == 1
+    assert not host_only.l3 and host_only.stats["demoted_to_l3"] == 0
+
+
+def test_a_prompt_finds_the_longest_page_at_its_match_depth_that_leaves_its_last_position_to_compute(tmp_path):
+    store = idle_store(tmp_path)
+    prompt = [10, 11, 12, 13, 14, 15]  # its last position (5) is always computed
+    deeper = made_page("d1", n=2, depth=3, keys=prompt[:5])
+    short = made_page("a2", n=2, depth=2, keys=prompt[:4])
+    other = made_page("e3", n=3, depth=2, keys=[10, 11, 12, 99, 14])
+    whole = made_page("c4", n=4, depth=2, keys=prompt)  # would leave nothing to compute
+    longest = made_page("b5", n=3, depth=2, keys=prompt[:5])
+    store.l2.update((p.key, p) for p in (deeper, short, other))  # a page that does not fit comes first in each tier
+    store.l3.update((p.key, p) for p in (whole, longest))
+    keys = np.asarray(prompt, np.int64)
+    assert store._find(keys, 2) is longest
+    assert store._find(keys[:5], 2) is short  # the longest page now reaches the last position
+    assert store._find(keys, 3) is deeper and store._find(keys, 1) is None
+    assert store._find(np.asarray([10, 11, 12, 99, 14, 15]), 2) is other
+    store.close()
+
+
+def _store_beside(sim, tiers, **kwargs) -> TieredStore:
+    """Another store over ``sim``'s engine (it takes over the engine's hooks), with the arguments given."""
+    return TieredStore(tiers, sim.engine, sim.runtime, sim.tracker, sim.injector, np.random.default_rng(0), **kwargs)
+
+
+def test_a_disk_tier_without_a_directory_gets_its_own_which_goes_at_the_end_even_when_refused(tmp_path, monkeypatch):
+    made = []
+    mkdtemp = tempfile.mkdtemp
+
+    def recording_mkdtemp(**kwargs):
+        made.append(mkdtemp(dir=tmp_path, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(tiers_module.tempfile, "mkdtemp", recording_mkdtemp)
+    sim = Simulation(SimConfig(preset="decode", steps=40, requests=16, seed=0, backend="numpy", tiers=("host",),
+                               ring_capacity=512))
+    assert made == [] and sim.tiers.l3dir is None  # memory only: no directory
+    sim.run()
+    assert made == [] and os.listdir(tmp_path) == []
+    store = _store_beside(sim, ("host", "disk"), l2_slots=5, l3_bytes=1 << 20)
+    (own,) = made
+    assert store.dir == own and os.path.isdir(own)
+    summary = store.summary()  # the caps given are the ones in force
+    assert (summary["l2_capacity_slots"], summary["l3_capacity_bytes"]) == (5, 1 << 20)
+    store.close()
+    assert not os.path.exists(own)
+    given = tmp_path / "given"
+    store = _store_beside(sim, ("host", "disk"), tier_dir=str(given))
+    assert len(made) == 1 and store.dir == str(given)
+    store.close()
+    assert os.path.isdir(given)  # a directory the user named stays
+    with pytest.raises(ValueError, match="the disk tier needs"):
+        _store_beside(sim, ("host", "disk"), l3_bytes=1 << 62)  # more than any disk holds: refused at the start
+    assert len(made) == 2 and not os.path.exists(made[1])
