@@ -151,10 +151,17 @@ def test_the_reports_tier_section_states_the_capacities_the_pages_left_and_the_l
     assert tiers["record_bytes_per_kv_byte"] == pytest.approx(tiers["record_bytes"] / tiers["kv_bytes"])
 
 
-def test_a_run_too_short_to_write_anything_back_reports_no_record_bytes_per_kv_byte(tmp_path):
+# every count and peak of the report's tier section
+TIER_COUNTS = ["written_back", "written_back_slots", "l2_hits", "l3_hits", "restored_slots", "demoted_to_l3",
+               "l3_files_written", "l3_bytes_written", "l3_bytes_read", "l2_evicted", "l3_evicted", "peak_l2_slots",
+               "peak_l3_bytes", "record_bytes", "kv_bytes"]
+
+
+def test_a_run_too_short_to_write_anything_back_reports_every_count_zero(tmp_path):
     _sim, report, _log = recorded_run(tmp_path, seed=0, inject={}, steps=6, requests=2)
     tiers = report["tiers"]
-    assert tiers["written_back"] == tiers["kv_bytes"] == 0 and tiers["record_bytes_per_kv_byte"] == 0.0
+    assert {k: tiers[k] for k in TIER_COUNTS} == dict.fromkeys(TIER_COUNTS, 0)
+    assert tiers["record_bytes_per_kv_byte"] == 0.0 and tiers["l2_pages"] == tiers["loads_in_flight"] == 0
 
 
 class _RecordingTier(OrderedDict):
@@ -442,3 +449,70 @@ def test_a_disk_tier_without_a_directory_gets_its_own_which_goes_at_the_end_even
     with pytest.raises(ValueError, match="the disk tier needs"):
         _store_beside(sim, ("host", "disk"), l3_bytes=1 << 62)  # more than any disk holds: refused at the start
     assert len(made) == 2 and not os.path.exists(made[1])
+
+
+def _lookup_state(store, node, page):
+    """What a refused load-back must leave as it was: the locks along the resident prefix, the page's pins, the
+    loads, the counts and the free device slots."""
+    locks, at = [], node
+    while at is not store.engine.tree.root:
+        locks.append(at.lock)
+        at = at.parent
+    return locks, page.pinned, sorted(store.loads), dict(store.stats), store.engine.alloc.available
+
+
+# runs in which a load-back continues a resident prefix (its lookup locks that prefix), on a paged layout too
+DEEP_LOAD_RUNS = [("decode", "token", 0, 90, 32), ("swa", "token", 2, 60, 24), ("mixed", "block", 1, 60, 24)]
+
+
+@pytest.mark.parametrize(("preset", "layout", "seed", "steps", "requests"), DEEP_LOAD_RUNS)
+def test_a_load_back_without_room_for_its_slots_is_refused_and_leaves_everything_as_it_was(tmp_path, preset, layout,
+                                                                                          seed, steps, requests):
+    """At each admission that would start a load-back (a page found, room for its slots without evicting), the
+    same lookup is tried first with the device pool refusing the allocation and, on a sliding-window model, with
+    one SWA slot fewer free than the page's SWA positions: each is refused (the request computes its prompt)
+    and leaves the locks, pins, loads, counts and free slots as they were. Then the real lookup runs with
+    exactly the SWA slots the page needs left free, and starts the load."""
+    cfg = SimConfig(preset=preset, steps=steps, requests=requests, seed=seed, backend="numpy", layout=layout,
+                    tiers=("host", "disk"), tier_dir=str(tmp_path / "l3"), ring_capacity=512)
+    sim = Simulation(cfg)
+    store, eng = sim.tiers, sim.engine
+    store.l2_slots = 96
+    lookup = store.lookup
+    tried = SimpleNamespace(pool=0, swa=0, deep=0)
+
+    def refused_first(spec, keys, shared, node, step):
+        depth = int(shared.shape[0])
+        page = None if spec.rid in store.loads else store._find(keys, depth)
+        if page is None or eng.alloc.available < page.n or (eng.swa and depth and eng._usable(shared, depth) < depth):
+            return lookup(spec, keys, shared, node, step)
+        before = _lookup_state(store, node, page)
+        eng.alloc.alloc = lambda n: None  # the pool refuses
+        try:
+            assert lookup(spec, keys, shared, node, step) is False
+        finally:
+            del eng.alloc.alloc
+        assert _lookup_state(store, node, page) == before
+        tried.pool += 1
+        tried.deep += depth > 0
+        need = int(page.swa_alive.sum())
+        held = None
+        if eng.swa and need and eng.swa_alloc.available >= need:
+            held = eng.swa_alloc.alloc(eng.swa_alloc.available - need + 1)  # one SWA slot short
+            assert lookup(spec, keys, shared, node, step) is False
+            assert _lookup_state(store, node, page) == before
+            eng.swa_alloc.free(held)
+            held = eng.swa_alloc.alloc(eng.swa_alloc.available - need)  # exactly enough
+            tried.swa += 1
+        try:
+            started = lookup(spec, keys, shared, node, step)
+            assert started and store.loads[spec.rid].page is page
+        finally:
+            if held is not None:
+                eng.swa_alloc.free(held)
+        return started
+
+    eng.on_lookup = refused_first
+    report = sim.run()
+    assert tried.pool >= 2 and tried.deep >= 1 and (tried.swa >= 1 or not eng.swa), tried
+    assert report["violations"]["total"] == 0 and report["violations"]["false_positives"] == 0
