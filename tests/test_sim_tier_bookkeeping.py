@@ -19,7 +19,7 @@ from kvcanary_cupy.sim.config import SimConfig
 from kvcanary_cupy.sim.faults import TIER_FAULT_KINDS
 from kvcanary_cupy.sim.runner import Simulation
 from kvcanary_cupy.sim import tiers as tiers_module
-from kvcanary_cupy.sim.tiers import TieredStore, TierPage, _host, _pack, _unpack
+from kvcanary_cupy.sim.tiers import DEVICE_CACHE_SLOTS, TieredStore, TierPage, _host, _pack, _unpack
 
 # the kinds under which a load reads exactly its own page's file, whole: a torn write shortens the file; a host
 # page reused or a wrong key makes the load read another page (a file too, when that page is in L3)
@@ -190,18 +190,31 @@ def _part_bytes(page, prefix: str) -> int:
     return sum(int(np.prod(shape)) * 8 for name, shape in page.layout if name.startswith(prefix))
 
 
-def counted_run(tmp_path, *, seed, tiers, l2_slots=96, l3_bytes=None):
+def _unlocked_leaves(tree) -> list:
+    """The prefix-cache paths nothing holds (the ones an eviction may take)."""
+    out, stack = [], list(tree.root.children.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if not node.children and node.lock == 0:
+            out.append(node)
+    return out
+
+
+def counted_run(tmp_path, *, seed, tiers, l2_slots=96, l3_bytes=None, preset="decode", layout="token"):
     """A clean tiered run whose store is watched: every page put into or taken out of host memory and the disk
     tier (in order), every L3 file created or removed, the pages a write-back made for each evicted node, and
-    the tiers' fill after every write-back, completion and demotion."""
-    cfg = SimConfig(preset="decode", steps=60, requests=24, seed=seed, backend="numpy", tiers=tiers,
+    the tiers' fill after every write-back, completion and demotion. The device cache's cut between steps is
+    checked as it happens (``log.cuts`` counts them, ``log.kept`` those that left a path nothing holds)."""
+    cfg = SimConfig(preset=preset, steps=60, requests=24, seed=seed, backend="numpy", tiers=tiers, layout=layout,
                     tier_dir=str(tmp_path / "l3") if "disk" in tiers else None, ring_capacity=512)
     sim = Simulation(cfg)
     store, eng = sim.tiers, sim.engine
     store.l2_slots = l2_slots
     if l3_bytes is not None:
         store.l3_bytes = l3_bytes
-    log = SimpleNamespace(l2=[], l3=[], created=[], removed=[], l2_fill=[], l3_fill=[], evicted=[])
+    log = SimpleNamespace(l2=[], l3=[], created=[], removed=[], l2_fill=[], l3_fill=[], evicted=[], cuts=0, kept=0,
+                          in_complete=False)
     store.l2, store.l3 = _RecordingTier(log.l2), _RecordingTier(log.l3)
 
     def fill_checked():
@@ -223,14 +236,33 @@ def counted_run(tmp_path, *, seed, tiers, l2_slots=96, l3_bytes=None):
         log.l2_fill.append(fill_checked()[0])
 
     def watched_complete(step):
-        complete(step)
+        log.in_complete = True
+        try:
+            complete(step)
+        finally:
+            log.in_complete = False
         fill_checked()
+
+    evict_tree = eng._evict_tree
+
+    def watched_evict_tree(want):
+        size, first = eng.tree.size, len(log.evicted)
+        evict_tree(want)
+        sizes = [len(slots) for slots, *_ in log.evicted[first:]]
+        if log.in_complete and sizes:  # the device cache cut back to its slots between steps, in whole units, no further
+            over = size - DEVICE_CACHE_SLOTS
+            assert over > 0 and sum(sizes[:-1]) < -(-over // eng.unit) * eng.unit
+            left = _unlocked_leaves(eng.tree)
+            assert sum(sizes) >= over or not left  # or nothing else could go
+            log.cuts += 1
+            log.kept += bool(left)
 
     def watched_demote(page):
         demote(page)
         log.l3_fill.append(sum(p.nbytes for p in store.l3.values()))
 
     eng.on_evict, store.complete, store._demote = watched_write_back, watched_complete, watched_demote
+    eng._evict_tree = watched_evict_tree
     if store.l3dir is not None:
         create, remove = store.l3dir.create, store.l3dir.remove
 
@@ -255,6 +287,7 @@ def test_the_tier_counts_are_the_sums_over_the_pages_written_back_demoted_and_de
     sum over those events; each tier holds the sum of its pages and stays within its cap."""
     sim, report, log = counted_run(tmp_path, seed=seed, tiers=("host", "disk"), l3_bytes=64 << 10)
     tiers, store = report["tiers"], sim.tiers
+    assert log.cuts > 0  # the device cache was cut back between steps (checked as it happened)
     written = [page for what, page in log.l2 if what == "in"]
     demoted = [page for what, page in log.l3 if what == "in"]
     deleted = [page for what, page in log.l3 if what == "out"]
@@ -279,6 +312,15 @@ def test_the_tier_counts_are_the_sums_over_the_pages_written_back_demoted_and_de
     assert log.removed == [page.file for page in deleted] and tiers["l2_evicted"] == 0
     assert tiers["peak_l2_slots"] == max(log.l2_fill) and tiers["peak_l3_bytes"] == max(log.l3_fill)
     assert max(log.l3_fill) <= 64 << 10
+
+
+@pytest.mark.parametrize(("preset", "seed"), [("mixed", 1), ("swa", 0)])
+def test_the_device_cache_is_cut_back_to_its_slots_between_steps_in_whole_blocks_and_no_further(tmp_path, preset,
+                                                                                                   seed):
+    """On a paged layout (16-slot blocks) whose cuts leave cached paths nothing holds: each cut frees at least
+    what the device cache holds over its 32 slots, rounded up to whole blocks, and stops there."""
+    _sim, _report, log = counted_run(tmp_path, seed=seed, tiers=("host", "disk"), preset=preset, layout="block")
+    assert log.cuts > 0 and log.kept > 0
 
 
 @pytest.mark.parametrize("seed", range(2))
