@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from kvcanary_cupy.sim import tiers as tiers_module
 from kvcanary_cupy.sim.config import SimConfig
 from kvcanary_cupy.sim.faults import TIER_FAULT_KINDS
 from kvcanary_cupy.sim.runner import Simulation
-from kvcanary_cupy.sim import tiers as tiers_module
 from kvcanary_cupy.sim.tiers import DEVICE_CACHE_SLOTS, TieredStore, TierPage, _host, _pack, _unpack
 
 # the kinds under which a load reads exactly its own page's file, whole: a torn write shortens the file; a host
@@ -249,7 +249,7 @@ def counted_run(tmp_path, *, seed, tiers, l2_slots=96, l3_bytes=None, preset="de
         size, first = eng.tree.size, len(log.evicted)
         evict_tree(want)
         sizes = [len(slots) for slots, *_ in log.evicted[first:]]
-        if log.in_complete and sizes:  # the device cache cut back to its slots between steps, in whole units, no further
+        if log.in_complete and sizes:  # the cut between steps: to the device cache's slots, in whole units, no further
             over = size - DEVICE_CACHE_SLOTS
             assert over > 0 and sum(sizes[:-1]) < -(-over // eng.unit) * eng.unit
             left = _unlocked_leaves(eng.tree)
