@@ -514,14 +514,15 @@ def test_a_load_back_without_room_for_its_slots_is_refused_and_leaves_everything
     same lookup is tried first with the device pool refusing the allocation and, on a sliding-window model, with
     one SWA slot fewer free than the page's SWA positions: each is refused (the request computes its prompt)
     and leaves the locks, pins, loads, counts and free slots as they were. Then the real lookup runs with
-    exactly the SWA slots the page needs left free, and starts the load."""
+    exactly the SWA slots the page needs left free, and starts the load (reading the page's file at once when
+    it lives on disk)."""
     cfg = SimConfig(preset=preset, steps=steps, requests=requests, seed=seed, backend="numpy", layout=layout,
                     tiers=("host", "disk"), tier_dir=str(tmp_path / "l3"), ring_capacity=512)
     sim = Simulation(cfg)
     store, eng = sim.tiers, sim.engine
     store.l2_slots = 96
     lookup = store.lookup
-    tried = SimpleNamespace(pool=0, swa=0, deep=0)
+    tried = SimpleNamespace(pool=0, swa=0, deep=0, l3=0)
 
     def refused_first(spec, keys, shared, node, step):
         depth = int(shared.shape[0])
@@ -546,9 +547,13 @@ def test_a_load_back_without_room_for_its_slots_is_refused_and_leaves_everything
             eng.swa_alloc.free(held)
             held = eng.swa_alloc.alloc(eng.swa_alloc.available - need)  # exactly enough
             tried.swa += 1
+        read = store.stats["l3_bytes_read"]
         try:
             started = lookup(spec, keys, shared, node, step)
             assert started and store.loads[spec.rid].page is page
+            # a file is read as its load starts (while the request waits), host memory's page as it completes
+            assert store.stats["l3_bytes_read"] - read == (page.nbytes if page.tier == "L3" else 0)
+            tried.l3 += page.tier == "L3"
         finally:
             if held is not None:
                 eng.swa_alloc.free(held)
@@ -556,5 +561,5 @@ def test_a_load_back_without_room_for_its_slots_is_refused_and_leaves_everything
 
     eng.on_lookup = refused_first
     report = sim.run()
-    assert tried.pool >= 2 and tried.deep >= 1 and (tried.swa >= 1 or not eng.swa), tried
+    assert tried.pool >= 2 and tried.deep >= 1 and tried.l3 >= 1 and (tried.swa >= 1 or not eng.swa), tried
     assert report["violations"]["total"] == 0 and report["violations"]["false_positives"] == 0
