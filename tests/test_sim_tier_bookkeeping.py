@@ -563,3 +563,35 @@ def test_a_load_back_without_room_for_its_slots_is_refused_and_leaves_everything
     report = sim.run()
     assert tried.pool >= 2 and tried.deep >= 1 and tried.l3 >= 1 and (tried.swa >= 1 or not eng.swa), tried
     assert report["violations"]["total"] == 0 and report["violations"]["false_positives"] == 0
+
+
+def test_a_page_pinned_while_the_memory_tier_went_over_its_cap_goes_down_to_disk_when_its_load_completes(tmp_path):
+    """Host memory's cap drops to 0 as the first load-back from it starts: every other page goes down to disk at
+    the next write-back, but the loaded page is pinned and stays until its load completes; then it goes too."""
+    cfg = SimConfig(preset="decode", steps=90, requests=32, seed=0, backend="numpy", tiers=("host", "disk"),
+                    tier_dir=str(tmp_path / "l3"), ring_capacity=512)
+    sim = Simulation(cfg)
+    store = sim.tiers
+    store.l2_slots = 128
+    lookup, finish = store.lookup, store._finish
+    seen = SimpleNamespace(load=None, checked=False)
+
+    def cap_dropped_at_first_l2_load(spec, keys, shared, node, step):
+        started = lookup(spec, keys, shared, node, step)
+        load = store.loads.get(spec.rid)
+        if started and seen.load is None and load is not None and load.tier == "L2":
+            seen.load = load
+            store.l2_slots = 0
+        return started
+
+    def checked_finish(load, step):
+        finish(load, step)
+        if load is seen.load:
+            assert load.page.pinned == 0 and load.page.tier == "L3" and load.page.key in store.l3
+            assert store.l2_used == sum(p.n for p in store.l2.values()) and all(p.pinned for p in store.l2.values())
+            seen.checked = True
+
+    store.lookup = sim.engine.on_lookup = cap_dropped_at_first_l2_load
+    store._finish = checked_finish
+    report = sim.run()
+    assert seen.checked and report["violations"]["total"] == 0
