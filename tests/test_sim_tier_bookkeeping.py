@@ -3,7 +3,12 @@ a load pins its page and locks the resident prefix it continues exactly while it
 and L3 byte counts are the sums over the loads; every tier fault is recorded at its load (group, first
 position and slot, request, step), each firing of a kind makes at most one fault; a wrong-key fault on a
 sliding-window model swaps the SWA KV too and is caught; the report's tier section states the capacities, the
-pages left and the loads in flight."""
+pages left and the loads in flight. And the store's own accounts, against what it did (recorded as the run goes)
+or on stores whose pages are made by hand: every write-back, demotion and deletion counted, each tier within its
+cap and giving up its least recently used unpinned page first, a page pinned over the cap going once its load
+completes, the device cache cut back between steps no further than its slots, a prompt finding the longest page
+that continues its match, a load-back without room refused with nothing changed, the store's own directory
+made only when needed and removed, a page's bytes copied off the device and packed whole."""
 
 from __future__ import annotations
 
