@@ -4,8 +4,9 @@ a rotten or torn L3 file does is charged to every load that reads the file (a se
 included), the join of the restored page onto the resident prefix reaches the fault tracker (and the engine's
 splice hook when the page is new to the prefix cache), what the prefix cache already holds goes back as
 duplicates, the page becomes the most recently used path and host memory fits its cap again; and the fault
-planner's choices (which kind strikes a load, which page a confused tier hands back), pinned on stores built by
-hand."""
+planner's choices (which kind strikes a load, which page a confused tier hands back) and the late faults' bytes
+(a wrong key only where a reader would see other content, a reused page keeping its own SWA KV), pinned on stores
+built by hand."""
 
 from __future__ import annotations
 
@@ -440,3 +441,64 @@ def test_the_late_faults_bring_back_the_other_pages_bytes_and_name_it(midway):
     (fault,) = load.faults
     assert fault.detail.endswith("the copy came from its old device slots after they were given to another "
                                  "request and rewritten")
+
+
+def _strike(store, page, kind, held, data):
+    """``kind`` due and planned for a load of ``page`` while the tiers hold ``page`` and ``held``: the load and the
+    bytes the late injection hands to the restore."""
+    _due(store, kind)
+    _hold(store, page, held)
+    load = _load(page)
+    load.planned = kind
+    return load, store._inject_at_finish(load, data)
+
+
+def _other_page(store, page):
+    """Another page as long as ``page``, of the same parts, holding other tokens."""
+    names = [name for name, _ in page.layout]
+    return next(p for p in [*store.l2.values(), *store.l3.values()]
+                if p is not page and p.n >= page.n and [name for name, _ in p.layout] == names
+                and not np.array_equal(p.keys[p.depth : p.depth + page.n], page.keys[page.depth :]))
+
+
+def test_a_wrong_key_strikes_only_where_a_reader_would_see_other_content(midway, monkeypatch):
+    """A confused lookup hands back nothing different (no fault) when the other page's records are the load's own,
+    when the only other page holds the same tokens at the same positions (the same KV), or when the prefix
+    cache meanwhile holds the whole page (the restored copy goes back as a duplicate unread)."""
+    store, eng = midway.tiers, midway.engine
+    page = _page(store, "L2")
+    data = _unpack(page.layout, page.blob)
+    other = _other_page(store, page)
+    same_records = _variants(page)["other"]  # other tokens, the load's own bytes
+    load, out = _strike(store, page, "tier-wrong-key", [same_records], data)
+    assert out is data and not load.faults
+    records = data["rec:target:FULL:0"].copy()
+    records.reshape(-1)[0] += 1
+    same_tokens = dataclasses.replace(_with_records(store, page, records), key="sametokens")
+    load, out = _strike(store, page, "tier-wrong-key", [same_tokens], data)
+    assert out is data and not load.faults
+    whole = page.depth + page.n
+    monkeypatch.setattr(eng.tree, "cached_len", lambda keys: whole)
+    load, out = _strike(store, page, "tier-wrong-key", [other], data)
+    assert out is data and not load.faults
+    monkeypatch.setattr(eng.tree, "cached_len", lambda keys: whole - 1)  # one position short: a reader sees it
+    load, out = _strike(store, page, "tier-wrong-key", [other], data)
+    assert [f.kind for f in load.faults] == ["tier-wrong-key"] and out is not data
+
+
+@pytest.mark.parametrize("midway", ["swa"], indirect=True)
+def test_a_page_refilled_with_another_pages_kv_on_a_sliding_window_model_keeps_its_own_swa_kv(midway):
+    """The reused page's slot took the other page's KV of the full-attention layers; its SWA KV (stored only for
+    the positions that had an SWA slot, a shape of its own) is the load's."""
+    store = midway.tiers
+    page = next(p for p in [*store.l2.values(), *store.l3.values()] if p.n >= 2 and p.swa_alive.any())
+    data = _unpack(page.layout, store._read(page, count=False))
+    other = _other_page(store, page)
+    theirs = _unpack(other.layout, store._read(other, count=False))
+    load, out = _strike(store, page, "tier-host-page-reused", [other], data)
+    assert [f.kind for f in load.faults] == ["tier-host-page-reused"]
+    swa = [name for name, _ in page.layout if name.startswith("kv:SWA")]
+    assert swa and any(name.startswith("kv:FULL") for name, _ in page.layout)
+    for name, _ in page.layout:
+        expected = data[name] if name in swa or name.startswith("rec:") else theirs[name][: page.n]
+        np.testing.assert_array_equal(out[name], expected, err_msg=name)

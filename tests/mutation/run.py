@@ -99,11 +99,14 @@ TARGETS: dict[str, Target] = {
                     ["tests/test_tiers.py", "tests/test_runtime_tiers.py", "tests/test_tier_calls.py",
                      "tests/test_offloaded_records_checks.py"]),
     # the tiered simulator: its fault kinds' NumPy runs (tier-host-page-reused's among them), its bookkeeping
-    # (pins, locks, counts, fault records), each load-back's join, taint and duplicates, the fault planner's
-    # choices, and the L3 directory
+    # (pins, locks, counts, caps, fault records), each load-back's join, taint and duplicates, the fault planner's
+    # choices, the L3 directory, and (of test_sim_tiers_seeds.py, the rest too slow to rerun per mutant) a
+    # classic fault's damage followed through write-back and restore
     "sim_tiers": Target(["kvcanary_cupy/sim/tiers.py"],
                         ["tests/test_sim_tiers.py", "tests/test_sim_tier_bookkeeping.py",
-                         "tests/test_sim_tier_faults.py", "tests/test_sim_tier_dir.py"],
+                         "tests/test_sim_tier_faults.py", "tests/test_sim_tier_dir.py",
+                         "tests/test_sim_tiers_seeds.py::test_without_following_the_damage_through_the_tiers_the_same"
+                         "_run_reports_false_positives"],
                         keywords="not cuda and (not host or numpy)"),
     "kv_bytes": Target(["kvcanary_cupy/kv_bytes.py"],
                        ["tests/test_kv_layouts.py", "tests/test_kv_layout_refusals.py",
