@@ -1,0 +1,50 @@
+"""The sweep's block index over the KV cache groups of a hybrid model, step by step, worked out by hand: a block
+one group's rows hold leaves every other group's index whichever group the step notes first (the block at the
+start of its sequence and block 1 included), and block ids past the pool in a row's table (a table no engine
+hands out) are ignored in every group, in and below a row's window, never an ``IndexError``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcanary_cupy.integrations.vllm.blocks import BlockIndex
+
+BS = 4  # tokens per block
+NUM_BLOCKS = 10
+
+
+def indexed(index: BlockIndex) -> dict[int, dict[int, int]]:
+    """Per group, ``{block: index in its sequence}``."""
+    return {g: {int(b): int(where[b]) for b in np.flatnonzero(where >= 0)} for g, where in index.where.items()}
+
+
+def two_groups() -> BlockIndex:
+    return BlockIndex([NUM_BLOCKS, NUM_BLOCKS], [BS, BS], blocks_per_sweep=NUM_BLOCKS, group_ids=[0, 1])
+
+
+@pytest.mark.parametrize(("holder", "taker"), [(1, 0), (0, 1)], ids=["first-takes", "second-takes"])
+def test_a_block_one_group_takes_leaves_the_others_index_whichever_group_is_noted_first(holder, taker):
+    """Step 0: the holder group's row writes 12 tokens into blocks 1, 2, 3 (indexed at 0, 1, 2; block 1 at the
+    start of its sequence). Step 1: the taker group's row writes 8 tokens into blocks 1 and 5: both are the
+    taker's now (indexed at 0, 1), and block 1 leaves the holder's index; blocks 2 and 3 stay."""
+    index = two_groups()
+    index.note_step(holder, np.array([[1, 2, 3]], np.int32), np.array([12]))
+    assert indexed(index) == {holder: {1: 0, 2: 1, 3: 2}, taker: {}}
+    index.note_step(taker, np.array([[1, 5]], np.int32), np.array([8]))
+    assert indexed(index) == {holder: {2: 1, 3: 2}, taker: {1: 0, 5: 1}}
+
+
+def test_a_block_past_the_pool_in_a_rows_table_is_ignored_in_every_group():
+    """Group 0 (full attention) indexes blocks 1, 2. Group 1's row (16 tokens, its window from column 2 on)
+    names block 10 (past the pool of 10) below its window and inside it, next to blocks 3 and 4: only those
+    are taken (3 at 2, 4 at 3) and nothing else changes; group 0 noting a table with block 10 in it likewise
+    indexes only its other blocks."""
+    index = two_groups()
+    index.note_step(0, np.array([[1, 2]], np.int32), np.array([8]))
+    index.note_step(1, np.array([[10, 1, 3, 4]], np.int32), np.array([16]), first=np.array([2]))
+    assert indexed(index) == {0: {1: 0, 2: 1}, 1: {3: 2, 4: 3}}
+    index.note_step(1, np.array([[6, 7, 10, 8]], np.int32), np.array([16]), first=np.array([1]))
+    assert indexed(index) == {0: {1: 0, 2: 1}, 1: {3: 2, 4: 3, 7: 1, 8: 3}}
+    index.note_step(0, np.array([[10, 9]], np.int32), np.array([8]))
+    assert indexed(index) == {0: {1: 0, 2: 1, 9: 1}, 1: {3: 2, 4: 3, 7: 1, 8: 3}}
