@@ -48,3 +48,19 @@ def test_a_block_past_the_pool_in_a_rows_table_is_ignored_in_every_group():
     assert indexed(index) == {0: {1: 0, 2: 1}, 1: {3: 2, 4: 3, 7: 1, 8: 3}}
     index.note_step(0, np.array([[10, 9]], np.int32), np.array([8]))
     assert indexed(index) == {0: {1: 0, 2: 1, 9: 1}, 1: {3: 2, 4: 3, 7: 1, 8: 3}}
+
+
+def test_a_step_repeating_a_partly_unstamped_steps_table_and_counts_is_indexed_again():
+    """One group, one row with blocks 1, 2. Step 0 stamps 8 tokens: 1 at 0, 2 at 1. Step 1 stamps only 4 (the
+    row's re-stamps deferred) while the forward wrote 8, and block 2 is one another row stamps in the step: it
+    keeps its index. Step 2 stamps 6 tokens: the same table, complete blocks (1) and blocks reached (2) as step
+    1, but nothing left unstamped: block 2, holding two tokens now, is dropped (a step that repeats the last one
+    is skipped only when the last one was indexed whole)."""
+    index = BlockIndex([NUM_BLOCKS], [BS], blocks_per_sweep=NUM_BLOCKS)
+    table = np.array([[1, 2]], np.int32)
+    index.note_step(0, table, np.array([8]), np.array([8]))
+    assert indexed(index) == {0: {1: 0, 2: 1}}
+    index.note_step(0, table, np.array([4]), np.array([8]), stamped=np.array([2]))
+    assert indexed(index) == {0: {1: 0, 2: 1}}
+    index.note_step(0, table, np.array([6]), np.array([6]))
+    assert indexed(index) == {0: {1: 0}}
