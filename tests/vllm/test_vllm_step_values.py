@@ -1,5 +1,6 @@
 """Small values of the vLLM step read and the sweep's block index worked out by hand: the sweep's stated
-latency at its edges (fewer indexed blocks than one sweep takes, one block per sweep, the sweep off), a slot
+latency at its edges (fewer indexed blocks than one sweep takes, one block per sweep, the sweep off), the blocks
+one sweep takes (a step's tokens in whole blocks, at least one), a slot
 looked up through a step's block table, a per-token array put in the canary's token order, the count of
 indexed blocks over groups, a runner tensor that refuses a NumPy view read through a host copy, and each row's
 expected history and accepted length under draft tokens (:func:`with_drafts`)."""
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from kvcanary_cupy.integrations.vllm.blocks import BlockIndex, sweep_latency_steps
+from kvcanary_cupy.integrations.vllm.canary import sweep_blocks
 from kvcanary_cupy.integrations.vllm.step import RequestHistories, VllmStep, _host, with_drafts
 
 
@@ -29,6 +31,13 @@ from kvcanary_cupy.integrations.vllm.step import RequestHistories, VllmStep, _ho
         "negative-interval"])
 def test_the_sweep_latency_is_the_interval_times_the_sweeps_one_pass_takes(indexed, per_sweep, interval, steps):
     assert sweep_latency_steps(indexed, per_sweep, interval) == steps
+
+
+@pytest.mark.parametrize(("max_tokens", "block_size", "blocks"), [(64, 16, 4), (40, 16, 2), (20, 16, 1), (4, 16, 1)],
+                         ids=["exact", "whole-blocks", "one", "under-one-block"])
+def test_one_sweep_takes_the_whole_blocks_of_a_steps_tokens_and_at_least_one(max_tokens, block_size, blocks):
+    got = sweep_blocks(max_tokens, block_size)
+    assert got == blocks and isinstance(got, int)
 
 
 @dataclass
