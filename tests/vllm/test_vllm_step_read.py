@@ -122,13 +122,16 @@ def test_kept_histories_follow_every_change_of_the_request_state(seed):
 
 def test_a_decode_step_extends_the_kept_history_in_place_and_a_rebuilt_output_list_is_read_afresh():
     """What a step copies of a request's state is only what it gained: the second read (one token more) is the
-    same buffer, extended; an output list vLLM rebuilt (another object) is read again into a new one."""
+    same buffer, extended, and so is a third with nothing gained; an output list vLLM rebuilt (another object)
+    is read again into a new one."""
     hist = RequestHistories()
     st = FakeState([1, 2, 3], [4])
     first = hist.history("a", st, 4)
     st.output_token_ids.append(5)
     second = hist.history("a", st, 5)
     assert second.tolist() == [1, 2, 3, 4, 5] and np.shares_memory(first, second)
+    again = hist.history("a", st, 5)  # nothing gained: nothing read
+    assert again.tolist() == [1, 2, 3, 4, 5] and np.shares_memory(second, again)
     st.output_token_ids = list(st.output_token_ids)
     third = hist.history("a", st, 5)
     assert third.tolist() == [1, 2, 3, 4, 5] and not np.shares_memory(second, third)
