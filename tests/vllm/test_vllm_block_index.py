@@ -1,7 +1,8 @@
 """The sweep's block index over the KV cache groups of a hybrid model, step by step, worked out by hand: a block
 one group's rows hold leaves every other group's index whichever group the step notes first (the block at the
 start of its sequence and block 1 included), and block ids past the pool in a row's table (a table no engine
-hands out) are ignored in every group, in and below a row's window, never an ``IndexError``."""
+hands out) are ignored in every group, in and below a row's window, never an ``IndexError``; a sweep of one block
+(or of none asked) takes the indexed blocks one at a time, round-robin."""
 
 from __future__ import annotations
 
@@ -64,3 +65,18 @@ def test_a_step_repeating_a_partly_unstamped_steps_table_and_counts_is_indexed_a
     assert indexed(index) == {0: {1: 0, 2: 1}}
     index.note_step(0, table, np.array([6]), np.array([6]))
     assert indexed(index) == {0: {1: 0}}
+
+
+@pytest.mark.parametrize("per_sweep", [0, 1], ids=["zero", "one"])
+def test_a_sweep_of_one_block_takes_the_indexed_blocks_one_at_a_time_in_id_order(per_sweep):
+    """Blocks 2, 5, 7 indexed (at 0, 1, 0), none held by the last step: with one block a sweep (a request for
+    none still takes one), the sweeps take block 2, then 5, then 7, then 2 again, each block's slots with their
+    positions."""
+    index = BlockIndex([NUM_BLOCKS], [BS], blocks_per_sweep=per_sweep)
+    index.where[0][[2, 5, 7]] = [0, 1, 0]
+    swept = []
+    for _ in range(4):
+        slots, positions, _prev = index.sweep_entries(0, BS, BS)
+        swept.append((slots.tolist(), positions.tolist()))
+    assert swept == [([8, 9, 10, 11], [0, 1, 2, 3]), ([20, 21, 22, 23], [4, 5, 6, 7]),
+                     ([28, 29, 30, 31], [0, 1, 2, 3]), ([8, 9, 10, 11], [0, 1, 2, 3])]

@@ -148,6 +148,7 @@ def test_a_history_longer_than_its_kept_buffer_grows_and_a_long_state_read_afres
         st.output_token_ids += new
         got = hist.history("a", st, 3 + len(st.output_token_ids))
         np.testing.assert_array_equal(got, [7, 8, 9, *st.output_token_ids])
+        assert got.dtype == np.int64
         buffers += not np.shares_memory(got, last)
         last = got
     assert 2 <= buffers <= 4
