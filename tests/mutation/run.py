@@ -119,11 +119,15 @@ TARGETS: dict[str, Target] = {
                              ["tests/test_bounded_verify.py", "tests/test_bounded_verify_window.py"],
                              mutants=BOUNDED_VERIFY_MUTANTS),
     # The step read (all of step.py), the sweep's block index (all of blocks.py) and the slot tables of the vLLM
-    # integration, pinned by the tests that need no engine (an engine per mutant would cost seconds each).
+    # integration, pinned by the tests that need no engine (an engine per mutant would cost seconds each): the
+    # stand-in runner's steps, among them the draft tokens' (``with_drafts``) and the sliding-window and hybrid
+    # groups' (the index's freed and claimed blocks).
     "vllm": Target(["kvcanary_cupy/integrations/vllm/step.py", "kvcanary_cupy/integrations/vllm/blocks.py",
                     "kvcanary_cupy/integrations/vllm/canary.py"],
                    ["tests/vllm/test_vllm_step.py", "tests/vllm/test_vllm_step_read.py",
-                    "tests/vllm/test_vllm_step_values.py", "tests/vllm/test_vllm_internals.py"],
+                    "tests/vllm/test_vllm_step_values.py", "tests/vllm/test_vllm_internals.py",
+                    "tests/vllm/test_vllm_speculative_step.py", "tests/vllm/test_vllm_sliding_window.py",
+                    "tests/vllm/test_vllm_block_index.py"],
                    mutants=["*vllm.step.*", "*vllm.blocks.*", "*GroupGeometry*slots_of__mutmut_*",
                             "*VllmCanaryState*_fill_table__mutmut_*", "*VllmCanaryState*forget_blocks__mutmut_*",
                             "*VllmCanaryState*_note_complete_blocks__mutmut_*",

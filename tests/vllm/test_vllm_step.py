@@ -4,7 +4,8 @@ forward's arguments and attention metadata built by hand, so each step's schedul
 in the test. The runtime behind it is the real one (NumPy backend): what it flags is what an engine would flag.
 
 Pinned here: the same-step prefix hit (a row scheduled next to the sibling that writes its prefix) re-stamps
-exactly the positions written in the step and verifies the one before; past the per-step re-stamp budget the
+exactly the positions written in the step and verifies the one before (also where its last prefix slot is the
+highest slot the step writes); past the per-step re-stamp budget the
 rows left over are read without a false positive and a fault is still caught; blocks the scheduler lists to
 zero leave the sweep's index; a token the forward wrote to another slot than planned is stamped where it went;
 finished requests leave the rows waiting for their re-stamps, live ones stay; a step with no token reads as
@@ -172,6 +173,26 @@ def test_same_step_prefix_tail_is_restamped_from_the_first_position_written_in_t
     assert state.violations == [] and state.health_problems == [] and state.dropped == 0
     # per endpoint: B1 verifies 8 and writes 6; B2 verifies 8 and writes 4 re-stamped + 2; step 0 wrote 12
     assert endpoint_counts(state) == {"verify": (8 + 8, 2), "write": (12 + 6 + 6, 2)}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_same_step_tail_in_the_highest_slot_the_step_writes_is_still_restamped(seed):
+    """The schedule above with B1's and B2's third block at id 9: B2's last prefix slot (position 11, slot 39) is
+    the highest slot of the step's writes. B2 still re-stamps 8..11 and verifies 0..7, with no false positive;
+    the step is read the same without the rows-waiting argument (none given: none waits)."""
+    runner = Runner()
+    state = canary_state(runner)
+    _q, step0, (b1, b2) = sibling_steps(seed)
+    run_step(state, runner, step0)
+    b1.blocks, b2.blocks = [1, 2, 9, 4], [1, 2, 9, 5]
+    kwargs, md = runner.inputs([b1, b2])
+    alone = build_step(state.steps, runner, kwargs, md, state.geos, state.max_tokens)
+    batch = run_step(state, runner, [b1, b2])
+    state.flush()
+    assert batch.prefix_lens.tolist() == alone.prefix_lens.tolist() == [8, 8]
+    want = slots([1, 2, 9, 4], 8, 14) + slots([1, 2, 9, 5], 8, 12) + slots([1, 2, 9, 5], 12, 14)
+    assert batch.slot_mappings[0].tolist() == alone.slot_mappings[0].tolist() == want
+    assert state.violations == []
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -454,7 +475,7 @@ def test_a_step_without_any_scheduled_request_reads_as_an_empty_step():
     batch = build_step(state.steps, runner, kwargs, {LAYER: md}, state.geos, state.max_tokens, state.unstamped)
     assert batch.size == 0 and batch.forward_len == 0 and batch.deferred == {}
     for got in (batch.slot_mappings[0], batch.source_index, batch.expected_input_ids, batch.expected_positions,
-                batch.input_ids, batch.positions, batch.prefix_lens, batch.extend_lens):
+                batch.input_ids, batch.positions, batch.prefix_lens, batch.extend_lens, batch.history_ids):
         assert got.shape == (0,) and got.dtype == np.int64
 
 

@@ -120,6 +120,42 @@ def test_kept_histories_follow_every_change_of_the_request_state(seed):
     assert len(hist) <= 1
 
 
+def test_a_decode_step_extends_the_kept_history_in_place_and_a_rebuilt_output_list_is_read_afresh():
+    """What a step copies of a request's state is only what it gained: the second read (one token more) is the
+    same buffer, extended, and so is a third with nothing gained; an output list vLLM rebuilt (another object)
+    is read again into a new one."""
+    hist = RequestHistories()
+    st = FakeState([1, 2, 3], [4])
+    first = hist.history("a", st, 4)
+    st.output_token_ids.append(5)
+    second = hist.history("a", st, 5)
+    assert second.tolist() == [1, 2, 3, 4, 5] and np.shares_memory(first, second)
+    again = hist.history("a", st, 5)  # nothing gained: nothing read
+    assert again.tolist() == [1, 2, 3, 4, 5] and np.shares_memory(second, again)
+    st.output_token_ids = list(st.output_token_ids)
+    third = hist.history("a", st, 5)
+    assert third.tolist() == [1, 2, 3, 4, 5] and not np.shares_memory(second, third)
+
+
+def test_a_history_longer_than_its_kept_buffer_grows_and_a_long_state_read_afresh_is_whole():
+    """A 3-token prompt decoding 292 tokens one a step, then 5 at once: its kept buffer (64 tokens at first)
+    grows on the way, a few times, not once a step, and every read is the state's tokens. A request read first
+    with a 70-token prompt and 40 output tokens comes back whole."""
+    hist = RequestHistories()
+    st = FakeState([7, 8, 9])
+    last, buffers = hist.history("a", st, 3), 1
+    for new in [[1000 + t] for t in range(292)] + [[2000, 2001, 2002, 2003, 2004]]:
+        st.output_token_ids += new
+        got = hist.history("a", st, 3 + len(st.output_token_ids))
+        np.testing.assert_array_equal(got, [7, 8, 9, *st.output_token_ids])
+        assert got.dtype == np.int64
+        buffers += not np.shares_memory(got, last)
+        last = got
+    assert 2 <= buffers <= 4
+    long = FakeState(list(range(70)), list(range(100, 140)))
+    np.testing.assert_array_equal(hist.history("b", long, 110), [*range(70), *range(100, 140)])
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_block_index_matches_the_block_by_block_oracle(seed):
     rng = np.random.default_rng(seed)

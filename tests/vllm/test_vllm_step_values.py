@@ -1,7 +1,9 @@
 """Small values of the vLLM step read and the sweep's block index worked out by hand: the sweep's stated
-latency at its edges (fewer indexed blocks than one sweep takes, one block per sweep, the sweep off), a slot
+latency at its edges (fewer indexed blocks than one sweep takes, one block per sweep, the sweep off), the blocks
+one sweep takes (a step's tokens in whole blocks, at least one), a slot
 looked up through a step's block table, a per-token array put in the canary's token order, the count of
-indexed blocks over groups, and a runner tensor that refuses a NumPy view read through a host copy."""
+indexed blocks over groups, a runner tensor that refuses a NumPy view read through a host copy, and each row's
+expected history and accepted length under draft tokens (:func:`with_drafts`)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import pytest
 import torch
 
 from kvcanary_cupy.integrations.vllm.blocks import BlockIndex, sweep_latency_steps
-from kvcanary_cupy.integrations.vllm.step import VllmStep, _host
+from kvcanary_cupy.integrations.vllm.canary import sweep_blocks
+from kvcanary_cupy.integrations.vllm.step import RequestHistories, VllmStep, _host, with_drafts
 
 
 @pytest.mark.parametrize(("indexed", "per_sweep", "interval", "steps"), [
@@ -28,6 +31,13 @@ from kvcanary_cupy.integrations.vllm.step import VllmStep, _host
         "negative-interval"])
 def test_the_sweep_latency_is_the_interval_times_the_sweeps_one_pass_takes(indexed, per_sweep, interval, steps):
     assert sweep_latency_steps(indexed, per_sweep, interval) == steps
+
+
+@pytest.mark.parametrize(("max_tokens", "block_size", "blocks"), [(64, 16, 4), (40, 16, 2), (20, 16, 1), (4, 16, 1)],
+                         ids=["exact", "whole-blocks", "one", "under-one-block"])
+def test_one_sweep_takes_the_whole_blocks_of_a_steps_tokens_and_at_least_one(max_tokens, block_size, blocks):
+    got = sweep_blocks(max_tokens, block_size)
+    assert got == blocks and isinstance(got, int)
 
 
 @dataclass
@@ -84,3 +94,32 @@ def test_a_runner_tensor_that_refuses_a_numpy_view_is_read_through_a_host_copy()
         tensor.numpy()
     assert _host(tensor).tolist() == [1.5, -2.0, 3.25]
     assert _host(torch.tensor([4, 5], dtype=torch.int32)).tolist() == [4, 5]
+
+
+@dataclass
+class State:
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+def test_a_rows_drafts_follow_its_accepted_history_and_at_most_its_new_tokens_are_drafts():
+    """A schedules 4 new tokens ending at 9 with 3 drafts: its state's first 6 tokens, then the drafts (6
+    accepted). B has no drafts: its history up to 4. C has 5 drafts but only 2 new tokens: the first 2 drafts
+    follow its first 5 tokens. D's draft list is empty: its history up to 3."""
+    requests = {"A": State([1, 2, 3, 4, 5, 6]), "B": State([10, 11, 12], [13]), "C": State([20, 21, 22, 23, 24]),
+                "D": State([30, 31, 32])}
+    drafts = {"A": [70, 71, 72], "C": [80, 81, 82, 83, 84], "D": []}
+    parts, confirmed = with_drafts(RequestHistories(), ["A", "B", "C", "D"], requests, np.array([9, 4, 7, 3]),
+                                   np.array([4, 1, 2, 1]), drafts)
+    assert [p.tolist() for p in parts] == [[1, 2, 3, 4, 5, 6, 70, 71, 72], [10, 11, 12, 13],
+                                           [20, 21, 22, 23, 24, 80, 81], [30, 31, 32]]
+    assert all(p.dtype == np.int64 for p in parts)
+    assert confirmed.tolist() == [6, 4, 5, 3]
+
+
+def test_a_drafting_row_whose_state_lacks_its_accepted_tokens_is_refused_by_its_request_id():
+    # A ends at 9 with one draft: its state must hold 8 tokens, it holds 6
+    with pytest.raises(ValueError, match="^kv-canary: request A schedules positions up to 8 but its state holds 6 "
+                                         r"tokens \(async scheduling is not supported: use async_scheduling=False\)$"):
+        with_drafts(RequestHistories(), ["A"], {"A": State([1, 2, 3, 4, 5, 6])}, np.array([9]), np.array([2]),
+                    {"A": [70]})

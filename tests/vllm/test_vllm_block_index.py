@@ -1,0 +1,82 @@
+"""The sweep's block index over the KV cache groups of a hybrid model, step by step, worked out by hand: a block
+one group's rows hold leaves every other group's index whichever group the step notes first (the block at the
+start of its sequence and block 1 included), and block ids past the pool in a row's table (a table no engine
+hands out) are ignored in every group, in and below a row's window, never an ``IndexError``; a sweep of one block
+(or of none asked) takes the indexed blocks one at a time, round-robin."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcanary_cupy.integrations.vllm.blocks import BlockIndex
+
+BS = 4  # tokens per block
+NUM_BLOCKS = 10
+
+
+def indexed(index: BlockIndex) -> dict[int, dict[int, int]]:
+    """Per group, ``{block: index in its sequence}``."""
+    return {g: {int(b): int(where[b]) for b in np.flatnonzero(where >= 0)} for g, where in index.where.items()}
+
+
+def two_groups() -> BlockIndex:
+    return BlockIndex([NUM_BLOCKS, NUM_BLOCKS], [BS, BS], blocks_per_sweep=NUM_BLOCKS, group_ids=[0, 1])
+
+
+@pytest.mark.parametrize(("holder", "taker"), [(1, 0), (0, 1)], ids=["first-takes", "second-takes"])
+def test_a_block_one_group_takes_leaves_the_others_index_whichever_group_is_noted_first(holder, taker):
+    """Step 0: the holder group's row writes 12 tokens into blocks 1, 2, 3 (indexed at 0, 1, 2; block 1 at the
+    start of its sequence). Step 1: the taker group's row writes 8 tokens into blocks 1 and 5: both are the
+    taker's now (indexed at 0, 1), and block 1 leaves the holder's index; blocks 2 and 3 stay."""
+    index = two_groups()
+    index.note_step(holder, np.array([[1, 2, 3]], np.int32), np.array([12]))
+    assert indexed(index) == {holder: {1: 0, 2: 1, 3: 2}, taker: {}}
+    index.note_step(taker, np.array([[1, 5]], np.int32), np.array([8]))
+    assert indexed(index) == {holder: {2: 1, 3: 2}, taker: {1: 0, 5: 1}}
+
+
+def test_a_block_past_the_pool_in_a_rows_table_is_ignored_in_every_group():
+    """Group 0 (full attention) indexes blocks 1, 2. Group 1's row (16 tokens, its window from column 2 on)
+    names block 10 (past the pool of 10) below its window and inside it, next to blocks 3 and 4: only those
+    are taken (3 at 2, 4 at 3) and nothing else changes; group 0 noting a table with block 10 in it likewise
+    indexes only its other blocks."""
+    index = two_groups()
+    index.note_step(0, np.array([[1, 2]], np.int32), np.array([8]))
+    index.note_step(1, np.array([[10, 1, 3, 4]], np.int32), np.array([16]), first=np.array([2]))
+    assert indexed(index) == {0: {1: 0, 2: 1}, 1: {3: 2, 4: 3}}
+    index.note_step(1, np.array([[6, 7, 10, 8]], np.int32), np.array([16]), first=np.array([1]))
+    assert indexed(index) == {0: {1: 0, 2: 1}, 1: {3: 2, 4: 3, 7: 1, 8: 3}}
+    index.note_step(0, np.array([[10, 9]], np.int32), np.array([8]))
+    assert indexed(index) == {0: {1: 0, 2: 1, 9: 1}, 1: {3: 2, 4: 3, 7: 1, 8: 3}}
+
+
+def test_a_step_repeating_a_partly_unstamped_steps_table_and_counts_is_indexed_again():
+    """One group, one row with blocks 1, 2. Step 0 stamps 8 tokens: 1 at 0, 2 at 1. Step 1 stamps only 4 (the
+    row's re-stamps deferred) while the forward wrote 8, and block 2 is one another row stamps in the step: it
+    keeps its index. Step 2 stamps 6 tokens: the same table, complete blocks (1) and blocks reached (2) as step
+    1, but nothing left unstamped: block 2, holding two tokens now, is dropped (a step that repeats the last one
+    is skipped only when the last one was indexed whole)."""
+    index = BlockIndex([NUM_BLOCKS], [BS], blocks_per_sweep=NUM_BLOCKS)
+    table = np.array([[1, 2]], np.int32)
+    index.note_step(0, table, np.array([8]), np.array([8]))
+    assert indexed(index) == {0: {1: 0, 2: 1}}
+    index.note_step(0, table, np.array([4]), np.array([8]), stamped=np.array([2]))
+    assert indexed(index) == {0: {1: 0, 2: 1}}
+    index.note_step(0, table, np.array([6]), np.array([6]))
+    assert indexed(index) == {0: {1: 0}}
+
+
+@pytest.mark.parametrize("per_sweep", [0, 1], ids=["zero", "one"])
+def test_a_sweep_of_one_block_takes_the_indexed_blocks_one_at_a_time_in_id_order(per_sweep):
+    """Blocks 2, 5, 7 indexed (at 0, 1, 0), none held by the last step: with one block a sweep (a request for
+    none still takes one), the sweeps take block 2, then 5, then 7, then 2 again, each block's slots with their
+    positions."""
+    index = BlockIndex([NUM_BLOCKS], [BS], blocks_per_sweep=per_sweep)
+    index.where[0][[2, 5, 7]] = [0, 1, 0]
+    swept = []
+    for _ in range(4):
+        slots, positions, _prev = index.sweep_entries(0, BS, BS)
+        swept.append((slots.tolist(), positions.tolist()))
+    assert swept == [([8, 9, 10, 11], [0, 1, 2, 3]), ([20, 21, 22, 23], [4, 5, 6, 7]),
+                     ([28, 29, 30, 31], [0, 1, 2, 3]), ([8, 9, 10, 11], [0, 1, 2, 3])]
