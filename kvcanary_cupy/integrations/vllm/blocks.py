@@ -62,14 +62,17 @@ class BlockIndex:
             self._last[gi] = None
 
     def note_step(self, gi: int, table: np.ndarray, totals: np.ndarray, written: np.ndarray | None = None,
-                  stamped: np.ndarray | None = None, first: np.ndarray | None = None) -> None:
+                  stamped: np.ndarray | None = None, first: np.ndarray | None = None,
+                  stamped_rows: np.ndarray | None = None) -> None:
         """Index every block the step's rows (``table``: ``[B, max_blocks]``, ``totals``: each row's tokens the
         canary has stamped after the step) hold of group ``gi``: complete blocks at their place, a block still
         being filled dropped. Where two rows disagree about a block, the later row decides (the order of the
         runner's rows). ``written``: each row's tokens the forward wrote, more than ``totals`` for a row the step
         left partly unstamped (deferred re-stamps); such a row's blocks past its complete stamped ones are
         dropped, except those another row stamps in this step (``stamped``: the block ids of the step's canary
-        slots), which are that row's to index. ``first``: per row, the first block column the row still holds (a
+        slots; ``stamped_rows``: the row that stamps each, so that a row's own stamps never count as another
+        row's, as a drafting row's own accepted token in its partly filled block; without it every stamp counts),
+        which are that row's to index. ``first``: per row, the first block column the row still holds (a
         sliding-window group: the columns before it are out of the window, their ids stale or the null block,
         and are neither indexed nor taken as held; a block they name that no row of the step holds inside its
         window is dropped: vLLM has freed it). Every block the rows hold inside their windows is dropped from the
@@ -101,7 +104,7 @@ class BlockIndex:
         if first is not None or len(self.where) > 1:
             self._drop_freed_and_claimed(gi, table, used, (cols[None, :] < reach[:, None]) & ~inside)
         if partial:
-            others = np.zeros(table.shape, bool) if stamped is None else np.isin(table, stamped)
+            others = self._stamped_by_others(table, stamped, stamped_rows)
             used &= ~((ends > totals)[:, None] & (cols[None, :] >= complete[:, None]) & others)
         blocks = table[used].astype(np.int64)
         ks = np.broadcast_to(cols, table.shape)[used]
@@ -111,6 +114,24 @@ class BlockIndex:
         # the last occurrence of a block decides: unique over the reversed list keeps each block's last value
         last, first_in_reversed = np.unique(blocks[::-1], return_index=True)
         where[last] = value[::-1][first_in_reversed]
+
+    @staticmethod
+    def _stamped_by_others(table: np.ndarray, stamped: np.ndarray | None, rows: np.ndarray | None) -> np.ndarray:
+        """Per table entry: whether a row other than the entry's own stamps that block in this step."""
+        if stamped is None or not np.asarray(stamped).size:
+            return np.zeros(table.shape, bool)
+        stamped = np.asarray(stamped, np.int64)
+        if rows is None:
+            return np.isin(table, stamped)
+        blocks = table.astype(np.int64)
+        span = int(max(blocks.max(initial=0), stamped.max(initial=0))) + 1
+        pairs = np.unique(np.asarray(rows, np.int64) * span + stamped)  # (row, block), each once
+        ids, stampers = np.unique(pairs % span, return_counts=True)  # per block, how many rows stamp it
+        at = np.minimum(np.searchsorted(ids, blocks), ids.size - 1)
+        count = np.where(ids[at] == blocks, stampers[at], 0)
+        own = np.arange(table.shape[0], dtype=np.int64)[:, None] * span + blocks
+        mine = pairs[np.minimum(np.searchsorted(pairs, own), pairs.size - 1)] == own
+        return count - mine > 0
 
     def _drop_freed_and_claimed(self, gi: int, table: np.ndarray, used: np.ndarray, below: np.ndarray) -> None:
         """Group ``gi``'s rows hold the blocks at ``used`` (inside their windows): drop them from every other

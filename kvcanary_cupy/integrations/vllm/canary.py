@@ -357,14 +357,17 @@ class VllmCanaryState(EngineCanaryState):
         for geo in self.geos:
             # a row the step left partly unstamped (``deferred``): the forward wrote up to its history's end;
             # its blocks past the stamped ones are dropped, unless another row stamps them in this step
-            stamped = None
+            stamped = stamped_rows = None
             if batch.deferred:
                 slots = batch.slot_mappings[geo.index]
-                stamped = (slots if provisional is None else slots[~provisional]) // geo.block_size
+                stamped_rows = np.repeat(np.arange(batch.size, dtype=np.int64), batch.extend_lens)
+                if provisional is not None:
+                    slots, stamped_rows = slots[~provisional], stamped_rows[~provisional]
+                stamped = slots // geo.block_size
             # a sliding-window row holds only its blocks from the one its window starts in
             first = geo.window_starts(batch.query_starts) // geo.block_size if geo.window else None
             self.block_index.note_step(geo.index, batch.block_tables[geo.index], totals, batch.valid_lens, stamped,
-                                       first)
+                                       first, stamped_rows)
 
     def _cached_slots(self) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """The sweep source, per checked KV cache group (a runtime model: each group has its own block table and
