@@ -178,7 +178,8 @@ def test_a_block_completed_only_by_draft_tokens_stays_out_of_the_sweeps_index():
     assert state.violations == []
 
 
-def test_a_drafting_rows_reused_block_leaves_the_index_next_to_rows_whose_restamps_wait():
+@pytest.mark.parametrize("seed", range(4))
+def test_a_drafting_rows_reused_block_leaves_the_index_next_to_rows_whose_restamps_wait(seed):
     """Step 0: S writes 8 tokens into blocks 20, 21 (indexed as its blocks 0 and 1); R its 4-token prompt into
     block 30. Step 1: S has finished and block 21 is handed to R, which writes position 4 and drafts 5, 6 there,
     next to eight parallel-sampling siblings of which two wait for their re-stamps (a step with deferred rows).
@@ -190,17 +191,17 @@ def test_a_drafting_rows_reused_block_leaves_the_index_next_to_rows_whose_restam
     n = 8
     runner = Runner(max_num_tokens=13 + n - 1 + 3, max_num_reqs=16, num_blocks=64)
     state = canary_state(runner, sweep_interval=1)
-    s_tok, r_tok = tokens(1, 8), tokens(2, 12)
-    step(state, runner, [Row("S", s_tok, 0, 8, [20, 21]), Row("R", r_tok[:4], 0, 4, [30])], {}, 0)
+    s_tok, r_tok = tokens(100 * seed + 1, 8), tokens(100 * seed + 2, 12)
+    step(state, runner, [Row("S", s_tok, 0, 8, [20, 21]), Row("R", r_tok[:4], 0, 4, [30])], {}, seed)
     assert indexed_blocks(state)[(0, 21)] == 1
-    _q, siblings = many_siblings(0, n)
+    _q, siblings = many_siblings(seed, n)
     for r in siblings:
         r.blocks = [b + 40 for b in r.blocks]
     drafts = [r_tok[5], r_tok[6]]
-    batch = step(state, runner, [Row("R", r_tok[:5] + drafts, 4, 3, [30, 21]), *siblings], {"R": drafts}, 0)
+    batch = step(state, runner, [Row("R", r_tok[:5] + drafts, 4, 3, [30, 21]), *siblings], {"R": drafts}, seed)
     assert batch.deferred  # the step this case is about
     assert (0, 21) not in indexed_blocks(state)
-    step(state, runner, [Row("D", tokens(3, 4), 0, 4, [50])], {}, 0)
-    step(state, runner, [Row("D", tokens(3, 5), 4, 1, [50, 51])], {}, 0)
+    step(state, runner, [Row("D", tokens(100 * seed + 3, 4), 0, 4, [50])], {}, seed)
+    step(state, runner, [Row("D", tokens(100 * seed + 3, 5), 4, 1, [50, 51])], {}, seed)
     state.flush()
     assert state.violations == []
