@@ -348,19 +348,20 @@ class VllmCanaryState(EngineCanaryState):
         not zero reused blocks here, so the runner's own tables are the only record of reuse)."""
         totals = batch.prefix_lens + batch.extend_lens
         provisional = None
+        # the row of each canary token, for a step with drafts or deferred rows (most steps: neither)
+        rows = (np.repeat(np.arange(batch.size, dtype=np.int64), batch.extend_lens)
+                if batch.confirmed_lens is not None or batch.deferred else np.zeros(0, np.int64))
         if batch.confirmed_lens is not None:
             # draft tokens: stamped, but a block is complete only with accepted ones (the blocks past them are
             # dropped like a deferred row's, and no other row stamps a row's draft positions)
             totals = np.minimum(totals, batch.confirmed_lens)
-            rows = np.repeat(np.arange(batch.size, dtype=np.int64), batch.extend_lens)
             provisional = batch.expected_positions >= batch.confirmed_lens[rows]
         for geo in self.geos:
             # a row the step left partly unstamped (``deferred``): the forward wrote up to its history's end;
             # its blocks past the stamped ones are dropped, unless another row stamps them in this step
             stamped = stamped_rows = None
             if batch.deferred:
-                slots = batch.slot_mappings[geo.index]
-                stamped_rows = np.repeat(np.arange(batch.size, dtype=np.int64), batch.extend_lens)
+                slots, stamped_rows = batch.slot_mappings[geo.index], rows
                 if provisional is not None:
                     slots, stamped_rows = slots[~provisional], stamped_rows[~provisional]
                 stamped = slots // geo.block_size
