@@ -8,7 +8,8 @@ token and layer): one runtime group's TAIL verify of K, or of V, on one thread. 
 is summed (untimed): vLLM's forward streams the model's weights through the caches between two verifies.
 
 Rows, per K and V: the verify with today's kernels (subject) and with ``kernels/`` at ``BASELINE_REVISION``
-(baseline: the last revision whose verify asked, per source, only for the line of the first element read), with
+(baseline: the last revision whose fingerprint divided the slot by the page size once per source and walked
+fp32 K's column-major elements one by one), with
 ``alternating_ratio``: the median over ``ALTERNATING_ROUNDS`` rounds, each timing the two back to back (order
 alternating, caches evicted before each), of their time ratio. Nothing here fails on a time; run ``make bench``.
 """
@@ -32,7 +33,7 @@ from kvcanary_cupy.dlpack import CPU
 from kvcanary_cupy.kv_layouts import vllm_cpu_source
 from kvcanary_cupy.verify import prepare_verify_launch
 
-BASELINE_REVISION = "5d5183027fa11ee370de295ecb8d8235dd800d87"
+BASELINE_REVISION = "ce63944f71e4d3419913bceb67d444077256939f"
 REQUESTS, TOKENS, BLOCK, BLOCKS, HEADS, HEAD_SIZE, LAYERS = 8, 320, 32, 128, 4, 64, 4
 ENTRIES = REQUESTS * TOKENS
 ALTERNATING_ROUNDS = 61

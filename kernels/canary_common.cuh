@@ -141,11 +141,22 @@ KVC_DEVICE i64 digit_term(i64 index, i64 radix, i64 high_stride, i64 low_stride)
   return high * high_stride + (index - high * radix) * low_stride;
 }
 
-// First byte of `slot`'s token (its element 0 of head 0 sits at element_term(0) = 0 from here).
-KVC_DEVICE const unsigned char* token_address(const RealKvSource& src, i64 slot) {
-  const i64 page = slot / src.page_size;
-  return src.base + page * src.page_stride +
-         digit_term(slot - page * src.page_size, src.tokens_per_tile, src.tile_stride, src.token_stride);
+// A slot split into (page, offset in the page) for one page size. The sources of one launch usually share their
+// page size (one KV cache group's layers), so the division is done once per slot, not once per source.
+struct SlotPage {
+  i64 page_size, page, offset;
+};
+KVC_DEVICE void split_slot(SlotPage& at, i64 slot, i64 page_size) {
+  if (at.page_size == page_size) return;
+  at.page_size = page_size;
+  at.page = slot / page_size;
+  at.offset = slot - at.page * page_size;
+}
+
+// First byte of the token at `at` (its element 0 of head 0 sits at element_term(0) = 0 from here).
+KVC_DEVICE const unsigned char* token_address(const RealKvSource& src, const SlotPage& at) {
+  return src.base + at.page * src.page_stride +
+         digit_term(at.offset, src.tokens_per_tile, src.tile_stride, src.token_stride);
 }
 
 // First byte of logical element `element` of a token whose first byte is `token`.
@@ -178,8 +189,7 @@ KVC_DEVICE u64 fold_pair(u64 acc, const unsigned char* bytes) {
 
 // One source's fold of the leading `length` logical bytes of `slot`: u64 words in stream order through
 // splitmix64. The access kind only picks the loads; the words, hence the hash, are the same for all three.
-KVC_DEVICE u64 real_kv_fold_source(const RealKvSource& src, i64 slot, i64 length) {
-  const unsigned char* token = token_address(src, slot);
+KVC_DEVICE u64 real_kv_fold_source(const RealKvSource& src, const unsigned char* token, i64 length) {
   u64 acc = 0;
   if (src.access == kAccessTokenRun) {  // the contiguous case: 16-byte aligned runs from the token start
     for (i64 offset = 0; offset < length; offset += 16) acc = fold_pair(acc, token + offset);
@@ -193,6 +203,17 @@ KVC_DEVICE u64 real_kv_fold_source(const RealKvSource& src, i64 slot, i64 length
     }
   } else if (src.element_bytes >= 8) {  // any layout of wide elements: each word inside one element
     for (i64 offset = 0; offset < length; offset += 8) acc = splitmix64(acc ^ wide_element_word(src, token, offset));
+  } else if (src.element_bytes == 4 && src.elements_per_group == 0 && length / 4 <= src.elements_per_head) {
+    // 4-byte elements a stride apart inside one head (fp32 K stored column-major in a block, the bytes PARTIAL
+    // hashing reads): two elements a word, with no per-element bookkeeping (the general walk below gives the
+    // same words)
+    const i64 stride = src.element_stride;
+    const unsigned char* p = token;
+    for (i64 offset = 0; offset < length; offset += 8, p += 2 * stride) {
+      const u64 low = *reinterpret_cast<const unsigned int*>(p);
+      const u64 high = *reinterpret_cast<const unsigned int*>(p + stride);
+      acc = splitmix64(acc ^ (low | (high << 32)));
+    }
   } else {  // any layout of narrow elements (e.g. K stored column-major inside a block): element by element
     // The elements in stream order, packed little-endian into u64 words (8 / eb of them a word; `length` is a
     // multiple of 16, so the last word is full). Without element groups the walk steps from element to element
@@ -260,9 +281,11 @@ KVC_DEVICE void prefetch_entry(const i64* canary, i64 stride_words, i64 num_slot
   const i64 prev = prev_slots[index];
   if (prev > 0 && prev < num_slots) __builtin_prefetch(canary + prev * stride_words);
   if (sources.mode == kHashNone) return;
+  SlotPage at{0, 0, 0};
   for (int k = 0; k < kMaxRealKvSources && k < sources.count; ++k) {
     const RealKvSource& src = sources.src[k];
-    const unsigned char* head = token_address(src, slot);
+    split_slot(at, slot, src.page_size);
+    const unsigned char* head = token_address(src, at);
     __builtin_prefetch(head);
     // Elements read one by one a wide stride apart (K stored column-major inside a block) sit on a line each,
     // which the block's next tokens share: ask for the lines of the first kPrefetchElements, not the first's
@@ -297,12 +320,14 @@ KVC_DEVICE void prefetch_entry(const i64* canary, i64 stride_words, i64 num_slot
 KVC_DEVICE u64 real_kv_fold(const RealKvSources& sources, i64 slot) {
   if (sources.mode == kHashNone || sources.count <= 0) return 0;
   u64 total = 0;
+  SlotPage at{0, 0, 0};  // page sizes are >= 1: the first source always splits
 #pragma unroll
   for (int k = 0; k < kMaxRealKvSources; ++k) {  // unrolled so `src[k]` stays in registers
     if (k < sources.count) {
       const RealKvSource& src = sources.src[k];
       const i64 length = sources.mode == kHashPartial ? 16 : src.read_bytes;
-      total = splitmix64(total ^ real_kv_fold_source(src, slot, length));
+      split_slot(at, slot, src.page_size);
+      total = splitmix64(total ^ real_kv_fold_source(src, token_address(src, at), length));
     }
   }
   return total;

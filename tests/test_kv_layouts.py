@@ -523,6 +523,36 @@ def test_write_fingerprints_narrow_strided_elements_across_heads_like_the_oracle
                                                           for s in slots], seed
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize(("mode", "read_heads"), [(kc.RealKvHashMode.PARTIAL, 2), (kc.RealKvHashMode.ALL, 1),
+                                                  (kc.RealKvHashMode.ALL, 2)])
+def test_one_write_fingerprints_fp32_k_columns_and_sources_of_other_page_sizes_like_the_oracle(backend, mode,
+                                                                                                read_heads):
+    # fp32 K stored column-major (each 4-byte element a block's width apart), read inside one head (PARTIAL's 16
+    # bytes; ALL over one head) or across both, next to sources whose pages hold another number of slots: one
+    # launch, each source's words and pages its own. Seeds 0..7: a word built from the wrong elements, or a page
+    # taken from another source's page size, shows.
+    heads, d = 2, 8
+    for seed in range(8):
+        k4, v4 = per_token_kv(12, heads, d, np.float32, seed), per_token_kv(12, heads, d, np.float32, seed + 100)
+        k3 = per_token_kv(12, heads, d, np.float32, seed + 200)
+        read = read_heads * d * 4
+        sources = (vllm_cpu_source(vllm_cpu_cache(k4, v4, 4), block_size=4, num_kv_heads=heads, head_size=d,
+                                   which="k", read_bytes=read, isa="vec"),
+                   vllm_cpu_source(vllm_cpu_cache(k3, k3, 3), block_size=3, num_kv_heads=heads, head_size=d,
+                                   which="k", read_bytes=read, isa="vec"),
+                   vllm_cpu_source(vllm_cpu_cache(k4, v4, 4), block_size=4, num_kv_heads=heads, head_size=d,
+                                   which="v", read_bytes=read, isa="vec"))
+        assert [s.page_size for s in sources] == [4, 3, 4]
+        ctx = context(num_slots=12, real_kv_sources=sources, real_kv_hash_mode=mode)
+        slots = [1, 3, 4, 5, 7, 8, 10, 11]
+        write(ctx, [len(slots)], [-1], slots, [10 + i for i in range(len(slots))], list(range(len(slots))),
+              backend=backend)
+        oracles = [oracle_source(s) for s in sources]
+        assert [int(v) for v in fields(ctx)[slots, 3]] == [to_i64(real_kv_hash(s, oracles, int(mode)))
+                                                          for s in slots], seed
+
+
 def test_public_names():
     assert kc.KvByteLayout.__module__ == "kvcanary_cupy.kv_bytes"
     assert kc.kv_layouts.KvByteLayout is kc.KvByteLayout  # the presets module re-exports it
