@@ -115,3 +115,55 @@ def test_join_waits_for_the_work_and_leaves_its_error_for_wait():
     with pytest.raises(ValueError, match="planted"):
         tail.wait()
     tail.close()
+
+
+def test_held_work_starts_only_when_released_and_runs_on_the_worker_thread():
+    tail = TailThread(name="tail-held")
+    seen: list[str] = []
+    tail.hold(lambda: seen.append(threading.current_thread().name))
+    time.sleep(0.05)  # submitted work would have run by now
+    assert tail.busy and seen == []
+    tail.release()
+    tail.wait()
+    assert not tail.busy and len(seen) == 1 and seen[0].startswith("tail-held")
+    tail.release()  # nothing held: nothing runs
+    tail.wait()
+    assert len(seen) == 1
+    tail.close()
+
+
+@pytest.mark.parametrize("reader", ["wait", "join", "close"])
+def test_a_wait_join_or_close_starts_held_work_and_returns_after_it(reader):
+    tail = TailThread()
+    seen: list[int] = []
+    tail.hold(seen.append, 7)
+    getattr(tail, reader)()
+    assert seen == [7]
+    assert tail.busy == (reader == "join")  # join leaves the finished work for wait (its error, if any)
+    tail.close()
+    assert not tail.busy
+
+
+def test_hold_waits_for_the_work_in_flight_and_a_held_error_is_raised_by_wait():
+    tail = TailThread()
+    order: list[int] = []
+
+    def slow(n: int) -> None:
+        time.sleep(0.05)
+        order.append(n)
+
+    tail.submit(slow, 1)
+    tail.hold(order.append, 2)
+    assert order == [1]  # hold returned after the work in flight
+    tail.release()
+    tail.wait()
+    assert order == [1, 2]
+
+    def fail() -> None:
+        raise RuntimeError("held work failed")
+
+    tail.hold(fail)
+    tail.join()  # started and joined: the error is kept for wait
+    with pytest.raises(RuntimeError, match="held work failed"):
+        tail.wait()
+    tail.close()

@@ -57,13 +57,14 @@ def test_remove_restores_the_runners_methods(llm):
     runner = kv.find_runner(llm)
     before = dict(vars(runner))
     canary = kv.install(llm, backend="numpy")
-    assert "_model_forward" in vars(runner) and "execute_model" in vars(runner)
+    assert {"_model_forward", "execute_model", "sample_tokens"} <= set(vars(runner))
     with pytest.raises(ValueError, match=r"^kv-canary: a kv-canary is already installed"):
         kv.install(llm)
     canary.remove()
     assert {k for k in vars(runner)} == set(before)
     assert type(runner)._model_forward is runner._model_forward.__func__
     assert type(runner).execute_model is runner.execute_model.__func__
+    assert type(runner).sample_tokens is runner.sample_tokens.__func__
     assert WORKLOADS["mixed-lengths"].run(llm) == baseline(llm, "mixed-lengths")
 
 

@@ -1,9 +1,11 @@
-"""The TAIL thread in a real engine: in log mode a step's TAIL launches and ring read run while vLLM samples and
-schedules the next step, and they report exactly what the same work run inline reports, at the same step."""
+"""The TAIL thread in a real engine: in log mode a step's TAIL launches and ring read start once the runner has
+sampled and run while vLLM sends its output and schedules the next step, and they report exactly what the same work
+run inline reports, at the same step."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from test_vllm_integration import wipe_kv
@@ -22,11 +24,13 @@ class Watcher:
         pass
 
 
-def corrupted_prefix_rows(llm, prompt: list[int], *, inline: bool) -> tuple[set[tuple], int, set[str]]:
+def corrupted_prefix_rows(llm, prompt: list[int], *, inline: bool, watched: bool = True
+                          ) -> tuple[set[tuple], int, set[str]]:
     """Run ``prompt``, add 1.0 to every element of the first layer's KV cache (the prompt's complete blocks stay
     in the prefix cache), then run ``prompt`` plus 8 tokens, which hits those blocks: the rows the canary reports
     (step, group, slot, position, reasons), the step at which the second request started, and the names of the
-    threads that ran the TAIL work."""
+    threads that ran the TAIL work. ``watched``: with an observer, which the hooks wait for the TAIL work before
+    they call; without one the TAIL work starts when the runner has sampled."""
     assert llm.reset_prefix_cache()
     canary = kv.install(llm, backend="host", sweep_interval=0)
     threads: set[str] = set()
@@ -38,7 +42,8 @@ def corrupted_prefix_rows(llm, prompt: list[int], *, inline: bool) -> tuple[set[
         return work(*args)
 
     state._tail_work = tail_work
-    canary.observers.append(Watcher())  # waits for the TAIL work after each step: changes nothing here
+    if watched:
+        canary.observers.append(Watcher())  # waits for the TAIL work after each step: changes nothing here
     if inline:  # as in raise mode
         state.tail.close()
         state.tail = None
@@ -58,12 +63,13 @@ def corrupted_prefix_rows(llm, prompt: list[int], *, inline: bool) -> tuple[set[
         wipe_kv(llm)
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_the_tail_thread_reports_a_corrupted_prefix_at_the_step_and_slots_the_inline_tail_reports(llm, seed):
+@pytest.mark.parametrize(("seed", "watched"), [(0, True), (1, False), (2, True), (3, False)])
+def test_the_tail_thread_reports_a_corrupted_prefix_at_the_step_and_slots_the_inline_tail_reports(llm, seed,
+                                                                                                  watched):
     import numpy as np
 
     prompt = np.random.default_rng(seed).integers(3, 500, 40 + 7 * seed).tolist()
-    threaded, start, names = corrupted_prefix_rows(llm, prompt, inline=False)
+    threaded, start, names = corrupted_prefix_rows(llm, prompt, inline=False, watched=watched)
     inline, start_inline, inline_names = corrupted_prefix_rows(llm, prompt, inline=True)
     assert names and all(n.startswith("kvcanary-tail") for n in names)
     assert inline_names == {threading.current_thread().name}
@@ -76,6 +82,40 @@ def test_the_tail_thread_reports_a_corrupted_prefix_at_the_step_and_slots_the_in
     assert {r[3] for r in threaded if r[0] == start} == set(range(len(prompt) // block * block))
     # the blocks the engine hands out differ between the two runs (its free list moved on): slots may differ
     assert {r[:2] + r[3:] for r in threaded} == {r[:2] + r[3:] for r in inline}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_steps_tail_work_starts_once_the_runner_has_sampled(llm, monkeypatch, seed):
+    # sampling made slow: TAIL work started at the forward's end would run inside it
+    runner = kv.find_runner(llm)
+    events: list[str] = []
+    sample = type(runner).sample_tokens
+
+    def slow_sample(self, *args, **kwargs):
+        out = sample(self, *args, **kwargs)
+        time.sleep(0.02)
+        events.append("sampled")
+        return out
+
+    monkeypatch.setattr(type(runner), "sample_tokens", slow_sample)
+    assert llm.reset_prefix_cache()
+    canary = kv.install(llm, backend="host", sweep_interval=0)
+    work = canary.state._tail_work
+
+    def tail_work(*args):
+        events.append("tail")
+        return work(*args)
+
+    canary.state._tail_work = tail_work
+    try:
+        new = 3 + seed
+        params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": list(range(3, 40 + 9 * seed))}], params, use_tqdm=False)
+        assert canary.finish() == []
+        assert canary.steps == new
+    finally:
+        canary.remove()
+    assert events == ["sampled", "tail"] * new
 
 
 def test_raise_mode_runs_the_tail_inline_so_a_violation_fails_the_step_whose_read_found_it(llm):

@@ -5,6 +5,11 @@ the forward wrote) and the one-step-late read of the rings. None of it changes w
 host backend the launches run in compiled code that releases the GIL; so they can run while the engine samples,
 updates its requests and schedules the next step, on a core its forward left idle.
 
+Work may also be *held* (:meth:`TailThread.hold`) and started later (:meth:`TailThread.release`): an engine whose
+worker samples after its forward and then waits for the next step starts it once sampling returns, so that the
+work takes the core while the worker waits rather than while it samples and sends its output (the step's
+critical path). Held work starts at the latest when it is waited for.
+
 The engine's next step must not start before that work is done: the next forward writes KV that a TAIL verify
 may still be reading (a finished request's blocks are handed out again at once), and the next step's staging
 overwrites the buffers the TAIL launches read. So the engine thread calls :meth:`TailThread.wait` before anything
@@ -21,16 +26,17 @@ from typing import Any
 
 
 class TailThread:
-    """At most one piece of work in flight on one worker thread; :meth:`wait` joins it."""
+    """At most one piece of work in flight (or held) on one worker thread; :meth:`wait` joins it."""
 
     def __init__(self, name: str = "kvcanary-tail") -> None:
         self._name = name
         self._pool: ThreadPoolExecutor | None = None  # started by the first submit (after any fork of the engine)
         self._pending: Future[Any] | None = None
+        self._held: tuple[Callable[..., Any], tuple[Any, ...]] | None = None
 
     @property
     def busy(self) -> bool:
-        return self._pending is not None
+        return self._pending is not None or self._held is not None
 
     def submit(self, work: Callable[..., Any], *args: Any) -> None:
         """Run ``work(*args)`` on the worker; the previous work is waited for first (in order, one at a time)."""
@@ -39,15 +45,29 @@ class TailThread:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
         self._pending = self._pool.submit(work, *args)
 
+    def hold(self, work: Callable[..., Any], *args: Any) -> None:
+        """Keep ``work(*args)`` to run on the worker once :meth:`release` (or a wait) starts it; the previous work
+        is waited for first."""
+        self.wait()
+        self._held = (work, args)
+
+    def release(self) -> None:
+        """Start the held work, if any."""
+        held, self._held = self._held, None
+        if held is not None:
+            self.submit(held[0], *held[1])
+
     def wait(self) -> None:
-        """Block until the work in flight (if any) is done; raise what it raised."""
+        """Block until the work in flight or held (if any) is done; raise what it raised."""
+        self.release()
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
 
     def join(self) -> None:
-        """Block until the work in flight (if any) is done, its error kept for :meth:`wait` (for readers of the
-        results, which must not take the error the next step is to raise)."""
+        """Block until the work in flight or held (if any) is done, its error kept for :meth:`wait` (for readers
+        of the results, which must not take the error the next step is to raise)."""
+        self.release()
         if self._pending is not None:
             wait_for([self._pending])
 

@@ -284,17 +284,26 @@ class VllmCanaryState(EngineCanaryState):
         np.copyto(self.tables[geo.index][1 : b + 1, :width], slots,
                   where=np.arange(width)[None, :] < totals[:, None], casting="unsafe")
 
-    def after_forward(self, batch: VllmStep, written: dict[int, np.ndarray], *, inline: bool = False) -> None:
+    def after_forward(self, batch: VllmStep, written: dict[int, np.ndarray], *, inline: bool = False,
+                      hold: bool = False) -> None:
         """Phases 3 and 4: TAIL verify and TAIL write (stamped where attention really wrote: ``written``, each
         group's slot mapping as it was when the forward returned), the step's blocks indexed, then the
         one-step-late read of the rings and, when due, the sweep. All of it runs on the TAIL thread unless
-        ``inline`` (or raise mode); :meth:`settle` waits for it. Nothing here reads the runner: ``batch`` and
-        ``written`` are this step's own copies."""
+        ``inline`` (or raise mode); ``hold``: it starts there at :meth:`release_tail` (the runner has sampled),
+        not now; :meth:`settle` waits for it (and starts it if still held). Nothing here reads the runner:
+        ``batch`` and ``written`` are this step's own copies."""
         head, self.head_deferred = self.head_deferred, False
         if self.tail is None or inline:
             self._tail_work(batch, written, head)
+        elif hold:
+            self.tail.hold(self._tail_work_beside, batch, written, head)
         else:
             self.tail.submit(self._tail_work_beside, batch, written, head)
+
+    def release_tail(self) -> None:
+        """Start the TAIL work :meth:`after_forward` held (if any)."""
+        if self.tail is not None:
+            self.tail.release()
 
     def _tail_work_beside(self, batch: VllmStep, written: dict[int, np.ndarray], head: bool) -> None:
         """The TAIL work on the TAIL thread: its host launches on that thread alone (it is the parallelism; a

@@ -98,9 +98,15 @@ class VllmCanary(InstanceOverrides):
         self.in_step = False
         self._hook_failed = False  # the canary's own code raised inside the current step
         self.preemptions = 0  # requests vLLM preempted while the canary watched (SchedulerOutput)
+        # The TAIL work of a step starts once the runner has sampled (vLLM calls sample_tokens after an
+        # execute_model that returned nothing): sampling and sending the output are the step's critical path,
+        # the wait for the next step is not. A runner without it starts the work after the forward.
+        self._tail_after_sampling = callable(getattr(self.runner, "sample_tokens", None))
         if self.disabled is None:
             self._set(self.runner, "execute_model", self._wrap_execute(self.runner.execute_model))
             self._set(self.runner, "_model_forward", self._wrap_forward(self.runner._model_forward))
+            if self._tail_after_sampling:
+                self._set(self.runner, "sample_tokens", self._wrap_sample(self.runner.sample_tokens))
         self._set(self.runner, "_kvcanary", self)
         self.installed = True
         from .connector import canary_connector_of
@@ -270,7 +276,7 @@ class VllmCanary(InstanceOverrides):
                 t = batch.forward_len
                 written = {geo.index: np.asarray(metadata[geo.layer_names[0]].slot_mapping[:t].numpy(),
                                                  np.int64).copy() for geo in st.geos}
-                st.after_forward(batch, written, inline=inline)
+                st.after_forward(batch, written, inline=inline, hold=self._tail_after_sampling)
                 if self.observers:
                     # an observer (fault injection) sees the step done: what it perturbs now is found by a later
                     # step, exactly as with the TAIL run inline
@@ -285,6 +291,17 @@ class VllmCanary(InstanceOverrides):
             return out
 
         return model_forward
+
+    def _wrap_sample(self, original: Callable[..., Any]) -> Any:
+        @functools.wraps(original)
+        def sample_tokens(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if self.state is not None:
+                    self.state.release_tail()
+
+        return sample_tokens
 
 
 def install(target: Any, options: CanaryOptions | None = None, **option_fields: Any) -> VllmCanary:

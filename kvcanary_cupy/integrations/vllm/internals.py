@@ -30,6 +30,8 @@ INTERNALS: tuple[Internal, ...] = (
              ("self", "scheduler_output", "intermediate_tensors")),
     Internal(f"{RUNNER}._model_forward", "patched per instance: plan/HEAD before, TAIL after the forward",
              ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds")),
+    Internal(f"{RUNNER}.sample_tokens", "patched per instance: the step's TAIL work (log mode) starts when it "
+             "returns", ("self", "grammar_output")),
     Internal(f"{RUNNER}.initialize_kv_cache", "patched at class level by the plugin: the canary installed in a "
              "runner once its KV cache is built (profiling calls skipped)",
              ("self", "kv_cache_config", "is_profiling")),
