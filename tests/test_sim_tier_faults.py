@@ -113,6 +113,8 @@ def check_finish(sim, finish, load, step, log):
         assert seen.released == [] and seen.hook == join
         log.joins += bool(join)
     assert seen.leaf is not None and seen.leaf.last_use == step  # the most recently used path now
+    # the page stays pinned by the loads of it still in flight (a second load of it started with this one)
+    assert page.pinned == sum(other.page is page for other in store.loads.values())
     # the tier's damage (this load's faults and those that damaged the file before) is the restored slots'
     # corrupted content, and every chain written after them descends from it
     for fault in damage:
@@ -158,6 +160,51 @@ def test_each_load_back_joins_taints_and_hands_its_page_to_the_cache_as_it_shoul
     assert log.joins >= 1 and log.duplicates >= 1 and any(load.faults for load in log.finished), seed
     assert all(load in log.finished or load.rid in sim.tiers.loads for load in log.second)
     assert report["violations"]["false_positives"] == 0
+
+
+# runs with a load-back continuing a resident prefix the cache holds no more of (at steps 65, 51 and 53)
+PARTLY_CACHED_RUNS = [("decode", 0), ("swa", 0), ("eagle", 1)]
+
+
+@pytest.mark.parametrize(("preset", "seed"), PARTLY_CACHED_RUNS)
+def test_a_page_the_cache_holds_in_part_when_its_load_completes_gives_back_only_those_positions_slots(tmp_path,
+                                                                                                     preset, seed):
+    """The first load-back continuing a resident prefix finds, when it completes, the page's first position cached
+    meanwhile (another request computed it, on a slot of its own): that position's restored slot goes back as a
+    duplicate, the rest join the cache after it and stay held, and the resident prefix's slots stay held. (The
+    run stops there: the slot put in the cache by hand holds no records a later sweep could check.)"""
+    cfg = SimConfig(preset=preset, steps=90, requests=32, seed=seed, backend="numpy", tiers=("host", "disk"),
+                    tier_dir=str(tmp_path / "l3"), ring_capacity=512)
+    sim = Simulation(cfg)
+    store, eng = sim.tiers, sim.engine
+    store.l2_slots = 96
+    finish = store._finish
+    log = SimpleNamespace(finished=[], second=[], joins=0, duplicates=0, over_cap=0, seen=set(), checked=False)
+
+    def partly_cached_finish(load, step):
+        page = load.page
+        if log.checked or not page.depth or page.n < 2 or eng.tree.cached_len(page.keys) != page.depth:
+            finish(load, step)
+            return
+        computed = eng.alloc.alloc(1)  # the other request's slot for the page's first position
+        eng.tree.insert(page.keys[: page.depth + 1], np.concatenate([load.shared, computed]), step)
+        check_finish(sim, finish, load, step, log)  # the restored copy of that position goes back (only it)
+        slots = _ints(load.slots)
+        assert eng.alloc.refs[slots[0]] == 0 and slots[0] in eng.alloc._free
+        assert (eng.alloc.refs[slots[1:]] == 1).all() and (eng.alloc.refs[load.shared] >= 1).all()
+        path, _node = eng.tree.match(page.keys, step)
+        assert _ints(path) == [*_ints(load.shared), int(computed[0]), *slots[1:]]
+        log.checked = True
+
+    store._finish = partly_cached_finish
+    try:
+        for t in range(cfg.steps):
+            sim._step(t)
+            if log.checked:
+                break
+    finally:
+        store.close()
+    assert log.checked and log.duplicates == 1, (preset, seed)
 
 
 # -- the fault planner, on stores built by hand ---------------------------------------------------------------
