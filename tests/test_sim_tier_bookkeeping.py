@@ -656,33 +656,38 @@ def test_a_page_continuing_a_match_the_engine_would_cut_back_for_its_sliding_win
     store.close()
 
 
-def test_a_load_back_short_of_free_slots_evicts_the_least_recently_used_cached_paths_just_enough(tmp_path):
+@pytest.mark.parametrize(("free", "evicted"), [(3, []), (2, [[500]]), (0, [[500], [600, 601]])])
+def test_a_load_back_short_of_free_slots_evicts_the_least_recently_used_cached_paths_just_enough(tmp_path, free,
+                                                                                                 evicted):
     """A 3-position page continuing a 2-position resident prefix; beside it the device cache holds a 1-slot path
     (used at step 0) and a 2-slot path (used at step 1), nothing else free but what each case leaves. With 3 free
     slots nothing is evicted; with 2 free the 1-slot path alone is (written back to host memory), and the load
     takes the 3 slots then free; with none free both paths go (3 slots) and the pool is empty again."""
-    for free, evicted in [(3, []), (2, [[500]]), (0, [[500], [600, 601]])]:
-        store = idle_store(tmp_path / str(free))
-        eng = store.engine
-        prompt = np.asarray([10, 11, 12, 13, 14, 15], np.int64)
-        _cached(eng, prompt[:2], now=2)
-        small, pair = _cached(eng, [500], now=0), _cached(eng, [600, 601], now=1)
-        page = made_page("aa", n=3, depth=2, keys=prompt[:5])
-        _in_l2(store, page)
-        held = eng.alloc.alloc(eng.alloc.available - free)
-        gone = []
-        write_back = store.write_back
-        eng.on_evict = lambda node: (gone.append(_ints(eng.tree.path_keys(node))), write_back(node))
-        started, _node = _admit(store, prompt, rid=3, step=4)
-        assert started and gone == evicted, free
-        load = store.loads[3]
-        freed = [*([small[0]] if evicted else []), *(pair.tolist() if len(evicted) == 2 else [])]
-        assert eng.alloc.available == free + len(freed) - 3
-        assert store.stats["written_back"] == len(evicted) and store.stats["written_back_slots"] == len(freed)
-        # the load's slots: the free ones first (the freshly freed ones at the top of the free list), all fresh
-        assert len(set(_ints(load.slots))) == 3 and not set(_ints(load.slots)) & set(_ints(held))
-        assert eng.tree.cached_len(np.asarray([600, 601], np.int64)) == (0 if len(evicted) == 2 else 2)
-        store.close()
+    store = idle_store(tmp_path)
+    eng = store.engine
+    prompt = np.asarray([10, 11, 12, 13, 14, 15], np.int64)
+    _cached(eng, prompt[:2], now=2)
+    small, pair = _cached(eng, [500], now=0), _cached(eng, [600, 601], now=1)
+    page = made_page("aa", n=3, depth=2, keys=prompt[:5])
+    _in_l2(store, page)
+    held = eng.alloc.alloc(eng.alloc.available - free)
+    gone = []
+    write_back = store.write_back
+
+    def recording_write_back(node):
+        gone.append(_ints(eng.tree.path_keys(node)))
+        write_back(node)
+
+    eng.on_evict = recording_write_back
+    started, _node = _admit(store, prompt, rid=3, step=4)
+    assert started and gone == evicted
+    load = store.loads[3]
+    freed = [*([small[0]] if evicted else []), *(pair.tolist() if len(evicted) == 2 else [])]
+    assert eng.alloc.available == free + len(freed) - 3
+    assert store.stats["written_back"] == len(evicted) and store.stats["written_back_slots"] == len(freed)
+    assert len(set(_ints(load.slots))) == 3 and not set(_ints(load.slots)) & set(_ints(held))  # all fresh
+    assert eng.tree.cached_len(np.asarray([600, 601], np.int64)) == (0 if len(evicted) == 2 else 2)
+    store.close()
 
 
 def test_two_loads_of_one_page_in_flight_pin_it_twice(tmp_path):
