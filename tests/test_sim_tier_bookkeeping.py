@@ -7,8 +7,10 @@ pages left and the loads in flight. And the store's own accounts, against what i
 or on stores whose pages are made by hand: every write-back, demotion and deletion counted, each tier within its
 cap and giving up its least recently used unpinned page first, a page pinned over the cap going once its load
 completes, the device cache cut back between steps no further than its slots, a prompt finding the longest page
-that continues its match, a load-back without room refused with nothing changed, the store's own directory
-made only when needed and removed, a page's bytes copied off the device and packed whole."""
+that continues its match, a load-back without room refused with nothing changed, one short of free slots
+evicting the least recently used cached paths just enough, no load for a match the engine would cut back for its
+sliding window, two loads of one page pinning it twice, the store's own directory made only when needed and
+removed, a page's bytes copied off the device and packed whole."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ restored slots are that fault's corrupted content and descend from it (a later j
 a rotten or torn L3 file does is charged to every load that reads the file (a second load of the same file
 included), the join of the restored page onto the resident prefix reaches the fault tracker (and the engine's
 splice hook when the page is new to the prefix cache), what the prefix cache already holds goes back as
-duplicates, the page becomes the most recently used path and host memory fits its cap again; and the fault
+duplicates (only those positions' slots when it holds part of the page), the page becomes the most recently used
+path, stays pinned by the loads of it still in flight, and host memory fits its cap again; and the fault
 planner's choices (which kind strikes a load, which page a confused tier hands back) and the late faults' bytes
 (a wrong key only where a reader would see other content, a reused page keeping its own SWA KV), pinned on stores
 built by hand."""
