@@ -40,8 +40,8 @@ def checked_run(tmp_path, *, seed, inject, preset="decode", steps=60, requests=2
     sim = Simulation(cfg)
     store = sim.tiers
     store.l2_slots = 96  # a small host tier: pages reach the disk within the run
-    log = SimpleNamespace(finished=[], second=[], joins=0, duplicates=0, over_cap=0, seen=set())
-    finish, lookup = store._finish, store.lookup
+    log = SimpleNamespace(finished=[], second=[], joins=0, duplicates=0, over_cap=0, seen=set(), now=None)
+    finish, lookup, complete = store._finish, store.lookup, store.complete
 
     def lookup_and_read_again(spec, keys, shared, node, step):
         started = lookup(spec, keys, shared, node, step)
@@ -59,12 +59,18 @@ def checked_run(tmp_path, *, seed, inject, preset="decode", steps=60, requests=2
             log.seen.add(id(load))
         return started
 
+    def completing(step):
+        log.now = step
+        complete(step)
+
     def checked_finish(load, step):
+        # a load completes in the step that finds it ready, and its page joins the cache as used then
+        assert step == log.now and load.ready_step <= step
         check_finish(sim, finish, load, step, log)
         log.finished.append(load)
 
     store.lookup = sim.engine.on_lookup = lookup_and_read_again
-    store._finish = checked_finish
+    store._finish, store.complete = checked_finish, completing
     report = sim.run()
     return sim, report, log
 
