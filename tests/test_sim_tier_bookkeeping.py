@@ -486,6 +486,7 @@ def test_a_disk_tier_without_a_directory_gets_its_own_which_goes_at_the_end_even
     store = _store_beside(sim, ("host", "disk"), l2_slots=5, l3_bytes=1 << 20)
     (own,) = made
     assert store.dir == own and os.path.isdir(own)
+    assert os.path.basename(own).startswith("kvcanary-l3-")  # a leftover in the temporary directory says whose
     summary = store.summary()  # the caps given are the ones in force
     assert (summary["l2_capacity_slots"], summary["l3_capacity_bytes"]) == (5, 1 << 20)
     store.close()
