@@ -14,7 +14,9 @@ removed, a page's bytes copied off the device and packed whole."""
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import tempfile
 from collections import Counter, OrderedDict
 from types import SimpleNamespace
@@ -499,6 +501,34 @@ def test_a_disk_tier_without_a_directory_gets_its_own_which_goes_at_the_end_even
     with pytest.raises(ValueError, match="the disk tier needs"):
         _store_beside(sim, ("host", "disk"), l3_bytes=1 << 62)  # more than any disk holds: refused at the start
     assert len(made) == 2 and not os.path.exists(made[1])
+
+
+def test_an_own_directory_that_keeps_its_probe_file_is_refused_by_the_probe_not_by_its_removal(tmp_path,
+                                                                                               monkeypatch):
+    """A file system that refuses to remove files: the store's own directory fails the start-up check on its probe
+    file and is refused with that check's message; removing the directory (which then fails too) does not replace
+    the refusal with an error of its own."""
+    made = []
+    mkdtemp, unlink = tempfile.mkdtemp, os.unlink
+
+    def recording_mkdtemp(**kwargs):
+        made.append(mkdtemp(dir=tmp_path, **kwargs))
+        return made[-1]
+
+    def refusing_unlink(name, *args, **kwargs):
+        if os.path.basename(str(name)).startswith(".kvcanary-probe-"):
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(name))
+        unlink(name, *args, **kwargs)
+
+    sim = Simulation(SimConfig(preset="decode", steps=40, requests=16, seed=0, backend="numpy", tiers=("host",),
+                               ring_capacity=512))
+    monkeypatch.setattr(tiers_module.tempfile, "mkdtemp", recording_mkdtemp)
+    monkeypatch.setattr(os, "unlink", refusing_unlink)
+    with pytest.raises(ValueError, match="cannot remove files from it: Operation not permitted"):
+        _store_beside(sim, ("host", "disk"))
+    monkeypatch.undo()
+    assert len(made) == 1
+    shutil.rmtree(made[0])
 
 
 def _lookup_state(store, node, page):
