@@ -7,12 +7,16 @@ pages left and the loads in flight. And the store's own accounts, against what i
 or on stores whose pages are made by hand: every write-back, demotion and deletion counted, each tier within its
 cap and giving up its least recently used unpinned page first, a page pinned over the cap going once its load
 completes, the device cache cut back between steps no further than its slots, a prompt finding the longest page
-that continues its match, a load-back without room refused with nothing changed, the store's own directory
-made only when needed and removed, a page's bytes copied off the device and packed whole."""
+that continues its match, a load-back without room refused with nothing changed, one short of free slots
+evicting the least recently used cached paths just enough, no load for a match the engine would cut back for its
+sliding window, two loads of one page pinning it twice, the store's own directory made only when needed and
+removed, a page's bytes copied off the device and packed whole."""
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import tempfile
 from collections import Counter, OrderedDict
 from types import SimpleNamespace
@@ -378,9 +382,9 @@ def test_a_page_packs_its_parts_into_one_byte_blob_and_unpacks_them_whole():
 # -- the tiers' caps, eviction order and page lookup, on stores whose pages are made by hand ----------------------
 
 
-def idle_store(tmp_path, *, tiers=("host", "disk")):
+def idle_store(tmp_path, *, tiers=("host", "disk"), preset="decode"):
     """A tiered simulation's store before its first step (no page yet), its L3 files in ``tmp_path / "l3"``."""
-    cfg = SimConfig(preset="decode", steps=60, requests=24, seed=0, backend="numpy", tiers=tiers,
+    cfg = SimConfig(preset=preset, steps=60, requests=24, seed=0, backend="numpy", tiers=tiers,
                     tier_dir=str(tmp_path / "l3") if "disk" in tiers else None, ring_capacity=512)
     return Simulation(cfg).tiers
 
@@ -484,6 +488,7 @@ def test_a_disk_tier_without_a_directory_gets_its_own_which_goes_at_the_end_even
     store = _store_beside(sim, ("host", "disk"), l2_slots=5, l3_bytes=1 << 20)
     (own,) = made
     assert store.dir == own and os.path.isdir(own)
+    assert os.path.basename(own).startswith("kvcanary-l3-")  # a leftover in the temporary directory says whose
     summary = store.summary()  # the caps given are the ones in force
     assert (summary["l2_capacity_slots"], summary["l3_capacity_bytes"]) == (5, 1 << 20)
     store.close()
@@ -496,6 +501,34 @@ def test_a_disk_tier_without_a_directory_gets_its_own_which_goes_at_the_end_even
     with pytest.raises(ValueError, match="the disk tier needs"):
         _store_beside(sim, ("host", "disk"), l3_bytes=1 << 62)  # more than any disk holds: refused at the start
     assert len(made) == 2 and not os.path.exists(made[1])
+
+
+def test_an_own_directory_that_keeps_its_probe_file_is_refused_by_the_probe_not_by_its_removal(tmp_path,
+                                                                                               monkeypatch):
+    """A file system that refuses to remove files: the store's own directory fails the start-up check on its probe
+    file and is refused with that check's message; removing the directory (which then fails too) does not replace
+    the refusal with an error of its own."""
+    made = []
+    mkdtemp, unlink = tempfile.mkdtemp, os.unlink
+
+    def recording_mkdtemp(**kwargs):
+        made.append(mkdtemp(dir=tmp_path, **kwargs))
+        return made[-1]
+
+    def refusing_unlink(name, *args, **kwargs):
+        if os.path.basename(str(name)).startswith(".kvcanary-probe-"):
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(name))
+        unlink(name, *args, **kwargs)
+
+    sim = Simulation(SimConfig(preset="decode", steps=40, requests=16, seed=0, backend="numpy", tiers=("host",),
+                               ring_capacity=512))
+    monkeypatch.setattr(tiers_module.tempfile, "mkdtemp", recording_mkdtemp)
+    monkeypatch.setattr(os, "unlink", refusing_unlink)
+    with pytest.raises(ValueError, match="cannot remove files from it: Operation not permitted"):
+        _store_beside(sim, ("host", "disk"))
+    monkeypatch.undo()
+    assert len(made) == 1
+    shutil.rmtree(made[0])
 
 
 def _lookup_state(store, node, page):
@@ -600,3 +633,110 @@ def test_a_page_pinned_while_the_memory_tier_went_over_its_cap_goes_down_to_disk
     store._finish = checked_finish
     report = sim.run()
     assert seen.checked and report["violations"]["total"] == 0
+
+
+# -- load-backs started by hand on an idle store: the resident prefix and the pool made for each case -------------
+
+
+def _cached(eng, keys, *, now, slots=None) -> np.ndarray:
+    """``keys`` put in the prefix cache (at ``now``) on fresh device slots, or on ``slots``; returns the slots."""
+    keys = np.asarray(keys, np.int64)
+    if slots is None:
+        slots = eng.alloc.alloc(keys.shape[0])
+    eng.tree.insert(keys, np.asarray(slots, np.int64), now)
+    return slots
+
+
+def _admit(store, keys, *, rid, step):
+    """The engine's admission of a prompt of ``keys``: its device match, then the store's lookup."""
+    keys = np.asarray(keys, np.int64)
+    shared, node = store.engine.tree.match(keys, step)
+    return store.lookup(SimpleNamespace(rid=rid), keys, shared, node, step), node
+
+
+def _ints(a) -> list[int]:
+    return [int(x) for x in np.asarray(a).tolist()]
+
+
+SWA_WINDOW = 32  # the swa preset's window
+
+
+@pytest.mark.parametrize(("dead", "starts"), [
+    ([], True),  # every resident position has its SWA slot
+    (list(range(8)), True),  # positions 0-7 lost theirs: the last 32 (one window) still have one
+    (list(range(9)), False),  # only 31 of the last 32 positions have one: the engine cuts its match to nothing
+    ([39], False),  # the last position lost its SWA slot: the engine cuts its match back to 39 positions
+])
+def test_a_page_continuing_a_match_the_engine_would_cut_back_for_its_sliding_window_is_not_loaded(tmp_path, dead,
+                                                                                                  starts):
+    """A 40-position resident prefix on a sliding-window model (window 32) and a host page continuing it at
+    depth 40. The engine keeps a match only while its last window of positions still has SWA slots; where it
+    would cut the match back, no page continues it: the request is admitted to compute (the lookup says no)
+    with no load started, nothing locked or pinned."""
+    store = idle_store(tmp_path, preset="swa")
+    eng = store.engine
+    assert eng.swa and eng.cfg.swa_window == SWA_WINDOW and not eng.paged
+    prompt = np.arange(1000, 1044, dtype=np.int64)
+    slots = _cached(eng, prompt[:40], now=0)
+    alive = np.setdiff1d(np.arange(40), dead)
+    eng.lut_host[slots[alive]] = eng.swa_alloc.alloc(alive.shape[0])
+    page = made_page("aa", n=3, depth=40, keys=prompt[:43])
+    _in_l2(store, page)
+    started, node = _admit(store, prompt, rid=7, step=5)
+    assert started is starts
+    assert sorted(store.loads) == ([7] if starts else [])
+    assert (page.pinned, node.lock, store.stats["l2_hits"]) == ((1, 1, 1) if starts else (0, 0, 0))
+    store.close()
+
+
+@pytest.mark.parametrize(("free", "evicted"), [(3, []), (2, [[500]]), (0, [[500], [600, 601]])])
+def test_a_load_back_short_of_free_slots_evicts_the_least_recently_used_cached_paths_just_enough(tmp_path, free,
+                                                                                                 evicted):
+    """A 3-position page continuing a 2-position resident prefix; beside it the device cache holds a 1-slot path
+    (used at step 0) and a 2-slot path (used at step 1), nothing else free but what each case leaves. With 3 free
+    slots nothing is evicted; with 2 free the 1-slot path alone is (written back to host memory), and the load
+    takes the 3 slots then free; with none free both paths go (3 slots) and the pool is empty again."""
+    store = idle_store(tmp_path)
+    eng = store.engine
+    prompt = np.asarray([10, 11, 12, 13, 14, 15], np.int64)
+    _cached(eng, prompt[:2], now=2)
+    small, pair = _cached(eng, [500], now=0), _cached(eng, [600, 601], now=1)
+    page = made_page("aa", n=3, depth=2, keys=prompt[:5])
+    _in_l2(store, page)
+    held = eng.alloc.alloc(eng.alloc.available - free)
+    gone = []
+    write_back = store.write_back
+
+    def recording_write_back(node):
+        gone.append(_ints(eng.tree.path_keys(node)))
+        write_back(node)
+
+    eng.on_evict = recording_write_back
+    started, _node = _admit(store, prompt, rid=3, step=4)
+    assert started and gone == evicted
+    load = store.loads[3]
+    freed = [*([small[0]] if evicted else []), *(pair.tolist() if len(evicted) == 2 else [])]
+    assert eng.alloc.available == free + len(freed) - 3
+    assert store.stats["written_back"] == len(evicted) and store.stats["written_back_slots"] == len(freed)
+    assert len(set(_ints(load.slots))) == 3 and not set(_ints(load.slots)) & set(_ints(held))  # all fresh
+    assert eng.tree.cached_len(np.asarray([600, 601], np.int64)) == (0 if len(evicted) == 2 else 2)
+    store.close()
+
+
+def test_two_loads_of_one_page_in_flight_pin_it_twice(tmp_path):
+    """Two requests of the same prompt admitted in one step both wait for the same host page: it is pinned by
+    each load (host memory over its cap keeps it), and the resident prefix locked by each."""
+    store = idle_store(tmp_path)
+    eng = store.engine
+    prompt = np.asarray([10, 11, 12, 13, 14, 15], np.int64)
+    _cached(eng, prompt[:2], now=0)
+    page = made_page("aa", n=3, depth=2, keys=prompt[:5])
+    _in_l2(store, page)
+    (started_a, node), (started_b, _) = _admit(store, prompt, rid=1, step=3), _admit(store, prompt, rid=2, step=3)
+    assert started_a and started_b and store.loads[1].page is store.loads[2].page is page
+    assert page.pinned == 2 and node.lock == 2
+    assert not set(_ints(store.loads[1].slots)) & set(_ints(store.loads[2].slots))
+    store.l2_slots = 0
+    store._fit_l2()
+    assert list(store.l2) == ["aa"] and not store.l3
+    store.close()

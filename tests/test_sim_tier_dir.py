@@ -1,7 +1,8 @@
 """The L3 directory (``--tier-dir``) is a boundary: a symlink planted under an L3 file's name is never followed
 (the file outside keeps its bytes), an unwritable directory (a read-only file system, as root too) or one without
-room for the tier's cap is refused at the start with exit status 2, and a directory removed or a disk filled
-mid-run ends the run with a message and exit status 1, not a traceback, with no file of the run left behind."""
+room for the tier's cap is refused at the start with exit status 2, and a directory removed (the run's own too)
+or a disk filled mid-run ends the run with a message and exit status 1, not a traceback, with no file of the run
+left behind."""
 
 from __future__ import annotations
 
@@ -146,6 +147,26 @@ def test_a_directory_removed_mid_run_ends_it_with_status_1_and_a_message(tmp_pat
     assert "the disk tier failed" in err and f"--tier-dir {l3}" in err and "No such file or directory" in err
     assert "Traceback" not in err and "internal error" not in err
     assert not l3.exists()  # nothing recreated
+
+
+def test_the_runs_own_directory_removed_mid_run_ends_it_with_status_1_and_a_message(tmp_path, monkeypatch, capsys):
+    """Without ``--tier-dir`` the store makes its own directory (under ``tmp_path`` here) and removes it at the end;
+    removed mid-run, it is already gone then: the run still ends with the disk tier's error, not another."""
+    _small_l2(monkeypatch)
+    made: list[str] = []
+    mkdtemp = tiers.tempfile.mkdtemp
+
+    def recording_mkdtemp(**kwargs):
+        made.append(mkdtemp(dir=tmp_path, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(tiers.tempfile, "mkdtemp", recording_mkdtemp)
+    _during_run(monkeypatch, 20, lambda: shutil.rmtree(made[0]))
+    assert main(SMALL) == 1
+    err = capsys.readouterr().err
+    assert "the disk tier failed" in err and "No such file or directory" in err
+    assert "Traceback" not in err and "internal error" not in err
+    assert len(made) == 1 and os.listdir(tmp_path) == []  # nothing recreated
 
 
 def test_a_full_disk_mid_run_ends_it_with_status_1_and_leaves_no_file(tmp_path, monkeypatch, capsys):

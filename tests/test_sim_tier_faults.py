@@ -3,7 +3,8 @@ restored slots are that fault's corrupted content and descend from it (a later j
 a rotten or torn L3 file does is charged to every load that reads the file (a second load of the same file
 included), the join of the restored page onto the resident prefix reaches the fault tracker (and the engine's
 splice hook when the page is new to the prefix cache), what the prefix cache already holds goes back as
-duplicates, the page becomes the most recently used path and host memory fits its cap again; and the fault
+duplicates (only those positions' slots when it holds part of the page), the page becomes the most recently used
+path, stays pinned by the loads of it still in flight, and host memory fits its cap again; and the fault
 planner's choices (which kind strikes a load, which page a confused tier hands back) and the late faults' bytes
 (a wrong key only where a reader would see other content, a reused page keeping its own SWA KV), pinned on stores
 built by hand."""
@@ -39,8 +40,8 @@ def checked_run(tmp_path, *, seed, inject, preset="decode", steps=60, requests=2
     sim = Simulation(cfg)
     store = sim.tiers
     store.l2_slots = 96  # a small host tier: pages reach the disk within the run
-    log = SimpleNamespace(finished=[], second=[], joins=0, duplicates=0, over_cap=0, seen=set())
-    finish, lookup = store._finish, store.lookup
+    log = SimpleNamespace(finished=[], second=[], joins=0, duplicates=0, over_cap=0, seen=set(), now=None)
+    finish, lookup, complete = store._finish, store.lookup, store.complete
 
     def lookup_and_read_again(spec, keys, shared, node, step):
         started = lookup(spec, keys, shared, node, step)
@@ -58,12 +59,18 @@ def checked_run(tmp_path, *, seed, inject, preset="decode", steps=60, requests=2
             log.seen.add(id(load))
         return started
 
+    def completing(step):
+        log.now = step
+        complete(step)
+
     def checked_finish(load, step):
+        # a load completes in the step that finds it ready, and its page joins the cache as used then
+        assert step == log.now and load.ready_step <= step
         check_finish(sim, finish, load, step, log)
         log.finished.append(load)
 
     store.lookup = sim.engine.on_lookup = lookup_and_read_again
-    store._finish = checked_finish
+    store._finish, store.complete = checked_finish, completing
     report = sim.run()
     return sim, report, log
 
@@ -113,6 +120,8 @@ def check_finish(sim, finish, load, step, log):
         assert seen.released == [] and seen.hook == join
         log.joins += bool(join)
     assert seen.leaf is not None and seen.leaf.last_use == step  # the most recently used path now
+    # the page stays pinned by the loads of it still in flight (a second load of it started with this one)
+    assert page.pinned == sum(other.page is page for other in store.loads.values())
     # the tier's damage (this load's faults and those that damaged the file before) is the restored slots'
     # corrupted content, and every chain written after them descends from it
     for fault in damage:
@@ -158,6 +167,51 @@ def test_each_load_back_joins_taints_and_hands_its_page_to_the_cache_as_it_shoul
     assert log.joins >= 1 and log.duplicates >= 1 and any(load.faults for load in log.finished), seed
     assert all(load in log.finished or load.rid in sim.tiers.loads for load in log.second)
     assert report["violations"]["false_positives"] == 0
+
+
+# runs with a load-back continuing a resident prefix the cache holds no more of (at steps 65, 51 and 53)
+PARTLY_CACHED_RUNS = [("decode", 0), ("swa", 0), ("eagle", 1)]
+
+
+@pytest.mark.parametrize(("preset", "seed"), PARTLY_CACHED_RUNS)
+def test_a_page_the_cache_holds_in_part_when_its_load_completes_gives_back_only_those_positions_slots(tmp_path,
+                                                                                                     preset, seed):
+    """The first load-back continuing a resident prefix finds, when it completes, the page's first position cached
+    meanwhile (another request computed it, on a slot of its own): that position's restored slot goes back as a
+    duplicate, the rest join the cache after it and stay held, and the resident prefix's slots stay held. (The
+    run stops there: the slot put in the cache by hand holds no records a later sweep could check.)"""
+    cfg = SimConfig(preset=preset, steps=90, requests=32, seed=seed, backend="numpy", tiers=("host", "disk"),
+                    tier_dir=str(tmp_path / "l3"), ring_capacity=512)
+    sim = Simulation(cfg)
+    store, eng = sim.tiers, sim.engine
+    store.l2_slots = 96
+    finish = store._finish
+    log = SimpleNamespace(finished=[], second=[], joins=0, duplicates=0, over_cap=0, seen=set(), checked=False)
+
+    def partly_cached_finish(load, step):
+        page = load.page
+        if log.checked or not page.depth or page.n < 2 or eng.tree.cached_len(page.keys) != page.depth:
+            finish(load, step)
+            return
+        computed = eng.alloc.alloc(1)  # the other request's slot for the page's first position
+        eng.tree.insert(page.keys[: page.depth + 1], np.concatenate([load.shared, computed]), step)
+        check_finish(sim, finish, load, step, log)  # the restored copy of that position goes back (only it)
+        slots = _ints(load.slots)
+        assert eng.alloc.refs[slots[0]] == 0 and slots[0] in eng.alloc._free
+        assert (eng.alloc.refs[slots[1:]] == 1).all() and (eng.alloc.refs[load.shared] >= 1).all()
+        path, _node = eng.tree.match(page.keys, step)
+        assert _ints(path) == [*_ints(load.shared), int(computed[0]), *slots[1:]]
+        log.checked = True
+
+    store._finish = partly_cached_finish
+    try:
+        for t in range(cfg.steps):
+            sim._step(t)
+            if log.checked:
+                break
+    finally:
+        store.close()
+    assert log.checked and log.duplicates == 1, (preset, seed)
 
 
 # -- the fault planner, on stores built by hand ---------------------------------------------------------------
