@@ -140,7 +140,7 @@ def patch_forward(runner: Any, clock_of: Any) -> None:
 
 def instrument(canary: Any, clock: StepClock) -> None:
     """Wall clocks around the canary's parts (instance attributes; ``remove()`` of the canary drops the hooks).
-    ``plan + HEAD``, ``TAIL``, ``block index`` and ``ring read + sweep`` run on the TAIL thread in log mode;
+    In log mode all but ``build step``, ``fresh blocks`` and ``observers`` run on the TAIL thread (:data:`PARTS`);
     ``wait for TAIL`` is what the engine thread waits for them at the start of the next step."""
     st, runner = canary.state, canary.runner
     for name, part in (("read_step", "build step"), ("_fill_table", "slot table"),
@@ -424,6 +424,7 @@ def measure(spec: dict[str, Any], backend: str, profile: bool = True, engine_nam
             "between_forwards_ms": {"with": statistics.median(r["between_ms"] for r in ons),
                                     "without": statistics.median(r["between_ms"] for r in offs)},
             "setup_s": statistics.median(r["setup"] for r in ons),
+            "engine_parts": ENGINE_PARTS,
         }
     if (spec["scaling"] and profile and engine_name == "llama" and len(workloads) == len(WORKLOADS)
             and layout == "in-process"):
@@ -568,10 +569,18 @@ def scaling(run: Any, vocab: int) -> list[dict[str, Any]]:
     return rows
 
 
-# the engine thread's parts (in the hook, or the wait before the step) and the TAIL thread's
-ENGINE_PARTS = ["build step", "slot table", "step batches", "stage + scatter", "fresh blocks", "observers",
-                "wait for TAIL"]
-TAIL_PARTS = ["plan + HEAD", "TAIL", "block index", "ring read + sweep"]
+# the canary's parts in step order; those on the engine thread in log mode (in the hook, or the wait before the
+# step), the others on the TAIL thread. A result records its engine thread's parts (one saved without them
+# staged the step on the engine thread).
+PARTS = ["build step", "slot table", "step batches", "stage + scatter", "fresh blocks", "observers", "wait for TAIL",
+         "plan + HEAD", "TAIL", "block index", "ring read + sweep"]
+ENGINE_PARTS = ["build step", "fresh blocks", "observers", "wait for TAIL"]
+STAGED_ON_ENGINE_THREAD = ["build step", "slot table", "step batches", "stage + scatter", "fresh blocks",
+                           "observers", "wait for TAIL"]
+
+
+def _engine_parts(w: dict[str, Any]) -> list[str]:
+    return list(w.get("engine_parts", STAGED_ON_ENGINE_THREAD))
 
 
 def _cpu_share(w: dict[str, Any]) -> str:
@@ -624,11 +633,15 @@ def markdown_layout(result: dict[str, Any]) -> str:
              lambda w: w.get("between_forwards_ms", {}).get("without", float("nan"))),
             ("between two forwards (median), with the canary",
              lambda w: w.get("between_forwards_ms", {}).get("with", float("nan")))]
-    rows += [(part, lambda w, part=part: w["per_step_ms"].get(part, 0.0)) for part in ENGINE_PARTS]
+    # a part's row says on which thread it ran in the first column's result (all of one run: the same)
+    first = columns[0][1] if columns else {}
+    engine_parts = _engine_parts(first)
+    rows += [(part, lambda w, part=part: w["per_step_ms"].get(part, 0.0)) for part in PARTS if part in engine_parts]
     rows += [("the hook's own Python (rest)", lambda w: w["per_step_ms"]["hook"] - w["per_step_ms"]["forward"]
-              - sum(w["per_step_ms"].get(p, 0.0) for p in ENGINE_PARTS if p != "wait for TAIL")),
+              - sum(w["per_step_ms"].get(p, 0.0) for p in _engine_parts(w) if p != "wait for TAIL")),
              ("**canary on the engine thread, total**", _engine_thread_ms)]
-    rows += [(f"TAIL thread: {part}", lambda w, part=part: w["per_step_ms"].get(part, 0.0)) for part in TAIL_PARTS]
+    rows += [(f"TAIL thread: {part}", lambda w, part=part: w["per_step_ms"].get(part, 0.0))
+             for part in PARTS if part not in engine_parts]
     rows += [(f"timer: {k}", lambda w, k=k: w["timers_per_step_ms"].get(k, 0.0))
              for k in sorted({k for _, w in columns for k in w["timers_per_step_ms"]})]
     for label, get in rows:

@@ -118,6 +118,44 @@ def test_a_steps_tail_work_starts_once_the_runner_has_sampled(llm, monkeypatch, 
     assert events == ["sampled", "tail"] * new
 
 
+@pytest.mark.parametrize("mode", ["log", "raise"])
+def test_the_step_is_staged_and_planned_on_the_tail_thread_in_log_mode_and_before_the_forward_in_raise_mode(
+        llm, monkeypatch, mode):
+    runner = kv.find_runner(llm)
+    events: list[tuple[str, str]] = []
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            events.append((name, threading.current_thread().name))
+            return fn(*args, **kwargs)
+        return call
+
+    # vLLM's own forward (the hook calls it): its start is recorded
+    monkeypatch.setattr(type(runner), "_model_forward", timed("forward", type(runner)._model_forward))
+    assert llm.reset_prefix_cache()
+    canary = kv.install(llm, backend="host", mode=mode, sweep_interval=0)
+    st = canary.state
+    for name in ("_fill_table", "_step_batches"):
+        setattr(st, name, timed(name, getattr(st, name)))
+    for name in ("prepare", "pre_forward", "post_forward"):
+        setattr(st.rt, name, timed(name, getattr(st.rt, name)))
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": list(range(3, 45))}], params, use_tqdm=False)
+        assert canary.finish() == []
+    finally:
+        canary.remove()
+    staged = ["_step_batches", "_fill_table", "prepare", "pre_forward"]
+    expected = ["forward", *staged, "post_forward"] if mode == "log" else [*staged, "forward", "post_forward"]
+    assert [name for name, _ in events] == expected * 3
+    engine = threading.current_thread().name
+    threads = {thread for name, thread in events if name != "forward"}
+    if mode == "raise":
+        assert threads == {engine}
+    else:
+        assert len(threads) == 1 and threads.pop().startswith("kvcanary-tail")
+
+
 def test_raise_mode_runs_the_tail_inline_so_a_violation_fails_the_step_whose_read_found_it(llm):
     canary = kv.install(llm, backend="numpy", mode="raise")
     try:

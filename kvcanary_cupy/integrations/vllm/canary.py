@@ -234,7 +234,7 @@ class VllmCanaryState(EngineCanaryState):
         # (:class:`TailThread`; the hooks wait for them before the next step starts). Raise mode runs them
         # inline: a violation then fails the step whose ring read found it, not the engine's next request.
         self.tail = TailThread() if opts.mode == "log" else None
-        self.head_deferred = False  # this step's phase 2 waits for the TAIL work (before_forward)
+        self.head_deferred = False  # this step's phases 1 and 2 go with its TAIL work (before_forward)
 
     # -- the step --------------------------------------------------------------------------------------------
 
@@ -251,21 +251,27 @@ class VllmCanaryState(EngineCanaryState):
                           self.histories, self.drafts)
 
     def before_forward(self, batch: VllmStep, *, inline: bool = False) -> None:
-        """Phases 1 and 2 of every group: stage the batch, then plan, HEAD verify and HEAD write. With the TAIL
-        thread (unless ``inline``) phase 2 goes with the TAIL work, after the forward: the plan reads only the
-        canary's own staged copies and tables, and the HEAD launches only the HEAD buffers, none of which the
-        forward touches, so they find what they would find before it; the engine thread then only stages."""
+        """Phases 1 and 2 of every group: stage the batch (the slot tables, the runtime's staged copies), then
+        plan, HEAD verify and HEAD write. With the TAIL thread (unless ``inline``) both go with the TAIL work,
+        after the forward (:meth:`_stage_and_plan`): ``batch`` is this step's own copy of what it read, the staging writes
+        only the canary's buffers, the plan reads only those, and the HEAD launches only the HEAD buffers, none of
+        which the forward touches, so they find what they would find before it; the engine thread then only
+        reads the step."""
         b = batch.size
         if b > self.max_requests:
             fail(f"vLLM scheduled {b} requests in one step, more than the {self.max_requests} the canary was "
                  "sized for (max_num_seqs)")
-        steps = self._step_batches(batch, [batch.slot_mappings[geo.index] for geo in self.geos], batch.history_ids)
         self.head_deferred = self.tail is not None and not inline
+        if not self.head_deferred:
+            self._stage_and_plan(batch)
+
+    def _stage_and_plan(self, batch: VllmStep) -> None:
+        """Phases 1 and 2, group by group."""
+        steps = self._step_batches(batch, [batch.slot_mappings[geo.index] for geo in self.geos], batch.history_ids)
         for geo, step in zip(self.geos, steps, strict=True):
             self._fill_table(geo, batch)
             self.rt.prepare(step, model=geo.name)
-            if not self.head_deferred:
-                self.rt.pre_forward(model=geo.name)
+            self.rt.pre_forward(model=geo.name)
 
     def _fill_table(self, geo: GroupGeometry, batch: VllmStep) -> None:
         """Rows ``1..B`` of the group's per-position slot table from this step's block table."""
@@ -314,9 +320,8 @@ class VllmCanaryState(EngineCanaryState):
             self._tail_work(batch, written, head)
 
     def _tail_work(self, batch: VllmStep, written: dict[int, np.ndarray], head: bool = False) -> None:
-        if head:  # phase 2, deferred by before_forward
-            for geo in self.geos:
-                self.rt.pre_forward(model=geo.name)
+        if head:  # phases 1 and 2, deferred by before_forward
+            self._stage_and_plan(batch)
         for geo in self.geos:
             planned = batch.slot_mappings[geo.index]
             self._post_forward(geo.name, batch.canary_tokens(written[geo.index], planned), planned)
