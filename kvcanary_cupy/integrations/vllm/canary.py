@@ -253,10 +253,10 @@ class VllmCanaryState(EngineCanaryState):
     def before_forward(self, batch: VllmStep, *, inline: bool = False) -> None:
         """Phases 1 and 2 of every group: stage the batch (the slot tables, the runtime's staged copies), then
         plan, HEAD verify and HEAD write. With the TAIL thread (unless ``inline``) both go with the TAIL work,
-        after the forward (:meth:`_stage_and_plan`): ``batch`` is this step's own copy of what it read, the staging writes
-        only the canary's buffers, the plan reads only those, and the HEAD launches only the HEAD buffers, none of
-        which the forward touches, so they find what they would find before it; the engine thread then only
-        reads the step."""
+        after the forward (:meth:`_stage_and_plan`): ``batch`` is this step's own copy of what it read, the
+        staging writes only the canary's buffers, the plan reads only those, and the HEAD launches only the HEAD
+        buffers, none of which the forward touches, so they find what they would find before it; the engine
+        thread then only reads the step."""
         b = batch.size
         if b > self.max_requests:
             fail(f"vLLM scheduled {b} requests in one step, more than the {self.max_requests} the canary was "
