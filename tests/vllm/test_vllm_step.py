@@ -5,7 +5,8 @@ in the test. The runtime behind it is the real one (NumPy backend): what it flag
 
 Pinned here: the same-step prefix hit (a row scheduled next to the sibling that writes its prefix) re-stamps
 exactly the positions written in the step and verifies the one before (also where its last prefix slot is the
-highest slot the step writes); past the per-step re-stamp budget the
+highest slot the step writes, and where its writer completes the block from mid-block, a chunked prefill); past
+the per-step re-stamp budget the
 rows left over are read without a false positive and a fault is still caught; blocks the scheduler lists to
 zero leave the sweep's index; a token the forward wrote to another slot than planned is stamped where it went;
 finished requests leave the rows waiting for their re-stamps, live ones stay; a step with no token reads as
@@ -193,6 +194,35 @@ def test_a_same_step_tail_in_the_highest_slot_the_step_writes_is_still_restamped
     want = slots([1, 2, 9, 4], 8, 14) + slots([1, 2, 9, 5], 8, 12) + slots([1, 2, 9, 5], 12, 14)
     assert batch.slot_mappings[0].tolist() == alone.slot_mappings[0].tolist() == want
     assert state.violations == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_same_step_tail_whose_block_its_writer_completes_mid_block_is_restamped(seed):
+    """A chunked prefill: step 0, A computes the first 10 tokens of a 15-token prompt into blocks 1, 2 and half
+    of 3. Step 1: A computes 10..13 (the rest of block 3, then block 4), and B, a request with the same prompt
+    scheduled next to it, already hits blocks 1..3 (block 3 cached when A completes it, written in this very
+    step from its third slot on) and computes 12, 13 into its own block 5. Worked by hand: B re-stamps positions
+    10, 11 (slots 14, 15, what A writes now) and verifies 0..9 (what was stamped before the step); both then
+    decode position 14 without a violation."""
+    runner = Runner()
+    state = canary_state(runner)
+    q = tokens(seed, 15)
+    a = Row("A", q, 0, 10, [1, 2, 3])
+    run_step(state, runner, [a], seed)
+    a.prefix, a.extend, a.blocks = 10, 4, [1, 2, 3, 4]
+    b = Row("B", q, 12, 2, [1, 2, 3, 5])
+    batch = run_step(state, runner, [a, b], seed)
+    assert batch.prefix_lens.tolist() == [10, 10]
+    assert batch.extend_lens.tolist() == [4, 4]
+    assert batch.slot_mappings[0].tolist() == [14, 15, 16, 17, 14, 15, 20, 21]
+    assert batch.source_index.tolist() == [0, 1, 2, 3, -1, -1, 4, 5]
+    assert batch.expected_input_ids.tolist() == q[10:14] + q[10:14]
+    decode([a, b])
+    run_step(state, runner, [a, b], seed)
+    state.flush()
+    assert state.violations == [] and state.health_problems == [] and state.dropped == 0
+    # verified: A 10 and B 10 at step 1, A 14 and B 14 at step 2; written: 10, then 4 + (2 + 2), then 1 + 1
+    assert endpoint_counts(state) == {"verify": (10 + 10 + 14 + 14, 3), "write": (10 + 8 + 2, 3)}
 
 
 @pytest.mark.parametrize("seed", range(6))
