@@ -3,12 +3,12 @@ the canary reads (request state, input batch, KV cache config with vLLM's own ``
 forward's arguments and attention metadata built by hand, so each step's schedule is exactly the one written
 in the test. The runtime behind it is the real one (NumPy backend): what it flags is what an engine would flag.
 
-Pinned here: the same-step prefix hit (a row scheduled next to the sibling that writes its prefix) re-stamps
-exactly the positions written in the step and verifies the one before (also where its last prefix slot is the
-highest slot the step writes, and where its writer completes the block from mid-block, a chunked prefill); past
-the per-step re-stamp budget the rows left over are read without a false positive and a fault is still caught; blocks the scheduler lists to
-zero leave the sweep's index; a token the forward wrote to another slot than planned is stamped where it went;
-finished requests leave the rows waiting for their re-stamps, live ones stay; a step with no token reads as
+Pinned here: the same-step prefix hit (a row scheduled next to the sibling that writes its prefix) re-stamps exactly
+the positions written in the step and verifies the one before (also where its last prefix slot is the highest slot
+the step writes, and where its writer completes the block from mid-block, a chunked prefill); past the per-step re-
+stamp budget the rows left over are read without a false positive and a fault is still caught; blocks the scheduler
+lists to zero leave the sweep's index; a token the forward wrote to another slot than planned is stamped where it
+went; finished requests leave the rows waiting for their re-stamps, live ones stay; a step with no token reads as
 empty.
 """
 
