@@ -224,6 +224,30 @@ def test_a_same_step_tail_whose_block_its_writer_completes_mid_block_is_restampe
     assert endpoint_counts(state) == {"verify": (10 + 10 + 14 + 14, 3), "write": (10 + 8 + 2, 3)}
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_same_step_hit_on_block_one_alone_restamps_the_whole_prefix(seed):
+    """One step: A computes a 6-token prompt into blocks 1, 2; B, scheduled next to it with the same prompt,
+    already hits block 1 (cached when A was given it, written in this very step) and computes 4, 5 into its own
+    block 3. Block 1 is the only block of B's prefix, and the lowest id a request gets. Worked by hand: B
+    re-stamps positions 0..3 (slots 4..7, what A writes now) and verifies nothing; both then decode position 6
+    without a violation."""
+    runner = Runner()
+    state = canary_state(runner)
+    q = tokens(seed, 7)
+    a, b = Row("A", q, 0, 6, [1, 2]), Row("B", q, 4, 2, [1, 3])
+    batch = run_step(state, runner, [a, b], seed)
+    assert batch.prefix_lens.tolist() == [0, 0]
+    assert batch.extend_lens.tolist() == [6, 6]
+    assert batch.slot_mappings[0].tolist() == [4, 5, 6, 7, 8, 9, 4, 5, 6, 7, 12, 13]
+    assert batch.source_index.tolist() == [0, 1, 2, 3, 4, 5, -1, -1, -1, -1, 6, 7]
+    assert batch.expected_input_ids.tolist() == q[:6] + q[:6]
+    decode([a, b])
+    run_step(state, runner, [a, b], seed)
+    state.flush()
+    assert state.violations == [] and state.health_problems == [] and state.dropped == 0
+    assert endpoint_counts(state) == {"verify": (6 + 6, 2), "write": (12 + 2, 2)}
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_a_wrong_block_just_before_the_same_step_tail_is_verified_not_restamped(seed):
     """B2's block table points its second block (positions 4..7, the last block before the shared tail) at C's
