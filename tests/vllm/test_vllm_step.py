@@ -5,11 +5,11 @@ in the test. The runtime behind it is the real one (NumPy backend): what it flag
 
 Pinned here: the same-step prefix hit (a row scheduled next to the sibling that writes its prefix) re-stamps exactly
 the positions written in the step and verifies the one before (also where its last prefix slot is the highest slot
-the step writes, and where its writer completes the block from mid-block, a chunked prefill); past the per-step
-re-stamp budget the rows left over are read without a false positive and a fault is still caught; blocks the
-scheduler lists to zero leave the sweep's index; a token the forward wrote to another slot than planned is stamped
-where it went; finished requests leave the rows waiting for their re-stamps, live ones stay; a step with no token
-reads as empty.
+the step writes, and where its writer completes the block from mid-block, a chunked prefill, or on block 1 alone),
+and never runs over a prefix slot another request writes now with its own token; past the per-step re-stamp budget
+the rows left over are read without a false positive and a fault is still caught; blocks the scheduler lists to zero
+leave the sweep's index; a token the forward wrote to another slot than planned is stamped where it went; finished
+requests leave the rows waiting for their re-stamps, live ones stay; a step with no token reads as empty.
 """
 
 from __future__ import annotations
@@ -272,6 +272,37 @@ def test_a_wrong_block_just_before_the_same_step_tail_is_verified_not_restamped(
     assert verify_rows == {(1, 6 * BS + k, k) for k in range(BS)}  # C's records, where B2 expects q[4..7]
     assert write_rows == {(1, 3 * BS, 8)}
     assert len(verify_rows | write_rows) == len({(v.step, v.violation.slot) for v in state.violations})
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("layout", ["foreign-after-shared", "foreign-before-shared"])
+def test_a_prefix_slot_another_request_writes_now_with_its_own_token_bounds_the_restamp(seed, layout):
+    """Step 0: P writes the first 8 tokens of a prompt into blocks 1, 2. Step 1: A (the same prompt) computes
+    8..11 into block 3; C, an unrelated request, writes its own tokens into block 6 (from its position 0); B
+    (the same prompt) is scheduled with block 3 and C's block 6 in its prefix, a fault. Worked by hand:
+    - foreign-after-shared (B: blocks 1, 2, 3, 6, prefix 16; C writes one token): B's position 12 is written now
+      with C's token, after its same-step block 3: nothing is re-stamped (a re-stamp would run over the foreign
+      slot), and B's verify flags positions 8..15 (slots 12..15 and 24..27: none holds B's record yet);
+    - foreign-before-shared (B: blocks 1, 6, 3, prefix 12; C writes four tokens): B's positions 4..7 are C's
+      slots; the same-step block 3 right after them is re-stamped (8..11), and the verify flags exactly 4..7
+      (slots 24..27)."""
+    runner = Runner()
+    state = canary_state(runner)
+    q = tokens(seed, 17)
+    run_step(state, runner, [Row("P", q, 0, 8, [1, 2])], seed)
+    a = Row("A", q, 8, 4, [1, 2, 3])
+    if layout == "foreign-after-shared":
+        c, b = Row("C", tokens(seed + 1000, 1), 0, 1, [6]), Row("B", q, 16, 1, [1, 2, 3, 6, 7])
+        want_prefix, want_flagged = 16, [*range(12, 16), *range(24, 28)]
+    else:
+        c, b = Row("C", tokens(seed + 1000, 4), 0, 4, [6]), Row("B", q, 12, 1, [1, 6, 3, 7])
+        want_prefix, want_flagged = 8, list(range(24, 28))
+    batch = run_step(state, runner, [a, c, b], seed)
+    state.flush()
+    assert batch.prefix_lens.tolist() == [8, 0, want_prefix]
+    flagged = sorted({v.violation.slot for v in state.violations
+                      if v.step == 1 and "VERIFY_TOKEN_MISMATCH" in v.violation.reasons})
+    assert flagged == want_flagged
 
 
 # -- gap: same-step re-stamps past the step's capacity -------------------------------------------------------
