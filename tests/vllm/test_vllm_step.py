@@ -305,6 +305,30 @@ def test_a_prefix_slot_another_request_writes_now_with_its_own_token_bounds_the_
     assert flagged == want_flagged
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_waiting_row_with_a_same_step_hit_restamps_its_unstamped_positions_where_its_table_says(seed):
+    """P wrote the first 8 tokens of a prompt into blocks 1, 2. B (the same prompt, prefix 16) waits from
+    position 12 (an earlier step left 12..15, block 4, unstamped); in this step A computes 8..11 into block 3,
+    which B holds too. Worked by hand: B re-stamps 8..15 (block 3 with A's records, block 4 where its table
+    says: slots 12..19) and writes position 16 into block 5; it waits no more, and its next step verifies
+    0..16 without a violation."""
+    runner = Runner()
+    state = canary_state(runner)
+    q = tokens(seed, 18)
+    run_step(state, runner, [Row("P", q, 0, 8, [1, 2])], seed)
+    state.unstamped["B"] = 12
+    a, b = Row("A", q, 8, 4, [1, 2, 3]), Row("B", q, 16, 1, [1, 2, 3, 4, 5])
+    batch = run_step(state, runner, [a, b], seed)
+    assert batch.prefix_lens.tolist() == [8, 8]
+    assert batch.extend_lens.tolist() == [4, 9]
+    assert batch.slot_mappings[0].tolist() == [12, 13, 14, 15, *range(12, 20), 20]
+    assert batch.deferred == {} and state.unstamped == {}
+    decode([b])
+    run_step(state, runner, [b], seed)
+    state.flush()
+    assert state.violations == [] and state.health_problems == [] and state.dropped == 0
+
+
 # -- gap: same-step re-stamps past the step's capacity -------------------------------------------------------
 
 def many_siblings(seed: int, n: int):
