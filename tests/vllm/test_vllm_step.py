@@ -6,9 +6,10 @@ in the test. The runtime behind it is the real one (NumPy backend): what it flag
 Pinned here: the same-step prefix hit (a row scheduled next to the sibling that writes its prefix) re-stamps exactly
 the positions written in the step and verifies the one before (also where its last prefix slot is the highest slot
 the step writes, and where its writer completes the block from mid-block, a chunked prefill, or on block 1 alone),
-and never runs over a prefix slot another request writes now with its own token; past the per-step re-stamp budget
-the rows left over are read without a false positive and a fault is still caught; blocks the scheduler lists to zero
-leave the sweep's index; a token the forward wrote to another slot than planned is stamped where it went; finished
+never runs over a prefix slot another request writes now with its own token, and in a row still waiting for
+re-stamps also re-stamps its unstamped positions where its table says; past the per-step re-stamp budget the rows
+left over are read without a false positive and a fault is still caught; blocks the scheduler lists to zero leave
+the sweep's index; a token the forward wrote to another slot than planned is stamped where it went; finished
 requests leave the rows waiting for their re-stamps, live ones stay; a step with no token reads as empty.
 """
 
