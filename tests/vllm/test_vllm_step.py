@@ -177,6 +177,23 @@ def test_same_step_prefix_tail_is_restamped_from_the_first_position_written_in_t
 
 
 @pytest.mark.parametrize("seed", range(3))
+def test_in_raise_mode_the_tail_phases_run_inline_with_the_same_verifies_and_writes(seed):
+    """Raise mode has no TAIL thread: the TAIL phases run in the forward's own thread. The sibling schedule
+    above reads, verifies and writes exactly as in log mode (B2 verifies 8 and re-stamps 4), with no
+    violation."""
+    runner = Runner()
+    state = canary_state(runner, mode="raise")
+    assert state.tail is None
+    _q, step0, step1 = sibling_steps(seed)
+    run_step(state, runner, step0)
+    batch = run_step(state, runner, step1)
+    state.flush()
+    assert batch.prefix_lens.tolist() == [8, 8]
+    assert state.violations == [] and state.health_problems == [] and state.dropped == 0
+    assert endpoint_counts(state) == {"verify": (8 + 8, 2), "write": (12 + 6 + 6, 2)}
+
+
+@pytest.mark.parametrize("seed", range(3))
 def test_a_same_step_tail_in_the_highest_slot_the_step_writes_is_still_restamped(seed):
     """The schedule above with B1's and B2's third block at id 9: B2's last prefix slot (position 11, slot 39) is
     the highest slot of the step's writes. B2 still re-stamps 8..11 and verifies 0..7, with no false positive;
