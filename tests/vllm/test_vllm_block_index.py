@@ -80,3 +80,34 @@ def test_a_sweep_of_one_block_takes_the_indexed_blocks_one_at_a_time_in_id_order
         swept.append((slots.tolist(), positions.tolist()))
     assert swept == [([8, 9, 10, 11], [0, 1, 2, 3]), ([20, 21, 22, 23], [4, 5, 6, 7]),
                      ([28, 29, 30, 31], [0, 1, 2, 3]), ([8, 9, 10, 11], [0, 1, 2, 3])]
+
+
+@pytest.mark.parametrize(("shared", "own"), [(9, 5), (3, 9), (5, 4)], ids=["shared-highest", "own-highest", "middle"])
+def test_a_block_another_row_stamps_keeps_its_index_past_a_deferred_rows_stamps_whatever_its_id(shared, own):
+    """One group. Row 0 stamps 12 tokens into blocks 1, 2 and ``shared`` (its twelve canary tokens, each
+    stamped by row 0). Row 1, a sibling whose re-stamps the step deferred, has 8 tokens stamped and 14 written,
+    into blocks 1, 2, ``shared`` and ``own``: past its two complete blocks, ``shared`` is row 0's to index (at
+    2, row 0 stamps it whole) and ``own`` (no other row stamps it) is dropped, whichever of the two is the
+    highest block id of the step."""
+    index = BlockIndex([NUM_BLOCKS], [BS], blocks_per_sweep=NUM_BLOCKS)
+    index.where[0][own] = 7  # indexed by an earlier step: the deferred row's unstamped tokens are there now
+    table = np.array([[1, 2, shared, 0], [1, 2, shared, own]], np.int32)
+    stamped = np.repeat(np.array([1, 2, shared]), BS)
+    index.note_step(0, table, np.array([12, 8]), np.array([12, 14]), stamped=stamped,
+                    stamped_rows=np.zeros(3 * BS, np.int64))
+    assert indexed(index) == {0: {1: 0, 2: 1, shared: 2}}
+
+
+@pytest.mark.parametrize(("shared", "own"), [(9, 5), (3, 9), (5, 4)], ids=["shared-highest", "own-highest", "middle"])
+def test_a_rows_own_stamps_in_its_partly_filled_block_never_keep_that_blocks_index(shared, own):
+    """Row 0 stamps 12 tokens into blocks 1, 2 and ``shared``; row 1, a drafting row (6 tokens accepted, 8
+    written: its two drafts are not stamps), holds blocks 6 and ``own`` and stamps its accepted positions 4, 5
+    into ``own`` in this step. Block 6 is complete (at 0); ``own``, indexed by an earlier step and stamped in
+    this one only by row 1 itself, holds a block still being filled: it is dropped."""
+    index = BlockIndex([NUM_BLOCKS], [BS], blocks_per_sweep=NUM_BLOCKS)
+    index.where[0][own] = 1
+    table = np.array([[1, 2, shared], [6, own, 0]], np.int32)
+    stamped = np.array([*np.repeat([1, 2, shared], BS), own, own])
+    rows = np.array([0] * 3 * BS + [1, 1])
+    index.note_step(0, table, np.array([12, 6]), np.array([12, 8]), stamped=stamped, stamped_rows=rows)
+    assert indexed(index) == {0: {1: 0, 2: 1, shared: 2, 6: 0}}

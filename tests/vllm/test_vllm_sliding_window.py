@@ -510,3 +510,27 @@ def test_the_sweep_index_keeps_only_blocks_a_window_still_reads(seed):
     run_step(state, runner, [Row("B", b_tok, 9, 1, {SW: [1, 2, 5]})], seed)
     assert state.block_index.indexed(SW).tolist() == [2, 3]
     assert flagged(state) == set()
+
+
+@pytest.mark.parametrize("foreign_in", [SW, FULL], ids=["window-group", "full-group"])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_slot_one_group_alone_reads_from_another_request_now_bounds_the_hybrid_restamp(seed, foreign_in):
+    """Gemma-like (window 6). Step 1 (P wrote positions 0..3 into blocks 1 and 11 before): A computes 4..7
+    into blocks 2 (window group) and 12 (full group); C, an unrelated request, writes its positions 0..3 into
+    blocks 5 and 15; B (A's prompt, prefix 12) holds A's blocks for 4..7, and for 8..11, in one group only,
+    C's block (a fault), in the other a block nothing writes now. Worked by hand: B's same-step positions
+    4..7 lie before a slot written now with another request's token, in whichever group: B re-stamps nothing
+    (prefix 12) and its verify must see that slot."""
+    q = tokens(seed, 13)
+    other = {SW: [1, 2, 5, 7], FULL: [11, 12, 13, 17]} if foreign_in == SW else \
+        {SW: [1, 2, 3, 7], FULL: [11, 12, 15, 17]}
+    rows = [Row("A", q, 4, 4, {SW: [1, 2], FULL: [11, 12]}),
+            Row("C", tokens(seed + 1000, 4), 0, 4, {SW: [5], FULL: [15]}),
+            Row("B", q, 12, 1, other)]
+    runner = Runner(hybrid=True)
+    state = canary_state(runner)
+    kwargs, md = runner.inputs(rows)
+    batch = build_step(state.steps, runner, kwargs, md, state.geos, state.max_tokens, state.unstamped)
+    assert batch.prefix_lens.tolist() == [4, 0, 12]
+    assert batch.extend_lens.tolist() == [4, 4, 1]
+    assert not batch.restamped

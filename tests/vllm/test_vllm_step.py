@@ -3,13 +3,14 @@ the canary reads (request state, input batch, KV cache config with vLLM's own ``
 forward's arguments and attention metadata built by hand, so each step's schedule is exactly the one written
 in the test. The runtime behind it is the real one (NumPy backend): what it flags is what an engine would flag.
 
-Pinned here: the same-step prefix hit (a row scheduled next to the sibling that writes its prefix) re-stamps
-exactly the positions written in the step and verifies the one before (also where its last prefix slot is the
-highest slot the step writes); past the per-step re-stamp budget the
-rows left over are read without a false positive and a fault is still caught; blocks the scheduler lists to
-zero leave the sweep's index; a token the forward wrote to another slot than planned is stamped where it went;
-finished requests leave the rows waiting for their re-stamps, live ones stay; a step with no token reads as
-empty.
+Pinned here: the same-step prefix hit (a row scheduled next to the sibling that writes its prefix) re-stamps exactly
+the positions written in the step and verifies the one before (also where its last prefix slot is the highest slot
+the step writes, and where its writer completes the block from mid-block, a chunked prefill, or on block 1 alone),
+never runs over a prefix slot another request writes now with its own token, and in a row still waiting for
+re-stamps also re-stamps its unstamped positions where its table says; past the per-step re-stamp budget the rows
+left over are read without a false positive and a fault is still caught; blocks the scheduler lists to zero leave
+the sweep's index; a token the forward wrote to another slot than planned is stamped where it went; finished
+requests leave the rows waiting for their re-stamps, live ones stay; a step with no token reads as empty.
 """
 
 from __future__ import annotations
@@ -176,6 +177,23 @@ def test_same_step_prefix_tail_is_restamped_from_the_first_position_written_in_t
 
 
 @pytest.mark.parametrize("seed", range(3))
+def test_in_raise_mode_the_tail_phases_run_inline_with_the_same_verifies_and_writes(seed):
+    """Raise mode has no TAIL thread: the TAIL phases run in the forward's own thread. The sibling schedule
+    above reads, verifies and writes exactly as in log mode (B2 verifies 8 and re-stamps 4), with no
+    violation."""
+    runner = Runner()
+    state = canary_state(runner, mode="raise")
+    assert state.tail is None
+    _q, step0, step1 = sibling_steps(seed)
+    run_step(state, runner, step0)
+    batch = run_step(state, runner, step1)
+    state.flush()
+    assert batch.prefix_lens.tolist() == [8, 8]
+    assert state.violations == [] and state.health_problems == [] and state.dropped == 0
+    assert endpoint_counts(state) == {"verify": (8 + 8, 2), "write": (12 + 6 + 6, 2)}
+
+
+@pytest.mark.parametrize("seed", range(3))
 def test_a_same_step_tail_in_the_highest_slot_the_step_writes_is_still_restamped(seed):
     """The schedule above with B1's and B2's third block at id 9: B2's last prefix slot (position 11, slot 39) is
     the highest slot of the step's writes. B2 still re-stamps 8..11 and verifies 0..7, with no false positive;
@@ -193,6 +211,59 @@ def test_a_same_step_tail_in_the_highest_slot_the_step_writes_is_still_restamped
     want = slots([1, 2, 9, 4], 8, 14) + slots([1, 2, 9, 5], 8, 12) + slots([1, 2, 9, 5], 12, 14)
     assert batch.slot_mappings[0].tolist() == alone.slot_mappings[0].tolist() == want
     assert state.violations == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_same_step_tail_whose_block_its_writer_completes_mid_block_is_restamped(seed):
+    """A chunked prefill: step 0, A computes the first 10 tokens of a 15-token prompt into blocks 1, 2 and half
+    of 3. Step 1: A computes 10..13 (the rest of block 3, then block 4), and B, a request with the same prompt
+    scheduled next to it, already hits blocks 1..3 (block 3 cached when A completes it, written in this very
+    step from its third slot on) and computes 12, 13 into its own block 5. Worked by hand: B re-stamps positions
+    10, 11 (slots 14, 15, what A writes now) and verifies 0..9 (what was stamped before the step); both then
+    decode position 14 without a violation."""
+    runner = Runner()
+    state = canary_state(runner)
+    q = tokens(seed, 15)
+    a = Row("A", q, 0, 10, [1, 2, 3])
+    run_step(state, runner, [a], seed)
+    a.prefix, a.extend, a.blocks = 10, 4, [1, 2, 3, 4]
+    b = Row("B", q, 12, 2, [1, 2, 3, 5])
+    batch = run_step(state, runner, [a, b], seed)
+    assert batch.prefix_lens.tolist() == [10, 10]
+    assert batch.extend_lens.tolist() == [4, 4]
+    assert batch.slot_mappings[0].tolist() == [14, 15, 16, 17, 14, 15, 20, 21]
+    assert batch.source_index.tolist() == [0, 1, 2, 3, -1, -1, 4, 5]
+    assert batch.expected_input_ids.tolist() == q[10:14] + q[10:14]
+    decode([a, b])
+    run_step(state, runner, [a, b], seed)
+    state.flush()
+    assert state.violations == [] and state.health_problems == [] and state.dropped == 0
+    # verified: A 10 and B 10 at step 1, A 14 and B 14 at step 2; written: 10, then 4 + (2 + 2), then 1 + 1
+    assert endpoint_counts(state) == {"verify": (10 + 10 + 14 + 14, 3), "write": (10 + 8 + 2, 3)}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_same_step_hit_on_block_one_alone_restamps_the_whole_prefix(seed):
+    """One step: A computes a 6-token prompt into blocks 1, 2; B, scheduled next to it with the same prompt,
+    already hits block 1 (cached when A was given it, written in this very step) and computes 4, 5 into its own
+    block 3. Block 1 is the only block of B's prefix, and the lowest id a request gets. Worked by hand: B
+    re-stamps positions 0..3 (slots 4..7, what A writes now) and verifies nothing; both then decode position 6
+    without a violation."""
+    runner = Runner()
+    state = canary_state(runner)
+    q = tokens(seed, 7)
+    a, b = Row("A", q, 0, 6, [1, 2]), Row("B", q, 4, 2, [1, 3])
+    batch = run_step(state, runner, [a, b], seed)
+    assert batch.prefix_lens.tolist() == [0, 0]
+    assert batch.extend_lens.tolist() == [6, 6]
+    assert batch.slot_mappings[0].tolist() == [4, 5, 6, 7, 8, 9, 4, 5, 6, 7, 12, 13]
+    assert batch.source_index.tolist() == [0, 1, 2, 3, 4, 5, -1, -1, -1, -1, 6, 7]
+    assert batch.expected_input_ids.tolist() == q[:6] + q[:6]
+    decode([a, b])
+    run_step(state, runner, [a, b], seed)
+    state.flush()
+    assert state.violations == [] and state.health_problems == [] and state.dropped == 0
+    assert endpoint_counts(state) == {"verify": (6 + 6, 2), "write": (12 + 2, 2)}
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -219,6 +290,61 @@ def test_a_wrong_block_just_before_the_same_step_tail_is_verified_not_restamped(
     assert verify_rows == {(1, 6 * BS + k, k) for k in range(BS)}  # C's records, where B2 expects q[4..7]
     assert write_rows == {(1, 3 * BS, 8)}
     assert len(verify_rows | write_rows) == len({(v.step, v.violation.slot) for v in state.violations})
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("layout", ["foreign-after-shared", "foreign-before-shared"])
+def test_a_prefix_slot_another_request_writes_now_with_its_own_token_bounds_the_restamp(seed, layout):
+    """Step 0: P writes the first 8 tokens of a prompt into blocks 1, 2. Step 1: A (the same prompt) computes
+    8..11 into block 3; C, an unrelated request, writes its own tokens into block 6 (from its position 0); B
+    (the same prompt) is scheduled with block 3 and C's block 6 in its prefix, a fault. Worked by hand:
+    - foreign-after-shared (B: blocks 1, 2, 3, 6, prefix 16; C writes one token): B's position 12 is written now
+      with C's token, after its same-step block 3: nothing is re-stamped (a re-stamp would run over the foreign
+      slot), and B's verify flags positions 8..15 (slots 12..15 and 24..27: none holds B's record yet);
+    - foreign-before-shared (B: blocks 1, 6, 3, prefix 12; C writes four tokens): B's positions 4..7 are C's
+      slots; the same-step block 3 right after them is re-stamped (8..11), and the verify flags exactly 4..7
+      (slots 24..27)."""
+    runner = Runner()
+    state = canary_state(runner)
+    q = tokens(seed, 17)
+    run_step(state, runner, [Row("P", q, 0, 8, [1, 2])], seed)
+    a = Row("A", q, 8, 4, [1, 2, 3])
+    if layout == "foreign-after-shared":
+        c, b = Row("C", tokens(seed + 1000, 1), 0, 1, [6]), Row("B", q, 16, 1, [1, 2, 3, 6, 7])
+        want_prefix, want_flagged = 16, [*range(12, 16), *range(24, 28)]
+    else:
+        c, b = Row("C", tokens(seed + 1000, 4), 0, 4, [6]), Row("B", q, 12, 1, [1, 6, 3, 7])
+        want_prefix, want_flagged = 8, list(range(24, 28))
+    batch = run_step(state, runner, [a, c, b], seed)
+    state.flush()
+    assert batch.prefix_lens.tolist() == [8, 0, want_prefix]
+    flagged = sorted({v.violation.slot for v in state.violations
+                      if v.step == 1 and "VERIFY_TOKEN_MISMATCH" in v.violation.reasons})
+    assert flagged == want_flagged
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_waiting_row_with_a_same_step_hit_restamps_its_unstamped_positions_where_its_table_says(seed):
+    """P wrote the first 8 tokens of a prompt into blocks 1, 2. B (the same prompt, prefix 16) waits from
+    position 12 (an earlier step left 12..15, block 4, unstamped); in this step A computes 8..11 into block 3,
+    which B holds too. Worked by hand: B re-stamps 8..15 (block 3 with A's records, block 4 where its table
+    says: slots 12..19) and writes position 16 into block 5; it waits no more, and its next step verifies
+    0..16 without a violation."""
+    runner = Runner()
+    state = canary_state(runner)
+    q = tokens(seed, 18)
+    run_step(state, runner, [Row("P", q, 0, 8, [1, 2])], seed)
+    state.unstamped["B"] = 12
+    a, b = Row("A", q, 8, 4, [1, 2, 3]), Row("B", q, 16, 1, [1, 2, 3, 4, 5])
+    batch = run_step(state, runner, [a, b], seed)
+    assert batch.prefix_lens.tolist() == [8, 8]
+    assert batch.extend_lens.tolist() == [4, 9]
+    assert batch.slot_mappings[0].tolist() == [12, 13, 14, 15, *range(12, 20), 20]
+    assert batch.deferred == {} and state.unstamped == {}
+    decode([b])
+    run_step(state, runner, [b], seed)
+    state.flush()
+    assert state.violations == [] and state.health_problems == [] and state.dropped == 0
 
 
 # -- gap: same-step re-stamps past the step's capacity -------------------------------------------------------
