@@ -45,13 +45,15 @@ class Target:
     """What one target mutates (``modules``, narrowed to the mutants matching ``mutants`` globs when given) and
     the tests that pin it; ``env`` ``"vllm"``: mutmut and the tests run in vLLM's own environment (``.venv-vllm``,
     or ``KVCANARY_VLLM_PYTHON``) with its OpenMP library preloaded, as ``make test-vllm`` runs them; ``keywords``:
-    the ``-k`` expression that selects the tests' NumPy runs."""
+    the ``-k`` expression that selects the tests' NumPy runs; ``files``: what else of the repository its tests read
+    (copied beside the package)."""
 
     modules: list[str]
     tests: list[str]
     mutants: list[str] = field(default_factory=list)
     env: str = "main"
     keywords: str = NOT_KERNEL_BACKENDS
+    files: list[str] = field(default_factory=list)
 
 
 # The runtime package's modules, one list for the targets below (edit here when the package's modules change).
@@ -150,10 +152,13 @@ TARGETS: dict[str, Target] = {
 # The whole package, sampled (``--sample``): every module but vLLM's integration, whose tests need vLLM's
 # environment (the ``vllm`` target covers its step read there), under the main suite but the files that pin no
 # Python module of the package or run it only from outside (the NVRTC compiles of the kernels, the wheel build, the
-# browser rendering, the documentation and example scripts, each a process of its own and seconds to minutes).
+# browser rendering, the documentation and example scripts, each a process of its own and seconds to minutes), and
+# the two longest random runs (the 14,000 bad calls of the entry points, the tiered simulator over many seeds),
+# whose cases the other files pin in small: mutmut runs every selected test once with its statistics on, and each
+# surviving mutant reruns every test that reached its function.
 PACKAGE_EXCLUDED_MODULES = "kvcanary_cupy/integrations/vllm/*"
 PACKAGE_EXCLUDED_TESTS = ["test_nvrtc_compile.py", "test_packaging.py", "test_report_in_browser.py",
-                          "test_readme.py", "test_examples.py"]
+                          "test_readme.py", "test_examples.py", "test_fuzz_entry_points.py", "test_sim_tiers_seeds.py"]
 
 
 def package_modules() -> list[str]:
@@ -166,14 +171,17 @@ def package_tests() -> list[str]:
                   if path.name not in PACKAGE_EXCLUDED_TESTS)
 
 
-TARGETS["package"] = Target(package_modules(), package_tests())
+# the documentation pages and the changelog some tests check the code against
+TARGETS["package"] = Target(package_modules(), package_tests(), files=["docs", "CHANGELOG.md"])
 # Too many mutants to run every one (tens of thousands, seconds to minutes each): the target runs sampled only.
 SAMPLED_ONLY = {"package"}
 # The targets ``make mutate`` runs when none are named.
 DEFAULT_TARGETS = [name for name in TARGETS if name not in SAMPLED_ONLY]
 
-# mutmut's command line. With KVCANARY_MUTANT_ORDER (a JSON list of mutant names) the mutants run in that order
-# instead of mutmut's fastest-first one: a sampled run stopped part-way then has checked a uniform sub-sample.
+# mutmut's command line. With KVCANARY_MUTANT_ORDER (a JSON list of mutant names), for a sampled run: the mutants
+# run in that order instead of mutmut's fastest-first one, so a run stopped part-way has checked a uniform
+# sub-sample; and its "clean" run of the selected tests is skipped: the statistics run just before it (a fresh
+# scratch copy has none to reuse) ran every selected test, and stops with -x at the first that fails.
 MUTMUT_MAIN = ("import json, os, sys\n"
                "import mutmut.__main__ as mutmut_main\n"
                "order_file = os.environ.get('KVCANARY_MUTANT_ORDER')\n"
@@ -181,6 +189,12 @@ MUTMUT_MAIN = ("import json, os, sys\n"
                "    with open(order_file) as f:\n"
                "        rank = {name: i for i, name in enumerate(json.load(f))}\n"
                "    mutmut_main.estimated_worst_case_time = lambda name: rank.get(name, len(rank))\n"
+               "    make_runner = mutmut_main.get_mutant_runner\n"
+               "    def runner_without_clean_run(*args, **kwargs):\n"
+               "        runner = make_runner(*args, **kwargs)\n"
+               "        runner.run_clean_tests = lambda tests: 0\n"
+               "        return runner\n"
+               "    mutmut_main.get_mutant_runner = runner_without_clean_run\n"
                "sys.exit(mutmut_main.cli())")
 # Writes every mutant of the configured modules under mutants/ (what ``mutmut run`` does first; it keeps them).
 MUTMUT_GENERATE = ("import os, sys\n"
@@ -236,15 +250,34 @@ def _toml_list(items: list[str]) -> str:
     return "[" + ", ".join(f'"{x}"' for x in items) + "]"
 
 
-def _scratch_copy(dest: Path) -> None:
+def _scratch_copy(dest: Path, files: tuple[str, ...] = (), keep_mutants: bool = False) -> None:
+    """A fresh copy of the repository's package, kernels and tests (and ``files``) at ``dest``. ``keep_mutants``:
+    the package's mutants generated there before are kept (generating the whole package's takes minutes);
+    mutmut generates a module's again when its source is newer, and everything else under ``mutants/`` (tests,
+    statistics, verdicts) is dropped."""
+    kept = dest / "mutants" / "kvcanary_cupy"
+    parked = dest.parent / f"{dest.name}.mutants"
+    if keep_mutants and kept.exists():
+        shutil.rmtree(parked, ignore_errors=True)
+        kept.rename(parked)
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "mutants")
     for name in ("kvcanary_cupy", "kernels", "tests"):
         shutil.copytree(ROOT / name, dest / name, ignore=ignore)
-    for name in ("setup.py", "README.md", "pyproject.toml"):
-        shutil.copy2(ROOT / name, dest / name)
+    for name in ("setup.py", "README.md", "pyproject.toml", *files):
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, dest / name, ignore=ignore)
+        else:
+            shutil.copy2(ROOT / name, dest / name)
+    if parked.exists():
+        (dest / "mutants").mkdir()
+        parked.rename(kept)
+        for meta in kept.rglob("*.meta"):  # verdicts of an earlier run: this one checks its own draw
+            data = json.loads(meta.read_text())
+            data["exit_code_by_key"] = dict.fromkeys(data["exit_code_by_key"])
+            meta.write_text(json.dumps(data))
 
 
 @dataclass
@@ -267,12 +300,12 @@ def run_python_target(name: str, max_children: int, mutants: list[str], sample: 
     mutants = mutants or target.mutants
     python, extra_env = _python(target)
     work = SCRATCH / name
-    _scratch_copy(work)
+    _scratch_copy(work, tuple(target.files), keep_mutants=sample is not None)
     with open(work / "pyproject.toml", "a") as f:
         f.write("\n[tool.mutmut]\n"
                 f'source_paths = ["kvcanary_cupy"]\n'
                 f"only_mutate = {_toml_list(modules)}\n"
-                f'also_copy = ["kernels", "setup.py", "README.md"]\n'
+                f"also_copy = {_toml_list(['kernels', 'setup.py', 'README.md', *target.files])}\n"
                 f"pytest_add_cli_args = {_toml_list([*PYTEST, '-k', target.keywords])}\n"
                 f"pytest_add_cli_args_test_selection = {_toml_list(tests)}\n"
                 "use_git_change_detection = false\n")
