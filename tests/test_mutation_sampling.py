@@ -4,6 +4,7 @@ Wilson interval of the score, against hand-worked values."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -82,3 +83,36 @@ def test_the_default_interval_is_the_95_percent_one_and_none_without_trials(runn
     assert runner.wilson_interval(0, 0) == (0.0, 1.0)
     # 1 of 2 with z = 1.959964: symmetric about 1/2, half-width z / (1 + z^2 / 2) * sqrt(1/8 + z^2 / 16) = 0.405469
     assert runner.wilson_interval(1, 2) == pytest.approx((0.094531, 0.905469), abs=2e-6)
+
+
+def test_the_package_target_mutates_every_module_but_vllms_integration(runner):
+    package = RUN_PY.parents[2] / "kvcanary_cupy"
+    expected = {str(path.relative_to(package.parent)) for path in package.rglob("*.py")}
+    expected = {path for path in expected if not path.startswith("kvcanary_cupy/integrations/vllm/")}
+    modules = runner.TARGETS["package"].modules
+    assert len(modules) == len(set(modules)) and set(modules) == expected
+    assert "kvcanary_cupy/sim/engine.py" in modules and "kvcanary_cupy/integrations/common/state.py" in modules
+
+
+def test_the_package_target_runs_the_main_suite_without_vllms_tests(runner):
+    tests = runner.TARGETS["package"].tests
+    assert all(name.startswith("tests/test_") and "/vllm/" not in name for name in tests)
+    assert all((RUN_PY.parents[2] / name).is_file() for name in tests)
+    assert {"tests/test_runtime.py", "tests/test_sim_engine.py", "tests/test_mutation_sampling.py"} <= set(tests)
+    assert "tests/test_nvrtc_compile.py" not in tests
+
+
+def test_the_default_targets_are_the_per_module_ones(runner):
+    assert runner.DEFAULT_TARGETS == [name for name in runner.TARGETS if name != "package"]
+    assert runner.TARGETS["package"].keywords == runner.TARGETS["layouts"].keywords == "not host and not cuda"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--targets", "package", "--no-kernels"], "the package target runs sampled only: give --sample N"),
+    (["--targets", "layouts", "--sample", "0"], "--sample takes a positive count"),
+    (["--targets", "layouts", "--sample", "5", "--mutants", "*x_f*"], "--sample takes a positive count, and no"),
+    (["--targets", "nothing"], "unknown target 'nothing'"),
+])
+def test_bad_sampling_arguments_are_refused_by_the_command_line(args, message):
+    result = subprocess.run([sys.executable, str(RUN_PY), *args], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
