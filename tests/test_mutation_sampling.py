@@ -4,7 +4,6 @@ Wilson interval of the score, against hand-worked values."""
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -113,6 +112,14 @@ def test_the_default_targets_are_the_per_module_ones(runner):
     (["--targets", "layouts", "--sample", "5", "--mutants", "*x_f*"], "--sample takes a positive count, and no"),
     (["--targets", "nothing"], "unknown target 'nothing'"),
 ])
-def test_bad_sampling_arguments_are_refused_by_the_command_line(args, message):
-    result = subprocess.run([sys.executable, str(RUN_PY), *args], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and message in result.stderr, result.stderr
+def test_bad_sampling_arguments_are_refused_before_any_run(runner, monkeypatch, capsys, args, message):
+    def no_run(*args, **kwargs):
+        raise AssertionError("a run started")
+
+    # in-process, with both kinds of run replaced: a refusal that failed must not start a real run
+    monkeypatch.setattr(runner, "run_python_target", no_run)
+    monkeypatch.setattr(runner, "run_kernel_mutants", no_run)
+    monkeypatch.setattr(sys, "argv", ["run.py", *args])
+    with pytest.raises(SystemExit) as refused:
+        runner.main()
+    assert refused.value.code == 2 and message in capsys.readouterr().err
