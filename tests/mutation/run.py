@@ -171,8 +171,10 @@ def package_tests() -> list[str]:
                   if path.name not in PACKAGE_EXCLUDED_TESTS)
 
 
-# the documentation pages and the changelog some tests check the code against
-TARGETS["package"] = Target(package_modules(), package_tests(), files=["docs", "CHANGELOG.md"])
+# Copied: the documentation pages, the changelog and the cost table's renderer (bench/), which some tests check the
+# code against. Left out: the runs under AddressSanitizer (the kernels' host builds, each in a process of its own).
+TARGETS["package"] = Target(package_modules(), package_tests(), files=["docs", "CHANGELOG.md", "bench"],
+                            keywords=f"{NOT_KERNEL_BACKENDS} and not address_sanitizer")
 # Too many mutants to run every one (tens of thousands, seconds to minutes each): the target runs sampled only.
 SAMPLED_ONLY = {"package"}
 # The targets ``make mutate`` runs when none are named.
