@@ -172,9 +172,12 @@ def package_tests() -> list[str]:
 
 
 # Copied: the documentation pages, the changelog and the cost table's renderer (bench/), which some tests check the
-# code against. Left out: the runs under AddressSanitizer (the kernels' host builds, each in a process of its own).
+# code against. Left out: the runs under AddressSanitizer (the kernels' host builds, each in a process of its own),
+# and the scan of the package's source for the environment variables it reads (the mutated copy it would scan holds
+# every mutant's strings).
 TARGETS["package"] = Target(package_modules(), package_tests(), files=["docs", "CHANGELOG.md", "bench"],
-                            keywords=f"{NOT_KERNEL_BACKENDS} and not address_sanitizer")
+                            keywords=f"{NOT_KERNEL_BACKENDS} and not address_sanitizer"
+                                     " and not every_environment_variable_the_package_reads")
 # Too many mutants to run every one (tens of thousands, seconds to minutes each): the target runs sampled only.
 SAMPLED_ONLY = {"package"}
 # The targets ``make mutate`` runs when none are named.
