@@ -302,3 +302,13 @@ def test_the_cuda_backend_passes_absent_pointers_as_an_explicit_null():
     assert name == "kvc_scatter"
     assert all(a is not None for a in args)
     assert isinstance(args[-1], np.uint64) and int(args[-1]) == 0
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"kernel_kind": 1.5}, "kernel_kind must be an int, got float"),
+    ({"kernel_kind": True}, "kernel_kind must be an int, got bool"),
+])
+def test_for_endpoint_refuses_a_bad_scalar_field_by_its_name(change, message):
+    ctx = context()
+    with pytest.raises(ValueError, match=rf"^kv-canary: {message}$"):
+        ctx.for_endpoint(**change)

@@ -176,6 +176,13 @@ def test_allocate_rejects_non_positive_capacity():
         kc.VerifyPlan.allocate(verify_capacity=4, device="tpu")
 
 
+@pytest.mark.parametrize("plan, argument", [(kc.VerifyPlan, "verify_capacity"), (kc.WritePlan, "write_req_capacity")])
+def test_allocate_rejects_a_capacity_of_zero_the_boundary(plan, argument):
+    with pytest.raises(ValueError, match=rf"^kv-canary: {plan.__name__} {argument} must be positive, got 0$"):
+        plan.allocate(**{argument: 0})
+    assert plan.allocate(**{argument: 1}) is not None
+
+
 def test_allocation_bytes_matches_allocate():
     vp = kc.VerifyPlan.allocate(verify_capacity=100)
     wp = kc.WritePlan.allocate(write_req_capacity=10)

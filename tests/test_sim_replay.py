@@ -138,6 +138,8 @@ def _meta(case, **changes):
     (lambda c: {"meta": _meta(c, op="erase")}, "meta.op must be 'verify' or 'write'"),
     (lambda c: {"meta": _meta(c, real_kv_hash_mode=7)}, "meta.real_kv_hash_mode must be one of"),
     (lambda c: {"meta": _meta(c, tag=True)}, "meta.tag must be int"),
+    (lambda c: {"meta": _meta(c, plan={**c.meta["plan"], "write_req_capacity": 0})},
+     "meta.plan.write_req_capacity must lie in [1, "),
     (lambda c: {"meta": _meta(c, sources=[{"page_size": 1}] * len(c.meta["sources"]) or [{"page_size": 1}])},
      "meta.sources[0]."),
     (lambda c: {"canary_buf": c.arrays["canary_buf"].astype(np.float64)}, "entry 'canary_buf' must be a 2-D uint8"),

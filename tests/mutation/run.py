@@ -7,15 +7,25 @@ runs, per mutant, only the tests that executed the mutated function). A target r
 repository itself is never edited. Kernel mutations (``kernel_mutants.txt``) are applied to a scratch copy of
 the package and kernels; each must make its tests fail (be killed).
 
-Usage: ``python tests/mutation/run.py [--targets a,b] [--no-kernels] [--max-children N] [--mutants GLOB...]``.
+The ``package`` target mutates the whole package (but vLLM's integration) under the main suite: far too many
+mutants to run all of them, so it is run with ``--sample N --seed S``: every mutant is generated, N of them are
+drawn uniformly at random without repetition, only those run (in the order drawn, so a run stopped part-way has
+still checked a uniform sample), and the score comes with its 95 % Wilson interval.
+
+Usage: ``python tests/mutation/run.py [--targets a,b] [--no-kernels] [--max-children N] [--mutants GLOB...]
+[--sample N --seed S]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
+import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -35,13 +45,15 @@ class Target:
     """What one target mutates (``modules``, narrowed to the mutants matching ``mutants`` globs when given) and
     the tests that pin it; ``env`` ``"vllm"``: mutmut and the tests run in vLLM's own environment (``.venv-vllm``,
     or ``KVCANARY_VLLM_PYTHON``) with its OpenMP library preloaded, as ``make test-vllm`` runs them; ``keywords``:
-    the ``-k`` expression that selects the tests' NumPy runs."""
+    the ``-k`` expression that selects the tests' NumPy runs; ``files``: what else of the repository its tests read
+    (copied beside the package)."""
 
     modules: list[str]
     tests: list[str]
     mutants: list[str] = field(default_factory=list)
     env: str = "main"
     keywords: str = NOT_KERNEL_BACKENDS
+    files: list[str] = field(default_factory=list)
 
 
 # The runtime package's modules, one list for the targets below (edit here when the package's modules change).
@@ -137,6 +149,93 @@ TARGETS: dict[str, Target] = {
 }
 
 
+# The whole package, sampled (``--sample``): every module but vLLM's integration, whose tests need vLLM's
+# environment (the ``vllm`` target covers its step read there), under the main suite but the files that pin no
+# Python module of the package or run it only from outside (the NVRTC compiles of the kernels, the wheel build, the
+# browser rendering, the documentation and example scripts, each a process of its own and seconds to minutes), and
+# the two longest random runs (the 14,000 bad calls of the entry points, the tiered simulator over many seeds),
+# whose cases the other files pin in small: mutmut runs every selected test once with its statistics on, and each
+# surviving mutant reruns every test that reached its function.
+PACKAGE_EXCLUDED_MODULES = "kvcanary_cupy/integrations/vllm/*"
+PACKAGE_EXCLUDED_TESTS = ["test_nvrtc_compile.py", "test_packaging.py", "test_report_in_browser.py",
+                          "test_readme.py", "test_examples.py", "test_fuzz_entry_points.py", "test_sim_tiers_seeds.py"]
+
+
+def package_modules() -> list[str]:
+    return sorted(str(path.relative_to(ROOT)) for path in (ROOT / "kvcanary_cupy").rglob("*.py")
+                  if not path.match(PACKAGE_EXCLUDED_MODULES))
+
+
+def package_tests() -> list[str]:
+    return sorted(f"tests/{path.name}" for path in (ROOT / "tests").glob("test_*.py")
+                  if path.name not in PACKAGE_EXCLUDED_TESTS)
+
+
+# Copied: the documentation pages, the changelog and the cost table's renderer (bench/), which some tests check the
+# code against. Left out: the runs under AddressSanitizer (the kernels' host builds, each in a process of its own),
+# and the scan of the package's source for the environment variables it reads (the mutated copy it would scan holds
+# every mutant's strings).
+TARGETS["package"] = Target(package_modules(), package_tests(), files=["docs", "CHANGELOG.md", "bench"],
+                            keywords=f"{NOT_KERNEL_BACKENDS} and not address_sanitizer"
+                                     " and not every_environment_variable_the_package_reads")
+# Too many mutants to run every one (tens of thousands, seconds to minutes each): the target runs sampled only.
+SAMPLED_ONLY = {"package"}
+# The targets ``make mutate`` runs when none are named.
+DEFAULT_TARGETS = [name for name in TARGETS if name not in SAMPLED_ONLY]
+
+# mutmut's command line. With KVCANARY_MUTANT_ORDER (a JSON list of mutant names), for a sampled run: the mutants
+# run in that order instead of mutmut's fastest-first one, so a run stopped part-way has checked a uniform
+# sub-sample; and its "clean" run of the selected tests is skipped: the statistics run just before it (a fresh
+# scratch copy has none to reuse) ran every selected test, and stops with -x at the first that fails.
+MUTMUT_MAIN = ("import json, os, sys\n"
+               "import mutmut.__main__ as mutmut_main\n"
+               "order_file = os.environ.get('KVCANARY_MUTANT_ORDER')\n"
+               "if order_file:\n"
+               "    with open(order_file) as f:\n"
+               "        rank = {name: i for i, name in enumerate(json.load(f))}\n"
+               "    mutmut_main.estimated_worst_case_time = lambda name: rank.get(name, len(rank))\n"
+               "    make_runner = mutmut_main.get_mutant_runner\n"
+               "    def runner_without_clean_run(*args, **kwargs):\n"
+               "        runner = make_runner(*args, **kwargs)\n"
+               "        runner.run_clean_tests = lambda tests: 0\n"
+               "        return runner\n"
+               "    mutmut_main.get_mutant_runner = runner_without_clean_run\n"
+               "sys.exit(mutmut_main.cli())")
+# Writes every mutant of the configured modules under mutants/ (what ``mutmut run`` does first; it keeps them).
+MUTMUT_GENERATE = ("import os, sys\n"
+                   "import mutmut.__main__ as mutmut_main\n"
+                   "os.makedirs('mutants', exist_ok=True)\n"
+                   "mutmut_main.copy_src_dir()\n"
+                   "mutmut_main.copy_also_copy_files()\n"
+                   "mutmut_main.create_mutants(int(sys.argv[1]))")
+
+
+def draw_sample(names: list[str], size: int, seed: int) -> list[str]:
+    """``size`` of ``names`` (all of them when fewer), drawn uniformly without repetition by ``seed``, in the
+    order drawn (itself uniformly random)."""
+    return random.Random(seed).sample(sorted(names), min(size, len(names)))
+
+
+def wilson_interval(successes: int, trials: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion (95 % for the default ``z``); (0, 1) for no trials."""
+    if trials == 0:
+        return 0.0, 1.0
+    p = successes / trials
+    denominator = 1 + z * z / trials
+    centre = (p + z * z / (2 * trials)) / denominator
+    half = z / denominator * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _mutants_by_module(work: Path) -> dict[str, str]:
+    """Every generated mutant's name and the module it mutates (from mutmut's per-module metadata)."""
+    out = {}
+    for meta in sorted((work / "mutants").rglob("*.py.meta")):
+        module = str(meta.relative_to(work / "mutants"))[: -len(".meta")]
+        out.update(dict.fromkeys(json.loads(meta.read_text())["exit_code_by_key"], module))
+    return out
+
+
 def _python(target: Target) -> tuple[str, dict[str, str]]:
     """The interpreter a target's mutmut runs under, and the environment additions it needs."""
     if target.env == "main":
@@ -156,51 +255,123 @@ def _toml_list(items: list[str]) -> str:
     return "[" + ", ".join(f'"{x}"' for x in items) + "]"
 
 
-def _scratch_copy(dest: Path) -> None:
+def _scratch_copy(dest: Path, files: tuple[str, ...] = (), keep_mutants: bool = False) -> None:
+    """A fresh copy of the repository's package, kernels and tests (and ``files``) at ``dest``. ``keep_mutants``:
+    the package's mutants generated there before are kept (generating the whole package's takes minutes);
+    mutmut generates a module's again when its source is newer, and everything else under ``mutants/`` (tests,
+    statistics, verdicts) is dropped."""
+    kept = dest / "mutants" / "kvcanary_cupy"
+    parked = dest.parent / f"{dest.name}.mutants"
+    if keep_mutants and kept.exists():
+        shutil.rmtree(parked, ignore_errors=True)
+        kept.rename(parked)
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "mutants")
     for name in ("kvcanary_cupy", "kernels", "tests"):
         shutil.copytree(ROOT / name, dest / name, ignore=ignore)
-    for name in ("setup.py", "README.md", "pyproject.toml"):
-        shutil.copy2(ROOT / name, dest / name)
+    for name in ("setup.py", "README.md", "pyproject.toml", *files):
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, dest / name, ignore=ignore)
+        else:
+            shutil.copy2(ROOT / name, dest / name)
+    if parked.exists():
+        (dest / "mutants").mkdir()
+        parked.rename(kept)
+        for meta in kept.rglob("*.meta"):  # verdicts of an earlier run: this one checks its own draw
+            data = json.loads(meta.read_text())
+            data["exit_code_by_key"] = dict.fromkeys(data["exit_code_by_key"])
+            meta.write_text(json.dumps(data))
 
 
-def run_python_target(name: str, max_children: int, mutants: list[str]) -> tuple[int, int, list[str]]:
-    """mutmut over one target (only the mutants matching the ``mutants`` globs, when given); (killed, total,
-    survivors as 'mutant: status')."""
+@dataclass
+class Sample:
+    """A sampled run's draw: how many mutants the target has in all, the names drawn (in the order drawn) and the
+    module of each."""
+
+    total: int
+    names: list[str]
+    module_of: dict[str, str]
+
+
+def run_python_target(name: str, max_children: int, mutants: list[str], sample: tuple[int, int] | None = None
+                      ) -> tuple[int, int, list[str], dict[str, str], Sample | None]:
+    """mutmut over one target (only the mutants matching the ``mutants`` globs, when given, or a uniform random
+    ``sample`` of (size, seed) of all its mutants); (killed, checked, survivors as 'mutant: status', every checked
+    mutant's status, the sample). Stopped (Ctrl-C, SIGTERM), it reports the mutants checked so far."""
     target = TARGETS[name]
     modules, tests = target.modules, target.tests
     mutants = mutants or target.mutants
     python, extra_env = _python(target)
     work = SCRATCH / name
-    _scratch_copy(work)
+    _scratch_copy(work, tuple(target.files), keep_mutants=sample is not None)
     with open(work / "pyproject.toml", "a") as f:
         f.write("\n[tool.mutmut]\n"
                 f'source_paths = ["kvcanary_cupy"]\n'
                 f"only_mutate = {_toml_list(modules)}\n"
-                f'also_copy = ["kernels", "setup.py", "README.md"]\n'
+                f"also_copy = {_toml_list(['kernels', 'setup.py', 'README.md', *target.files])}\n"
                 f"pytest_add_cli_args = {_toml_list([*PYTEST, '-k', target.keywords])}\n"
                 f"pytest_add_cli_args_test_selection = {_toml_list(tests)}\n"
                 "use_git_change_detection = false\n")
-    mutmut = [python, "-c", "import sys; from mutmut.__main__ import cli; sys.exit(cli())"]
+    mutmut = [python, "-c", MUTMUT_MAIN]
     # The differential tests' random examples cut to a tenth: each survivor reruns them.
     env = dict(os.environ, KVCANARY_CACHE_DIR=str(SCRATCH / "cache"), HYPOTHESIS_PROFILE="ci",
                KVCANARY_DIFFERENTIAL_SCALE="0.1", **extra_env)
+    drawn = None
+    if sample is not None:
+        subprocess.run([python, "-c", MUTMUT_GENERATE, str(max_children)], cwd=work, env=env, check=True,
+                       stdout=subprocess.DEVNULL)
+        module_of = _mutants_by_module(work)
+        drawn = Sample(len(module_of), draw_sample(list(module_of), *sample), module_of)
+        (work / "sample.json").write_text(json.dumps(drawn.names, indent=0))
+        env["KVCANARY_MUTANT_ORDER"] = str(work / "sample.json")
+        mutants = drawn.names
+        print(f"  {name}: {drawn.total} mutants, {len(drawn.names)} drawn (seed {sample[1]})", flush=True)
+    stopped = False
     with open(work / "mutmut.log", "w") as log:  # its progress spinner, kept out of the summary
-        rc = subprocess.run([*mutmut, "run", "--max-children", str(max_children), *mutants], cwd=work, env=env,
-                            stdout=log, stderr=subprocess.STDOUT).returncode
-    if rc != 0:
+        proc = subprocess.Popen([*mutmut, "run", "--max-children", str(max_children), *mutants], cwd=work,
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:  # mutmut stops its workers on SIGINT and keeps the verdicts it has
+            stopped = True
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+            rc = proc.wait()
+    if rc != 0 and not stopped:
         raise SystemExit(f"mutmut run failed for {name} (exit {rc}): see {work / 'mutmut.log'}")
     out = subprocess.run([*mutmut, "results", "--all", "true"], cwd=work, env=env, check=True,
                          capture_output=True, text=True).stdout
     statuses = dict(re.findall(r"^\s+(\S+): (.+)$", out, flags=re.M))
-    if mutants:
+    if drawn is not None:
+        statuses = {k: statuses.get(k, "not checked") for k in drawn.names}
+    if mutants or stopped:
         statuses = {k: v for k, v in statuses.items() if v != "not checked"}
+    if stopped:
+        print(f"  {name}: stopped; {len(statuses)} mutants checked", flush=True)
     killed = sum(s in ("killed", "timeout") for s in statuses.values())
     survivors = sorted(f"{k}: {s}" for k, s in statuses.items() if s not in ("killed", "timeout"))
-    return killed, len(statuses), survivors
+    return killed, len(statuses), survivors, statuses, drawn
+
+
+def print_sample_report(name: str, drawn: Sample, statuses: dict[str, str]) -> None:
+    """The sampled score with its 95 % Wilson interval, and the sample per module."""
+    checked = [k for k in drawn.names if k in statuses]
+    killed = sum(statuses[k] in ("killed", "timeout") for k in checked)
+    low, high = wilson_interval(killed, len(checked))
+    print(f"\n{name}: {drawn.total} mutants in all, {len(drawn.names)} drawn, {len(checked)} checked, "
+          f"{killed} killed: {100 * killed / max(len(checked), 1):.1f}% "
+          f"(95% Wilson interval {100 * low:.1f}% to {100 * high:.1f}%)")
+    per_module: dict[str, list[int]] = {}
+    for k in checked:
+        counts = per_module.setdefault(drawn.module_of[k], [0, 0, 0])
+        counts[0] += 1
+        counts[1] += statuses[k] in ("killed", "timeout")
+        counts[2] += statuses[k] == "no tests"
+    print(f"  {'module':50s} {'checked':>7s} {'killed':>6s} {'no tests':>8s}")
+    for module, (n, k, no_tests) in sorted(per_module.items()):
+        print(f"  {module:50s} {n:7d} {k:6d} {no_tests:8d}")
 
 
 def kernel_mutants() -> list[tuple[str, str, str, list[str]]]:
@@ -248,22 +419,44 @@ def run_kernel_mutants() -> tuple[int, int, list[str]]:
     return killed, len(mutants), survivors
 
 
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # a run stopped by SIGTERM still reports what it checked
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
+    parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
+                        help=f"comma-separated, of {', '.join(TARGETS)} (default: all but "
+                             f"{', '.join(SAMPLED_ONLY)}, which runs with --sample only)")
     parser.add_argument("--no-kernels", action="store_true", help="skip the planted kernel mutations")
     parser.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--mutants", nargs="*", default=[],
                         help="only the mutants matching these globs, e.g. '*CanaryRuntime*sweep*' (in place of "
                              "a target's own globs)")
+    parser.add_argument("--sample", type=int, metavar="N",
+                        help="run N of each target's mutants, drawn uniformly at random (with --seed), and print "
+                             "the score's 95%% Wilson interval")
+    parser.add_argument("--seed", type=int, default=0, help="the seed of --sample's draw (default 0)")
     args = parser.parse_args()
-    results: dict[str, tuple[int, int, list[str], float]] = {}
-    for name in [t for t in args.targets.split(",") if t]:
+    names = [t for t in args.targets.split(",") if t]
+    for name in names:
         if name not in TARGETS:
             parser.error(f"unknown target {name!r}")
+        if name in SAMPLED_ONLY and args.sample is None:
+            parser.error(f"the {name} target runs sampled only: give --sample N")
+    if args.sample is not None and (args.sample < 1 or args.mutants):
+        parser.error("--sample takes a positive count, and no --mutants")
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    results: dict[str, tuple[int, int, list[str], float]] = {}
+    samples: dict[str, tuple[Sample, dict[str, str]]] = {}
+    for name in names:
         start = time.perf_counter()
-        killed, total, survivors = run_python_target(name, args.max_children, args.mutants)
+        sample = None if args.sample is None else (args.sample, args.seed)
+        killed, total, survivors, statuses, drawn = run_python_target(name, args.max_children, args.mutants,
+                                                                      sample)
         results[name] = (killed, total, survivors, time.perf_counter() - start)
+        if drawn is not None:
+            samples[name] = (drawn, statuses)
         print(f"  {name}: {killed} / {total} killed in {results[name][3]:.0f} s", flush=True)
     if not args.no_kernels:
         start = time.perf_counter()
@@ -277,6 +470,8 @@ def main() -> int:
     killed = sum(r[0] for r in results.values())
     total = sum(r[1] for r in results.values())
     print(f"  {'total':10s} {killed:5d} / {total:5d}  {100 * killed / max(total, 1):5.1f}%")
+    for name, (drawn, statuses) in samples.items():
+        print_sample_report(name, drawn, statuses)
     return 0
 
 
