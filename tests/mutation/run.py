@@ -144,7 +144,9 @@ TARGETS: dict[str, Target] = {
                             "*VllmCanaryState*_fill_table__mutmut_*", "*VllmCanaryState*forget_blocks__mutmut_*",
                             "*VllmCanaryState*_note_complete_blocks__mutmut_*",
                             "*VllmCanaryState*after_forward__mutmut_*", "*VllmCanaryState*read_step__mutmut_*",
-                            "*VllmCanaryState*_cached_slots__mutmut_*", "*vllm.canary.x_sweep_blocks__*"],
+                            "*VllmCanaryState*_cached_slots__mutmut_*", "*vllm.canary.x_sweep_blocks__*",
+                            "*VllmCanaryState*before_forward__mutmut_*", "*VllmCanaryState*_stage_and_plan__mutmut_*",
+                            "*VllmCanaryState*_tail_work__mutmut_*", "*VllmCanaryState*release_tail__mutmut_*"],
                    env="vllm"),
 }
 
