@@ -622,3 +622,28 @@ def test_a_step_whose_rows_compute_nothing_reads_as_rows_without_tokens():
     assert batch.prefix_lens.tolist() == [4, 6]
     for got in (batch.slot_mappings[0], batch.expected_input_ids, batch.expected_positions):
         assert got.shape == (0,) and got.dtype == np.int64
+
+
+@pytest.mark.parametrize("max_model_len", [64, 62])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_slot_table_holds_every_rows_slots_up_to_its_length_whatever_its_blocks(seed, max_model_len):
+    """The plan reads a row's slots from the canary's table, rows ``1..B``: each row's positions below its own
+    length hold ``block * BS + offset`` of its block table (hand-worked per position), for rows of different
+    lengths and scattered blocks, also where the longest row's last block reaches past the table's width
+    (``max_model_len`` 62: 16 blocks of 4 cover 64 positions, the table holds 63)."""
+    rng = np.random.default_rng(seed)
+    runner = Runner(num_blocks=128, max_model_len=max_model_len, max_num_tokens=512)
+    state = canary_state(runner)
+    lengths = [max_model_len, *rng.integers(1, max_model_len, 3).tolist()]
+    rng.shuffle(lengths)
+    ids = rng.permutation(np.arange(1, 128))
+    rows, used = [], 0
+    for i, n in enumerate(lengths):
+        blocks = ids[used : used + -(-n // BS)].tolist()
+        used += len(blocks)
+        rows.append(Row(f"r{i}", tokens(seed * 10 + i, n), 0, n, blocks))
+    run_step(state, runner, rows)
+    state.flush()
+    for i, r in enumerate(rows):
+        assert state.tables[0][i + 1, :len(r.tokens)].tolist() == slots(r.blocks, 0, len(r.tokens))
+    assert state.violations == [] and state.health_problems == []

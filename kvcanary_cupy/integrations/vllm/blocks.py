@@ -47,7 +47,7 @@ class BlockIndex:
         self._cursor = dict.fromkeys(ids, 0)  # the first block id the next sweep of a group looks at
         # per group, the last step's table and per-row block counts: a step that repeats them (a decode step
         # inside blocks) would index exactly what is indexed already, unless blocks were forgotten since
-        self._last: dict[int, tuple[int, bytes, bytes] | None] = dict.fromkeys(ids)
+        self._last: dict[int, tuple[int, bytes, bytes, bytes, bytes | None] | None] = dict.fromkeys(ids)
         # per group, the blocks the last step's rows hold: that step verified every one of them (they are its
         # rows' prefixes), so the sweep after it skips them
         self.live = {g: np.zeros(n, bool) for g, n in zip(ids, num_blocks, strict=True)}
@@ -84,15 +84,17 @@ class BlockIndex:
             self._last[gi] = None
             return
         complete = totals // bs
-        started = complete + (totals % bs > 0)
         ends = totals if written is None else np.maximum(written, totals)
         reach = -(-ends // bs)
-        partial = bool((ends > totals).any())
-        lower = np.zeros_like(complete) if first is None else np.asarray(first, np.int64)
-        key = (table.shape[1], table.tobytes(), np.stack([complete, reach, lower]).tobytes())
+        partial = written is not None and bool((ends > totals).any())
+        # most steps (decodes inside a block) change nothing here: as few array operations as can tell
+        key = (table.shape[1], table.tobytes(), complete.tobytes(), reach.tobytes(),
+               None if first is None else np.asarray(first, np.int64).tobytes())
         if key == self._last[gi] and not partial:
             return
         self._last[gi] = None if partial else key
+        started = complete + (totals % bs > 0)
+        lower = np.zeros_like(complete) if first is None else np.asarray(first, np.int64)
         cols = np.arange(table.shape[1], dtype=np.int64)
         inside = cols[None, :] >= lower[:, None]
         held = (cols[None, :] < started[:, None]) & inside

@@ -199,6 +199,7 @@ class VllmCanaryState(EngineCanaryState):
         self.max_len = int(runner.max_model_len) + 1
         rows = self.max_requests + 1
         self.tables = {geo.index: np.zeros((rows, self.max_len), np.int32) for geo in self.geos}
+        self._offsets: dict[int, np.ndarray] = {}  # _block_offsets
         layouts = {geo.name: TokenTable(self.tables[geo.index]) for geo in self.geos}
         groups = [dataclasses.replace(g, layout=layouts[g.model]) for g in groups]
         self.group_names = [g.name for g in groups]
@@ -278,17 +279,31 @@ class VllmCanaryState(EngineCanaryState):
         b = batch.size
         if b == 0:
             return
-        totals = np.asarray(batch.prefix_lens[:b] + batch.extend_lens[:b], np.int64)
-        width = int(totals.max())
-        # every row at once: a row's positions past its own length keep what the table held
-        slots = geo.slots_of(batch.block_tables[geo.index][:b], width)
+        width = int((batch.prefix_lens[:b] + batch.extend_lens[:b]).max())
+        bs, table = geo.block_size, self.tables[geo.index]
+        blocks = -(-width // bs)
+        # Every row at once, whole blocks: ``block * block_size + offset`` written in place, one pass over the
+        # rows' blocks (the plan reads a row only below its own length, so what lands past it is never read).
+        rows = table[1 : b + 1, : blocks * bs]
+        if rows.shape[1] == blocks * bs:
+            rows = rows.reshape(b, blocks, bs)  # a view: only the last axis, contiguous, is split
+            np.multiply(batch.block_tables[geo.index][:b, :blocks, None], bs, out=rows, casting="unsafe")
+            rows += self._block_offsets(bs)
+        else:  # the row's last block reaches past the table (a sequence at max_model_len)
+            np.copyto(table[1 : b + 1, :width], geo.slots_of(batch.block_tables[geo.index][:b], width),
+                      casting="unsafe")
         if geo.window:
             # below the window the block table's ids may be stale (freed, handed out again) or the null block:
             # slot 0, which the verify skips and which, as a predecessor, skips the chain check
             starts = geo.window_starts(batch.query_starts[:b])
-            slots[np.arange(width)[None, :] < starts[:, None]] = 0
-        np.copyto(self.tables[geo.index][1 : b + 1, :width], slots,
-                  where=np.arange(width)[None, :] < totals[:, None], casting="unsafe")
+            table[1 : b + 1, :width][np.arange(width)[None, :] < starts[:, None]] = 0
+
+    def _block_offsets(self, block_size: int) -> np.ndarray:
+        """``0 .. block_size - 1`` (int32), made once per block size."""
+        offsets = self._offsets.get(block_size)
+        if offsets is None:
+            offsets = self._offsets[block_size] = np.arange(block_size, dtype=np.int32)
+        return offsets
 
     def after_forward(self, batch: VllmStep, written: dict[int, np.ndarray], *, inline: bool = False,
                       hold: bool = False) -> None:
