@@ -167,3 +167,28 @@ def test_hold_waits_for_the_work_in_flight_and_a_held_error_is_raised_by_wait():
     with pytest.raises(RuntimeError, match="held work failed"):
         tail.wait()
     tail.close()
+
+
+def test_a_tail_thread_given_cores_runs_its_work_there_and_leaves_its_creator_where_it_was():
+    import os
+
+    creator = os.sched_getaffinity(0)
+    cpu = max(creator)
+    tail = TailThread(cores=frozenset({cpu}))
+    seen: list[set[int]] = []
+    tail.submit(lambda: seen.append(os.sched_getaffinity(0)))
+    tail.submit(lambda: seen.append(os.sched_getaffinity(0)))
+    tail.close()
+    assert seen == [{cpu}, {cpu}] and tail.pinned == {cpu}
+    assert os.sched_getaffinity(0) == creator
+
+
+def test_a_tail_thread_given_cores_it_may_not_use_stays_on_its_creators_and_still_runs_its_work():
+    import os
+
+    creator = os.sched_getaffinity(0)
+    tail = TailThread(cores=frozenset({(os.cpu_count() or 1) + 64}))  # no such CPU: the call is refused
+    seen: list[set[int]] = []
+    tail.submit(lambda: seen.append(os.sched_getaffinity(0)))
+    tail.close()
+    assert seen == [creator] and tail.pinned is None

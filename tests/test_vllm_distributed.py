@@ -1,6 +1,7 @@
 """The tensor-parallel helpers of the vLLM integration that need no vLLM: each rank's cores for
-``VLLM_CPU_OMP_THREADS_BIND`` (vLLM's CPU docs: ranks separated by ``|``, each a list of CPU ids and ranges) and the
-worker's rank read from the runner's copy of vLLM's parallel configuration."""
+``VLLM_CPU_OMP_THREADS_BIND`` (vLLM's CPU docs: ranks separated by ``|``, each a list of CPU ids and ranges), the
+worker's rank read from the runner's copy of vLLM's parallel configuration, and the cores a lone worker leaves to
+vLLM's engine core."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import types
 
 import pytest
 
-from kvcanary_cupy.integrations.vllm.distributed import thread_binding, worker_rank
+from kvcanary_cupy.integrations.vllm import distributed
+from kvcanary_cupy.integrations.vllm.distributed import idle_cores, thread_binding, worker_rank
 
 
 @pytest.mark.parametrize(("workers", "cpus", "binding"), [
@@ -45,3 +47,30 @@ def test_worker_rank_reads_the_runners_parallel_config():
     runner = types.SimpleNamespace(vllm_config=types.SimpleNamespace(parallel_config=parallel))
     assert worker_rank(runner) == (1, 2)
     assert worker_rank(types.SimpleNamespace()) == (0, 1)  # a runner without one: a single worker
+
+
+def _runner(world_size: int = 1, data_parallel_size: int = 1) -> types.SimpleNamespace:
+    parallel = types.SimpleNamespace(rank=0, world_size=world_size, data_parallel_size=data_parallel_size)
+    return types.SimpleNamespace(vllm_config=types.SimpleNamespace(parallel_config=parallel))
+
+
+@pytest.mark.parametrize(("mine", "cpus", "runner", "idle"), [
+    ({0}, 2, _runner(), {1}),  # vLLM's CPU worker on core 0, its engine core on core 1
+    ({0, 1}, 4, _runner(), {2, 3}),
+    ({2}, 4, types.SimpleNamespace(), {0, 1, 3}),  # a runner without a parallel config: one worker
+    ({0, 1}, 2, _runner(), None),  # the worker may use every core: none is idle
+    ({0}, 2, _runner(world_size=2), None),  # tensor parallel: the other core is the other worker's
+    ({0}, 4, _runner(data_parallel_size=2), None),  # data parallel: another engine's worker is out there
+])
+def test_idle_cores_are_those_a_lone_worker_leaves_to_the_engine_core(monkeypatch, mine, cpus, runner, idle):
+    monkeypatch.setattr(distributed.os, "sched_getaffinity", lambda pid: set(mine))
+    monkeypatch.setattr(distributed.os, "cpu_count", lambda: cpus)
+    assert idle_cores(runner) == (None if idle is None else frozenset(idle))
+
+
+def test_idle_cores_are_none_where_the_platform_cannot_tell(monkeypatch):
+    def refuse(pid):
+        raise OSError("not here")
+
+    monkeypatch.setattr(distributed.os, "sched_getaffinity", refuse)
+    assert idle_cores(_runner()) is None

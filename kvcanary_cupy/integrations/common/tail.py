@@ -5,6 +5,9 @@ the forward wrote) and the one-step-late read of the rings. None of it changes w
 host backend the launches run in compiled code that releases the GIL; so they can run while the engine samples,
 updates its requests and schedules the next step, on a core its forward left idle.
 
+The thread may be given cores of its own (``cores``): it moves there when it starts, so that the work takes no
+time from the engine's thread at all where the machine has a core the engine leaves idle meanwhile.
+
 Work may also be *held* (:meth:`TailThread.hold`) and started later (:meth:`TailThread.release`): an engine whose
 worker samples after its forward and then waits for the next step starts it once sampling returns, so that the
 work takes the core while the worker waits rather than while it samples and sends its output (the step's
@@ -19,6 +22,7 @@ raised there, on the engine thread.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
@@ -26,10 +30,14 @@ from typing import Any
 
 
 class TailThread:
-    """At most one piece of work in flight (or held) on one worker thread; :meth:`wait` joins it."""
+    """At most one piece of work in flight (or held) on one worker thread; :meth:`wait` joins it. ``cores``: the
+    CPUs the worker thread runs on (set when it starts; where the platform refuses them it stays on its
+    creator's)."""
 
-    def __init__(self, name: str = "kvcanary-tail") -> None:
+    def __init__(self, name: str = "kvcanary-tail", cores: frozenset[int] | None = None) -> None:
         self._name = name
+        self.cores = cores
+        self.pinned: frozenset[int] | None = None  # the worker thread's CPUs, once it has moved to ``cores``
         self._pool: ThreadPoolExecutor | None = None  # started by the first submit (after any fork of the engine)
         self._pending: Future[Any] | None = None
         self._held: tuple[Callable[..., Any], tuple[Any, ...]] | None = None
@@ -42,8 +50,17 @@ class TailThread:
         """Run ``work(*args)`` on the worker; the previous work is waited for first (in order, one at a time)."""
         self.wait()
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name,
+                                            initializer=self._move_to_cores)
         self._pending = self._pool.submit(work, *args)
+
+    def _move_to_cores(self) -> None:
+        if self.cores:
+            try:
+                os.sched_setaffinity(0, self.cores)  # 0: the calling thread
+                self.pinned = frozenset(os.sched_getaffinity(0))
+            except (AttributeError, OSError):  # no such call here, or none of those CPUs is allowed
+                self.pinned = None
 
     def hold(self, work: Callable[..., Any], *args: Any) -> None:
         """Keep ``work(*args)`` to run on the worker once :meth:`release` (or a wait) starts it; the previous work

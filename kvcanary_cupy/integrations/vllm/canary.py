@@ -38,6 +38,7 @@ from ..common.options import EngineCanaryOptions
 from ..common.state import EngineCanaryState, StepViolation
 from ..common.tail import TailThread
 from .blocks import BlockIndex
+from .distributed import idle_cores
 from .layers import layer_sources
 from .step import RequestHistories, VllmStep, build_step
 from .support import Support, assess
@@ -234,8 +235,17 @@ class VllmCanaryState(EngineCanaryState):
         # In log mode a step's TAIL launches and ring read run while vLLM samples and schedules the next step
         # (:class:`TailThread`; the hooks wait for them before the next step starts). Raise mode runs them
         # inline: a violation then fails the step whose ring read found it, not the engine's next request.
-        self.tail = TailThread() if opts.mode == "log" else None
+        # Where the worker leaves cores to vLLM's engine core (idle while the worker computes), the TAIL thread
+        # runs there (:func:`.distributed.idle_cores`): the step's staging and HEAD during its forward, its
+        # TAIL work from the forward's end, beside sampling.
+        self.tail = TailThread(cores=idle_cores(runner)) if opts.mode == "log" else None
         self.head_deferred = False  # this step's phases 1 and 2 go with its TAIL work (before_forward)
+
+    @property
+    def beside_forward(self) -> bool:
+        """The TAIL thread has cores of its own: the step's phases 1 and 2 run there during the forward, its
+        TAIL work from the forward's end."""
+        return self.tail is not None and self.tail.cores is not None
 
     # -- the step --------------------------------------------------------------------------------------------
 
@@ -253,17 +263,21 @@ class VllmCanaryState(EngineCanaryState):
 
     def before_forward(self, batch: VllmStep, *, inline: bool = False) -> None:
         """Phases 1 and 2 of every group: stage the batch (the slot tables, the runtime's staged copies), then
-        plan, HEAD verify and HEAD write. With the TAIL thread (unless ``inline``) both go with the TAIL work,
-        after the forward (:meth:`_stage_and_plan`): ``batch`` is this step's own copy of what it read, the
-        staging writes only the canary's buffers, the plan reads only those, and the HEAD launches only the HEAD
-        buffers, none of which the forward touches, so they find what they would find before it; the engine
-        thread then only reads the step."""
+        plan, HEAD verify and HEAD write. With the TAIL thread (unless ``inline``) both run there, beside the
+        forward (:attr:`beside_forward`) or with the TAIL work after it (:meth:`_stage_and_plan`): ``batch`` is
+        this step's own copy of what it read, the staging writes only the canary's buffers, the plan reads only
+        those, and the HEAD launches only the HEAD buffers, none of which the forward touches, so they find
+        what they would find before it; the engine thread then only reads the step."""
         b = batch.size
         if b > self.max_requests:
             fail(f"vLLM scheduled {b} requests in one step, more than the {self.max_requests} the canary was "
                  "sized for (max_num_seqs)")
-        self.head_deferred = self.tail is not None and not inline
-        if not self.head_deferred:
+        beside = self.tail is not None and not inline
+        self.head_deferred = beside and not self.beside_forward
+        if beside and self.beside_forward:
+            assert self.tail is not None
+            self.tail.submit(self._stage_and_plan_beside, batch)
+        elif not beside:
             self._stage_and_plan(batch)
 
     def _stage_and_plan(self, batch: VllmStep) -> None:
@@ -273,6 +287,13 @@ class VllmCanaryState(EngineCanaryState):
             self._fill_table(geo, batch)
             self.rt.prepare(step, model=geo.name)
             self.rt.pre_forward(model=geo.name)
+
+    def _stage_and_plan_beside(self, batch: VllmStep) -> None:
+        """Phases 1 and 2 on the TAIL thread, its host launches on that thread alone (as :meth:`_tail_work_beside`)."""
+        from ...hostcuda import threads_on_this_thread
+
+        with threads_on_this_thread(1):
+            self._stage_and_plan(batch)
 
     def _fill_table(self, geo: GroupGeometry, batch: VllmStep) -> None:
         """Rows ``1..B`` of the group's per-position slot table from this step's block table."""
@@ -311,12 +332,13 @@ class VllmCanaryState(EngineCanaryState):
         group's slot mapping as it was when the forward returned), the step's blocks indexed, then the
         one-step-late read of the rings and, when due, the sweep. All of it runs on the TAIL thread unless
         ``inline`` (or raise mode); ``hold``: it starts there at :meth:`release_tail` (the runner has sampled),
-        not now; :meth:`settle` waits for it (and starts it if still held). Nothing here reads the runner:
+        not now, unless the thread has cores of its own (:attr:`beside_forward`: it then takes no time from
+        sampling); :meth:`settle` waits for it (and starts it if still held). Nothing here reads the runner:
         ``batch`` and ``written`` are this step's own copies."""
         head, self.head_deferred = self.head_deferred, False
         if self.tail is None or inline:
             self._tail_work(batch, written, head)
-        elif hold:
+        elif hold and not self.beside_forward:
             self.tail.hold(self._tail_work_beside, batch, written, head)
         else:
             self.tail.submit(self._tail_work_beside, batch, written, head)

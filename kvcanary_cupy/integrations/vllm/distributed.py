@@ -1,5 +1,5 @@
 """The canary in vLLM's distributed engine: which worker a canary runs in, the CPU build's thread binding for
-more than one worker.
+more than one worker, and the cores a lone worker leaves to vLLM's engine core.
 
 Every worker process of a tensor-parallel engine builds its own model runner over its own KV-head shard; the
 plugin (or ``kvcanary simulate --engine vllm --tensor-parallel N`` through ``LLM.collective_rpc``:
@@ -31,6 +31,25 @@ def worker_rank(runner: Any) -> tuple[int, int]:
     rank = getattr(parallel, "rank", 0)
     world = getattr(parallel, "world_size", 1)
     return (rank if isinstance(rank, int) else 0), (world if isinstance(world, int) and world > 0 else 1)
+
+
+def idle_cores(runner: Any) -> frozenset[int] | None:
+    """The CPUs this process may use outside the calling (worker) thread's own, when the worker is its engine's
+    only one (no tensor, pipeline or data parallelism); None otherwise, or where there are none.
+
+    vLLM's CPU build binds a worker's threads to its cores and reserves the others for the engine core's
+    process (``vllm/utils/ompmultiprocessing.py``), which waits for the worker's output while the worker
+    computes: the canary's TAIL thread can run there without taking a core from the forward or from sampling.
+    With more than one worker the cores outside this one's are another worker's, so none is taken."""
+    parallel = getattr(getattr(runner, "vllm_config", None), "parallel_config", None)
+    if worker_rank(runner)[1] != 1 or getattr(parallel, "data_parallel_size", 1) != 1:
+        return None
+    try:
+        mine = os.sched_getaffinity(0)
+    except (AttributeError, OSError):  # a platform without it
+        return None
+    spare = frozenset(range(os.cpu_count() or 0)) - mine
+    return spare or None
 
 
 def thread_binding(workers: int, cpus: list[int] | None = None) -> str:
