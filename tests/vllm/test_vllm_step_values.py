@@ -87,7 +87,7 @@ def test_canary_tokens_of_a_step_in_forward_order_are_the_forward_values_themsel
     assert step_with(source_index=[0, 1]).canary_tokens(forward, np.array([20, 21])) is forward
 
 
-def test_a_runner_tensor_that_refuses_a_numpy_view_is_read_through_a_host_copy():
+def test_a_runner_tensor_that_refuses_a_numpy_view_is_read_through_a_detached_copy():
     # a tensor that requires grad refuses ``.numpy()``: its values come through the detached host copy
     tensor = torch.tensor([1.5, -2.0, 3.25], requires_grad=True)
     with pytest.raises(RuntimeError):
