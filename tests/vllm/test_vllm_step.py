@@ -10,7 +10,8 @@ never runs over a prefix slot another request writes now with its own token, and
 re-stamps also re-stamps its unstamped positions where its table says; past the per-step re-stamp budget the rows
 left over are read without a false positive and a fault is still caught; blocks the scheduler lists to zero leave
 the sweep's index; a token the forward wrote to another slot than planned is stamped where it went; finished
-requests leave the rows waiting for their re-stamps, live ones stay; a step with no token reads as empty.
+requests leave the rows waiting for their re-stamps, live ones stay; a step with no token reads as empty and
+costs no same-step look-up; the step's block tables are int32 and its slot mappings int64 whatever the runner's.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from kvcanary_cupy.integrations.vllm import step as step_module
 from kvcanary_cupy.integrations.vllm.canary import CanaryOptions, VllmCanaryState, build_step
 from kvcanary_cupy.integrations.vllm.hooks import VllmCanary
 
@@ -622,3 +624,43 @@ def test_a_step_whose_rows_compute_nothing_reads_as_rows_without_tokens():
     assert batch.prefix_lens.tolist() == [4, 6]
     for got in (batch.slot_mappings[0], batch.expected_input_ids, batch.expected_positions):
         assert got.shape == (0,) and got.dtype == np.int64
+
+
+def test_a_step_whose_rows_compute_nothing_skips_the_same_step_look_up(monkeypatch):
+    """The same-step look-up runs only for a step with rows and tokens: rows with no token in the forward (and no
+    row at all) cost no look-up, and read as before."""
+    calls = []
+    look_up = step_module._same_step_rows
+    monkeypatch.setattr(step_module, "_same_step_rows", lambda *args: calls.append(args) or look_up(*args))
+    runner = Runner()
+    state = canary_state(runner)
+    runner.inputs([Row("A", tokens(1, 4), 4, 0, [1]), Row("B", tokens(2, 6), 6, 0, [2, 3])])
+    kwargs = {"input_ids": torch.zeros(0, dtype=torch.int64), "positions": torch.zeros(0, dtype=torch.int64)}
+    md = SimpleNamespace(query_start_loc=torch.zeros(3, dtype=torch.int32),
+                         seq_lens=torch.tensor([4, 6], dtype=torch.int32),
+                         block_table=torch.tensor([[1, 0], [2, 3]], dtype=torch.int32),
+                         slot_mapping=torch.zeros(0, dtype=torch.int64))
+    batch = build_step(state.steps, runner, kwargs, {LAYER: md}, state.geos, state.max_tokens, state.unstamped)
+    assert batch.prefix_lens.tolist() == [4, 6] and batch.slot_mappings[0].size == 0
+    assert calls == []
+    # a step with tokens does look (the spy is in place)
+    a = Row("C", tokens(3, 6), 0, 6, [4, 5])
+    build_step(state.steps, runner, *runner.inputs([a]), state.geos, state.max_tokens, state.unstamped)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_step_holds_int32_block_tables_and_int64_slots_whatever_integer_dtypes_the_runner_hands(seed):
+    """The step copies the metadata's block table as int32 and its slot mapping as int64 (the dtypes the plan
+    and the slot tables take) also where the runner's tensors are int64 and int32."""
+    runner = Runner()
+    state = canary_state(runner)
+    rng = np.random.default_rng(seed)
+    blocks = [int(b) for b in rng.choice(np.arange(1, 64), 3, replace=False)]
+    n = int(rng.integers(1, 3 * BS + 1))
+    kwargs, md = runner.inputs([Row("A", tokens(seed, n), 0, n, blocks)])
+    md[LAYER].block_table = md[LAYER].block_table.to(torch.int64)
+    md[LAYER].slot_mapping = md[LAYER].slot_mapping.to(torch.int32)
+    batch = state.read_step(kwargs, md)
+    assert batch.block_tables[0].dtype == np.int32 and batch.block_tables[0].tolist() == [blocks]
+    assert batch.slot_mappings[0].dtype == np.int64 and batch.slot_mappings[0].tolist() == slots(blocks, 0, n)
