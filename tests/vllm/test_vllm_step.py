@@ -11,7 +11,8 @@ re-stamps also re-stamps its unstamped positions where its table says; past the 
 left over are read without a false positive and a fault is still caught; blocks the scheduler lists to zero leave
 the sweep's index; a token the forward wrote to another slot than planned is stamped where it went; finished
 requests leave the rows waiting for their re-stamps, live ones stay; a step with no token reads as empty and
-costs no same-step look-up; the step's block tables are int32 and its slot mappings int64 whatever the runner's.
+costs no same-step look-up; the step's block tables are int32 and its slot mappings int64 whatever the runner's;
+more requests than the canary was sized for are refused by name; in log mode nothing launches before the forward.
 """
 
 from __future__ import annotations
@@ -664,3 +665,33 @@ def test_a_step_holds_int32_block_tables_and_int64_slots_whatever_integer_dtypes
     batch = state.read_step(kwargs, md)
     assert batch.block_tables[0].dtype == np.int32 and batch.block_tables[0].tolist() == [blocks]
     assert batch.slot_mappings[0].dtype == np.int64 and batch.slot_mappings[0].tolist() == slots(blocks, 0, n)
+
+
+def test_more_requests_in_a_step_than_the_canary_was_sized_for_are_refused_by_name_before_any_launch():
+    runner = Runner(max_num_reqs=2)
+    state = canary_state(runner)
+    rows = [Row(rid, tokens(i, 4), 0, 4, [i + 1]) for i, rid in enumerate("ABC")]
+    batch = state.read_step(*runner.inputs(rows))
+    with pytest.raises(ValueError, match=r"^kv-canary: vLLM scheduled 3 requests in one step, more than the 2 the "
+                                         r"canary was sized for \(max_num_seqs\)$"):
+        state.before_forward(batch)
+    state.settle()
+    assert set(endpoint_counts(state).values()) <= {(0, 0)} and state.steps == 0
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_in_log_mode_a_steps_staging_and_head_work_wait_for_the_tail_work(seed):
+    """With the TAIL thread (log mode) ``before_forward`` launches nothing: the staging, plan and HEAD phases go
+    with the TAIL work after the forward, which then launches the HEAD and TAIL phases of the step's tokens."""
+    runner = Runner()
+    state = canary_state(runner)
+    assert state.tail is not None
+    n = 5 + seed
+    row = Row("A", tokens(seed, n), 0, n, [1, 2])
+    kwargs, md = runner.inputs([row])
+    batch = state.read_step(kwargs, md)
+    state.before_forward(batch)
+    assert state.head_deferred and set(endpoint_counts(state).values()) <= {(0, 0)}
+    state.after_forward(batch, {0: md[LAYER].slot_mapping.numpy().astype(np.int64)})
+    state.settle()
+    assert not state.head_deferred and endpoint_counts(state)["write"][0] == n
