@@ -12,7 +12,8 @@ left over are read without a false positive and a fault is still caught; blocks 
 the sweep's index; a token the forward wrote to another slot than planned is stamped where it went; finished
 requests leave the rows waiting for their re-stamps, live ones stay; a step with no token reads as empty and
 costs no same-step look-up; the step's block tables are int32 and its slot mappings int64 whatever the runner's;
-more requests than the canary was sized for are refused by name; in log mode nothing launches before the forward.
+more requests than the canary was sized for are refused by name; in log mode nothing launches before the forward;
+the TAIL write gets the forward's slots only where they differ from the plan's.
 """
 
 from __future__ import annotations
@@ -695,3 +696,30 @@ def test_in_log_mode_a_steps_staging_and_head_work_wait_for_the_tail_work(seed):
     state.after_forward(batch, {0: md[LAYER].slot_mapping.numpy().astype(np.int64)})
     state.settle()
     assert not state.head_deferred and endpoint_counts(state)["write"][0] == n
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_forward_that_wrote_where_planned_hands_the_tail_write_no_slots_of_its_own(seed):
+    """The TAIL write is given the forward's slots only when they differ from the plan's (the plan's own are
+    already staged): none for a step written as planned, the moved slots for one that was not."""
+    runner = Runner()
+    state = canary_state(runner, mode="raise")  # the TAIL phases inline: the spy sees them at once
+    given = []
+    post_forward = state.rt.post_forward
+
+    def spy(*, model, out_cache_loc=None):
+        given.append(None if out_cache_loc is None else np.asarray(out_cache_loc).tolist())
+        return post_forward(model=model, out_cache_loc=out_cache_loc)
+
+    state.rt.post_forward = spy
+    n = 6 + seed
+    a = Row("A", tokens(seed, n), 0, n, [1, 2])
+    run_step(state, runner, [a], seed)
+    assert given == [None]
+    b = Row("B", tokens(seed + 1, 3), 0, 3, [3])
+    kwargs, md = runner.inputs([b])
+    batch = state.read_step(kwargs, md)
+    state.before_forward(batch)
+    written = np.array([12, 13, 20], np.int64)  # position 2 written into slot 20, not 14
+    state.after_forward(batch, {0: written})
+    assert given == [None, [12, 13, 20]]
