@@ -13,7 +13,8 @@ the sweep's index; a token the forward wrote to another slot than planned is sta
 requests leave the rows waiting for their re-stamps, live ones stay; a step with no token reads as empty and
 costs no same-step look-up; the step's block tables are int32 and its slot mappings int64 whatever the runner's;
 more requests than the canary was sized for are refused by name; in log mode nothing launches before the forward;
-the TAIL write gets the forward's slots only where they differ from the plan's.
+the TAIL write gets the forward's slots only where they differ from the plan's; a candidate of the same-step
+look-up with nothing of its own written in the step reads as no re-stamp.
 """
 
 from __future__ import annotations
@@ -723,3 +724,20 @@ def test_a_forward_that_wrote_where_planned_hands_the_tail_write_no_slots_of_its
     written = np.array([12, 13, 20], np.int64)  # position 2 written into slot 20, not 14
     state.after_forward(batch, {0: written})
     assert given == [None, [12, 13, 20]]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_prefix_block_another_request_writes_now_with_its_own_tokens_reads_as_no_restamp(seed):
+    """A writes its 8-token prompt into blocks 1, 2; B (prefix 4, its own tokens) has block 1 in its table, which A
+    writes in the step with A's tokens: a candidate of the same-step look-up, but nothing of it is B's to re-stamp.
+    The step reads in the forward's order with no re-stamp (``restamped`` false, every source the forward's own
+    token), and B's verify flags its four prefix positions in block 1."""
+    runner = Runner()
+    state = canary_state(runner)
+    a = Row("A", tokens(seed, 8), 0, 8, [1, 2])
+    b = Row("B", tokens(seed + 100, 6), 4, 2, [1, 3])
+    batch = run_step(state, runner, [a, b], seed)
+    assert batch.restamped is False and batch.source_index.tolist() == list(range(10))
+    assert batch.prefix_lens.tolist() == [0, 4] and batch.forward_tokens == 10
+    state.flush()
+    assert {(v.step, v.violation.slot) for v in state.violations} == {(0, BS + k) for k in range(BS)}
