@@ -14,12 +14,14 @@ requests leave the rows waiting for their re-stamps, live ones stay; a step with
 costs no same-step look-up; the step's block tables are int32 and its slot mappings int64 whatever the runner's;
 more requests than the canary was sized for are refused by name; in log mode nothing launches before the forward;
 the TAIL write gets the forward's slots only where they differ from the plan's; a candidate of the same-step
-look-up with nothing of its own written in the step reads as no re-stamp.
+look-up with nothing of its own written in the step reads as no re-stamp; in log mode the TAIL work is submitted
+to the TAIL thread at once.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -741,3 +743,22 @@ def test_a_prefix_block_another_request_writes_now_with_its_own_tokens_reads_as_
     assert batch.prefix_lens.tolist() == [0, 4] and batch.forward_tokens == 10
     state.flush()
     assert {(v.step, v.violation.slot) for v in state.violations} == {(0, BS + k) for k in range(BS)}
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_in_log_mode_after_forward_hands_the_tail_work_to_the_tail_thread_at_once(seed):
+    """``after_forward`` with its defaults (log mode): the TAIL work is submitted to the TAIL thread, not held for a
+    release and not run on the caller's thread, and it runs there."""
+    runner = Runner()
+    state = canary_state(runner)
+    calls: list[str] = []
+    for name in ("submit", "hold"):
+        method = getattr(state.tail, name)
+        setattr(state.tail, name, lambda *args, _name=name, _method=method: calls.append(_name) or _method(*args))
+    threads: list[str] = []
+    work = state._tail_work
+    state._tail_work = lambda *args: threads.append(threading.current_thread().name) or work(*args)
+    n = 4 + seed
+    run_step(state, runner, [Row("A", tokens(seed, n), 0, n, [1, 2])], seed)
+    assert calls == ["submit"]
+    assert len(threads) == 1 and threads[0] != threading.current_thread().name
