@@ -15,7 +15,7 @@ costs no same-step look-up; the step's block tables are int32 and its slot mappi
 more requests than the canary was sized for are refused by name; in log mode nothing launches before the forward;
 the TAIL write gets the forward's slots only where they differ from the plan's; a candidate of the same-step
 look-up with nothing of its own written in the step reads as no re-stamp; in log mode the TAIL work is submitted
-to the TAIL thread at once.
+to the TAIL thread at once; a full-attention model's steps run no cross-group drop.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvcanary_cupy.integrations.vllm import step as step_module
+from kvcanary_cupy.integrations.vllm.blocks import BlockIndex
 from kvcanary_cupy.integrations.vllm.canary import CanaryOptions, VllmCanaryState, build_step
 from kvcanary_cupy.integrations.vllm.hooks import VllmCanary
 
@@ -762,3 +763,17 @@ def test_in_log_mode_after_forward_hands_the_tail_work_to_the_tail_thread_at_onc
     run_step(state, runner, [Row("A", tokens(seed, n), 0, n, [1, 2])], seed)
     assert calls == ["submit"]
     assert len(threads) == 1 and threads[0] != threading.current_thread().name
+
+
+def test_a_full_attention_models_steps_run_no_cross_group_drop(monkeypatch):
+    """One full-attention group (no window, no other group): the steps' block indexing never runs the drop of
+    blocks claimed by another group or freed below a window, and indexes the complete blocks."""
+    calls = []
+    monkeypatch.setattr(BlockIndex, "_drop_freed_and_claimed", lambda self, *args: calls.append(args))
+    runner = Runner()
+    state = canary_state(runner)
+    a = Row("A", tokens(0, 9), 0, 8, [1, 2])
+    run_step(state, runner, [a])
+    a.prefix, a.extend, a.blocks = 8, 1, [1, 2, 3]
+    run_step(state, runner, [a])
+    assert calls == [] and indexed_blocks(state) == {(0, 1): 0, (0, 2): 1}
