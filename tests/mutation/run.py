@@ -139,7 +139,7 @@ TARGETS: dict[str, Target] = {
                    ["tests/vllm/test_vllm_step.py", "tests/vllm/test_vllm_step_read.py",
                     "tests/vllm/test_vllm_step_values.py", "tests/vllm/test_vllm_internals.py",
                     "tests/vllm/test_vllm_speculative_step.py", "tests/vllm/test_vllm_sliding_window.py",
-                    "tests/vllm/test_vllm_block_index.py"],
+                    "tests/vllm/test_vllm_block_index.py", "tests/vllm/test_vllm_tail_thread.py"],
                    mutants=["*vllm.step.*", "*vllm.blocks.*", "*GroupGeometry*slots_of__mutmut_*",
                             "*VllmCanaryState*_fill_table__mutmut_*", "*VllmCanaryState*forget_blocks__mutmut_*",
                             "*VllmCanaryState*_note_complete_blocks__mutmut_*",

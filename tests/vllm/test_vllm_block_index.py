@@ -2,7 +2,8 @@
 one group's rows hold leaves every other group's index whichever group the step notes first (the block at the
 start of its sequence and block 1 included), and block ids past the pool in a row's table (a table no engine
 hands out) are ignored in every group, in and below a row's window, never an ``IndexError``; a sweep of one block
-(or of none asked) takes the indexed blocks one at a time, round-robin."""
+(or of none asked) takes the indexed blocks one at a time, round-robin; a decode step repeating the last step's
+blocks is not indexed again, and a single full-attention group runs no cross-group drop."""
 
 from __future__ import annotations
 
@@ -111,3 +112,36 @@ def test_a_rows_own_stamps_in_its_partly_filled_block_never_keep_that_blocks_ind
     rows = np.array([0] * 3 * BS + [1, 1])
     index.note_step(0, table, np.array([12, 6]), np.array([12, 8]), stamped=stamped, stamped_rows=rows)
     assert indexed(index) == {0: {1: 0, 2: 1, shared: 2, 6: 0}}
+
+
+@pytest.mark.parametrize("group", [0, 1])
+def test_a_decode_step_inside_a_block_repeating_the_last_steps_blocks_is_not_indexed_again(monkeypatch, group):
+    """A row with blocks 1, 2, 3 at 10 tokens (blocks 1, 2 complete), then decode steps at 11 (the same complete
+    blocks and blocks reached: the index work is skipped, the index unchanged), at 12 (block 3 completes: indexed
+    again) and at 12 once more (skipped). The other group's row held blocks 1 and 5: block 1 leaves its index at
+    the first step; the work that drops it runs only for the steps indexed."""
+    index = two_groups()
+    index.note_step(1 - group, np.array([[1, 5]], np.int32), np.array([8]))
+    calls = []
+    drop = BlockIndex._drop_freed_and_claimed
+    monkeypatch.setattr(BlockIndex, "_drop_freed_and_claimed", lambda self, *args: calls.append(args[0]) or drop(
+        self, *args))
+    table = np.array([[1, 2, 3]], np.int32)
+    index.note_step(group, table, np.array([10]))
+    assert indexed(index) == {group: {1: 0, 2: 1}, 1 - group: {5: 1}} and calls == [group]
+    index.note_step(group, table, np.array([11]))
+    assert indexed(index) == {group: {1: 0, 2: 1}, 1 - group: {5: 1}} and calls == [group]
+    index.note_step(group, table, np.array([12]))
+    assert indexed(index) == {group: {1: 0, 2: 1, 3: 2}, 1 - group: {5: 1}} and calls == [group, group]
+    index.note_step(group, table, np.array([12]))
+    assert calls == [group, group]
+
+
+def test_a_single_full_attention_group_runs_no_cross_group_drop(monkeypatch):
+    """One full-attention group: no other group's index to drop a block from and no column below a window, so
+    the step's index work never runs the drop (the index itself as worked out: blocks 1, 2 complete)."""
+    calls = []
+    monkeypatch.setattr(BlockIndex, "_drop_freed_and_claimed", lambda self, *args: calls.append(args))
+    index = BlockIndex([NUM_BLOCKS], [BS], blocks_per_sweep=NUM_BLOCKS)
+    index.note_step(0, np.array([[1, 2, 3]], np.int32), np.array([9]))
+    assert indexed(index) == {0: {1: 0, 2: 1}} and calls == []

@@ -10,12 +10,18 @@ never runs over a prefix slot another request writes now with its own token, and
 re-stamps also re-stamps its unstamped positions where its table says; past the per-step re-stamp budget the rows
 left over are read without a false positive and a fault is still caught; blocks the scheduler lists to zero leave
 the sweep's index; a token the forward wrote to another slot than planned is stamped where it went; finished
-requests leave the rows waiting for their re-stamps, live ones stay; a step with no token reads as empty.
+requests leave the rows waiting for their re-stamps, live ones stay; a step with no token reads as empty and
+costs no same-step look-up; the step's block tables are int32 and its slot mappings int64 whatever the runner's;
+more requests than the canary was sized for are refused by name; in log mode nothing launches before the forward;
+the TAIL write gets the forward's slots only where they differ from the plan's; a candidate of the same-step
+look-up with nothing of its own written in the step reads as no re-stamp; in log mode the TAIL work is submitted
+to the TAIL thread at once; a full-attention model's steps run no cross-group drop.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -25,6 +31,8 @@ import torch
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from kvcanary_cupy.integrations.vllm import step as step_module
+from kvcanary_cupy.integrations.vllm.blocks import BlockIndex
 from kvcanary_cupy.integrations.vllm.canary import CanaryOptions, VllmCanaryState, build_step
 from kvcanary_cupy.integrations.vllm.hooks import VllmCanary
 
@@ -647,3 +655,150 @@ def test_the_slot_table_holds_every_rows_slots_up_to_its_length_whatever_its_blo
     for i, r in enumerate(rows):
         assert state.tables[0][i + 1, :len(r.tokens)].tolist() == slots(r.blocks, 0, len(r.tokens))
     assert state.violations == [] and state.health_problems == []
+
+
+def test_a_step_whose_rows_compute_nothing_skips_the_same_step_look_up(monkeypatch):
+    """The same-step look-up runs only for a step with rows and tokens: rows with no token in the forward (and no
+    row at all) cost no look-up, and read as before."""
+    calls = []
+    look_up = step_module._same_step_rows
+    monkeypatch.setattr(step_module, "_same_step_rows", lambda *args: calls.append(args) or look_up(*args))
+    runner = Runner()
+    state = canary_state(runner)
+    runner.inputs([Row("A", tokens(1, 4), 4, 0, [1]), Row("B", tokens(2, 6), 6, 0, [2, 3])])
+    kwargs = {"input_ids": torch.zeros(0, dtype=torch.int64), "positions": torch.zeros(0, dtype=torch.int64)}
+    md = SimpleNamespace(query_start_loc=torch.zeros(3, dtype=torch.int32),
+                         seq_lens=torch.tensor([4, 6], dtype=torch.int32),
+                         block_table=torch.tensor([[1, 0], [2, 3]], dtype=torch.int32),
+                         slot_mapping=torch.zeros(0, dtype=torch.int64))
+    batch = build_step(state.steps, runner, kwargs, {LAYER: md}, state.geos, state.max_tokens, state.unstamped)
+    assert batch.prefix_lens.tolist() == [4, 6] and batch.slot_mappings[0].size == 0
+    assert calls == []
+    # a step with tokens does look (the spy is in place)
+    a = Row("C", tokens(3, 6), 0, 6, [4, 5])
+    build_step(state.steps, runner, *runner.inputs([a]), state.geos, state.max_tokens, state.unstamped)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_step_holds_int32_block_tables_and_int64_slots_whatever_integer_dtypes_the_runner_hands(seed):
+    """The step copies the metadata's block table as int32 and its slot mapping as int64 (the dtypes the plan
+    and the slot tables take) also where the runner's tensors are int64 and int32."""
+    runner = Runner()
+    state = canary_state(runner)
+    rng = np.random.default_rng(seed)
+    blocks = [int(b) for b in rng.choice(np.arange(1, 64), 3, replace=False)]
+    n = int(rng.integers(1, 3 * BS + 1))
+    kwargs, md = runner.inputs([Row("A", tokens(seed, n), 0, n, blocks)])
+    md[LAYER].block_table = md[LAYER].block_table.to(torch.int64)
+    md[LAYER].slot_mapping = md[LAYER].slot_mapping.to(torch.int32)
+    batch = state.read_step(kwargs, md)
+    assert batch.block_tables[0].dtype == np.int32 and batch.block_tables[0].tolist() == [blocks]
+    assert batch.slot_mappings[0].dtype == np.int64 and batch.slot_mappings[0].tolist() == slots(blocks, 0, n)
+
+
+def test_more_requests_in_a_step_than_the_canary_was_sized_for_are_refused_by_name_before_any_launch():
+    runner = Runner(max_num_reqs=2)
+    state = canary_state(runner)
+    rows = [Row(rid, tokens(i, 4), 0, 4, [i + 1]) for i, rid in enumerate("ABC")]
+    batch = state.read_step(*runner.inputs(rows))
+    with pytest.raises(ValueError, match=r"^kv-canary: vLLM scheduled 3 requests in one step, more than the 2 the "
+                                         r"canary was sized for \(max_num_seqs\)$"):
+        state.before_forward(batch)
+    state.settle()
+    assert set(endpoint_counts(state).values()) <= {(0, 0)} and state.steps == 0
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_in_log_mode_a_steps_staging_and_head_work_wait_for_the_tail_work(seed):
+    """With the TAIL thread (log mode) ``before_forward`` launches nothing: the staging, plan and HEAD phases go
+    with the TAIL work after the forward, which then launches the HEAD and TAIL phases of the step's tokens."""
+    runner = Runner()
+    state = canary_state(runner)
+    assert state.tail is not None
+    n = 5 + seed
+    row = Row("A", tokens(seed, n), 0, n, [1, 2])
+    kwargs, md = runner.inputs([row])
+    batch = state.read_step(kwargs, md)
+    state.before_forward(batch)
+    assert state.head_deferred and set(endpoint_counts(state).values()) <= {(0, 0)}
+    state.after_forward(batch, {0: md[LAYER].slot_mapping.numpy().astype(np.int64)})
+    state.settle()
+    assert not state.head_deferred and endpoint_counts(state)["write"][0] == n
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_forward_that_wrote_where_planned_hands_the_tail_write_no_slots_of_its_own(seed):
+    """The TAIL write is given the forward's slots only when they differ from the plan's (the plan's own are
+    already staged): none for a step written as planned, the moved slots for one that was not."""
+    runner = Runner()
+    state = canary_state(runner, mode="raise")  # the TAIL phases inline: the spy sees them at once
+    given = []
+    post_forward = state.rt.post_forward
+
+    def spy(*, model, out_cache_loc=None):
+        given.append(None if out_cache_loc is None else np.asarray(out_cache_loc).tolist())
+        return post_forward(model=model, out_cache_loc=out_cache_loc)
+
+    state.rt.post_forward = spy
+    n = 6 + seed
+    a = Row("A", tokens(seed, n), 0, n, [1, 2])
+    run_step(state, runner, [a], seed)
+    assert given == [None]
+    b = Row("B", tokens(seed + 1, 3), 0, 3, [3])
+    kwargs, md = runner.inputs([b])
+    batch = state.read_step(kwargs, md)
+    state.before_forward(batch)
+    written = np.array([12, 13, 20], np.int64)  # position 2 written into slot 20, not 14
+    state.after_forward(batch, {0: written})
+    assert given == [None, [12, 13, 20]]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_prefix_block_another_request_writes_now_with_its_own_tokens_reads_as_no_restamp(seed):
+    """A writes its 8-token prompt into blocks 1, 2; B (prefix 4, its own tokens) has block 1 in its table, which A
+    writes in the step with A's tokens: a candidate of the same-step look-up, but nothing of it is B's to re-stamp.
+    The step reads in the forward's order with no re-stamp (``restamped`` false, every source the forward's own
+    token), and B's verify flags its four prefix positions in block 1."""
+    runner = Runner()
+    state = canary_state(runner)
+    a = Row("A", tokens(seed, 8), 0, 8, [1, 2])
+    b = Row("B", tokens(seed + 100, 6), 4, 2, [1, 3])
+    batch = run_step(state, runner, [a, b], seed)
+    assert batch.restamped is False and batch.source_index.tolist() == list(range(10))
+    assert batch.prefix_lens.tolist() == [0, 4] and batch.forward_tokens == 10
+    state.flush()
+    assert {(v.step, v.violation.slot) for v in state.violations} == {(0, BS + k) for k in range(BS)}
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_in_log_mode_after_forward_hands_the_tail_work_to_the_tail_thread_at_once(seed):
+    """``after_forward`` with its defaults (log mode): the TAIL work is submitted to the TAIL thread, not held for a
+    release and not run on the caller's thread, and it runs there."""
+    runner = Runner()
+    state = canary_state(runner)
+    calls: list[str] = []
+    for name in ("submit", "hold"):
+        method = getattr(state.tail, name)
+        setattr(state.tail, name, lambda *args, _name=name, _method=method: calls.append(_name) or _method(*args))
+    threads: list[str] = []
+    work = state._tail_work
+    state._tail_work = lambda *args: threads.append(threading.current_thread().name) or work(*args)
+    n = 4 + seed
+    run_step(state, runner, [Row("A", tokens(seed, n), 0, n, [1, 2])], seed)
+    assert calls == ["submit"]
+    assert len(threads) == 1 and threads[0] != threading.current_thread().name
+
+
+def test_a_full_attention_models_steps_run_no_cross_group_drop(monkeypatch):
+    """One full-attention group (no window, no other group): the steps' block indexing never runs the drop of
+    blocks claimed by another group or freed below a window, and indexes the complete blocks."""
+    calls = []
+    monkeypatch.setattr(BlockIndex, "_drop_freed_and_claimed", lambda self, *args: calls.append(args))
+    runner = Runner()
+    state = canary_state(runner)
+    a = Row("A", tokens(0, 9), 0, 8, [1, 2])
+    run_step(state, runner, [a])
+    a.prefix, a.extend, a.blocks = 8, 1, [1, 2, 3]
+    run_step(state, runner, [a])
+    assert calls == [] and indexed_blocks(state) == {(0, 1): 0, (0, 2): 1}

@@ -2,8 +2,10 @@
 latency at its edges (fewer indexed blocks than one sweep takes, one block per sweep, the sweep off), the blocks
 one sweep takes (a step's tokens in whole blocks, at least one), a slot
 looked up through a step's block table, a per-token array put in the canary's token order, the count of
-indexed blocks over groups, a runner tensor that refuses a NumPy view read through a host copy, and each row's
-expected history and accepted length under draft tokens (:func:`with_drafts`)."""
+indexed blocks over groups, a runner tensor that refuses a NumPy view read through a host copy, each row's
+expected history and accepted length under draft tokens (:func:`with_drafts`), and the rows the same-step look-up
+names (:func:`_same_step_rows`: exactly the rows whose prefix ends at a block boundary in every group and holds,
+inside its window, a block the step writes; never a row for its own new block)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import pytest
 import torch
 
 from kvcanary_cupy.integrations.vllm.blocks import BlockIndex, sweep_latency_steps
-from kvcanary_cupy.integrations.vllm.canary import sweep_blocks
-from kvcanary_cupy.integrations.vllm.step import RequestHistories, VllmStep, _host, with_drafts
+from kvcanary_cupy.integrations.vllm.canary import GroupGeometry, sweep_blocks
+from kvcanary_cupy.integrations.vllm.step import RequestHistories, VllmStep, _host, _same_step_rows, with_drafts
 
 
 @pytest.mark.parametrize(("indexed", "per_sweep", "interval", "steps"), [
@@ -87,7 +89,7 @@ def test_canary_tokens_of_a_step_in_forward_order_are_the_forward_values_themsel
     assert step_with(source_index=[0, 1]).canary_tokens(forward, np.array([20, 21])) is forward
 
 
-def test_a_runner_tensor_that_refuses_a_numpy_view_is_read_through_a_host_copy():
+def test_a_runner_tensor_that_refuses_a_numpy_view_is_read_through_a_detached_copy():
     # a tensor that requires grad refuses ``.numpy()``: its values come through the detached host copy
     tensor = torch.tensor([1.5, -2.0, 3.25], requires_grad=True)
     with pytest.raises(RuntimeError):
@@ -123,3 +125,51 @@ def test_a_drafting_row_whose_state_lacks_its_accepted_tokens_is_refused_by_its_
                                          r"tokens \(async scheduling is not supported: use async_scheduling=False\)$"):
         with_drafts(RequestHistories(), ["A"], {"A": State([1, 2, 3, 4, 5, 6])}, np.array([9]), np.array([2]),
                     {"A": [70]})
+
+
+def geometry(index: int, block_size: int, window: int = 0) -> GroupGeometry:
+    return GroupGeometry(index=index, name=f"g{index}", block_size=block_size, num_blocks=64, layer_names=[],
+                         caches=[], window=window)
+
+
+def slots_of_blocks(blocks: list[int], bs: int) -> np.ndarray:
+    """Every slot of ``blocks``, as a forward writing them whole writes them."""
+    return np.array([b * bs + k for b in blocks for k in range(bs)], np.int64)
+
+
+def test_the_same_step_look_up_names_only_aligned_rows_with_a_verified_prefix_block_written_in_the_step():
+    """One full-attention group, blocks of 4. Row 0 writes blocks 9 and 10 from position 0 (no prefix). Row 1
+    (prefix 8: blocks 9, 10) hits them in the same step: the one row named. Row 2 (prefix 8: blocks 5, 6, cached
+    before) writes its own new block 7 right after its prefix: not named (the block past the prefix is the
+    row's own). Row 3 (prefix 6, inside block 12) reads block 9 too: not named (its prefix ends mid-block)."""
+    geo = geometry(0, 4)
+    table = np.array([[9, 10, 0], [9, 10, 11], [5, 6, 7], [9, 12, 0]], np.int32)
+    prefix = np.array([0, 8, 8, 6])
+    written = np.concatenate([slots_of_blocks([9, 10], 4), [44], slots_of_blocks([7], 4), [50, 51]])
+    rows = _same_step_rows(prefix, {0: table}, {0: written}, [geo])
+    assert rows.tolist() == [1]
+    # no row with a prefix written in the step: none, whatever the other rows' own blocks
+    assert _same_step_rows(prefix[2:], {0: table[2:]}, {0: written[9:]}, [geo]).tolist() == []
+
+
+def test_the_same_step_look_up_takes_a_row_only_where_its_prefix_ends_at_a_block_boundary_in_every_group():
+    """Two groups, blocks of 8 (group 0) and 4 (group 1). The row's prefix of 4 tokens ends at a block boundary
+    in group 1 only; its group-1 block 9 is written in the step by another row: still not a candidate (a prefix
+    hit is whole blocks in every group). With a prefix of 8, aligned in both, the same block makes it one."""
+    geos = [geometry(0, 8), geometry(1, 4)]
+    written = {0: slots_of_blocks([3], 8)[:4], 1: slots_of_blocks([9], 4)}
+    for prefix, want in ((4, []), (8, [0])):
+        tables = {0: np.array([[3, 0]], np.int32), 1: np.array([[9, 2, 0]], np.int32)}
+        assert _same_step_rows(np.array([prefix]), tables, written, geos).tolist() == want, prefix
+
+
+def test_the_same_step_look_up_in_a_sliding_window_group_reads_only_the_prefix_blocks_inside_the_window():
+    """A sliding-window group (window 4, blocks of 4). Row 0 (prefix 8, window from position 5: block column 1)
+    writes its own new block 22 and, in the step, another row writes block 20, which the row's table names
+    below its window: neither makes it a candidate. Row 1 (prefix 8) reads block 30 in its window, written in
+    the step: a candidate."""
+    geo = geometry(0, 4, window=4)
+    table = np.array([[20, 21, 22], [40, 30, 31]], np.int32)
+    written = np.concatenate([slots_of_blocks([20, 22, 30], 4)])
+    rows = _same_step_rows(np.array([8, 8]), {0: table}, {0: written}, [geo])
+    assert rows.tolist() == [1]
