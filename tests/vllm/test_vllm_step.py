@@ -802,3 +802,30 @@ def test_a_full_attention_models_steps_run_no_cross_group_drop(monkeypatch):
     a.prefix, a.extend, a.blocks = 8, 1, [1, 2, 3]
     run_step(state, runner, [a])
     assert calls == [] and indexed_blocks(state) == {(0, 1): 0, (0, 2): 1}
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_a_tail_thread_on_idle_cores_checks_the_steps_as_on_the_workers_and_falls_back_where_they_are_refused(
+        monkeypatch, refused):
+    """The sibling schedule with the TAIL thread given cores of its own (as a lone worker's on vLLM's CPU build):
+    the same verifies and writes as inline, no violation; where the platform refuses those cores the thread stays
+    on its creator's and, once started, the state stops staging beside the forward."""
+    import os
+
+    from kvcanary_cupy.integrations.vllm import canary as canary_module
+
+    cpu = (os.cpu_count() or 1) + 64 if refused else max(os.sched_getaffinity(0))
+    monkeypatch.setattr(canary_module, "idle_cores", lambda runner: frozenset({cpu}))
+    runner = Runner()
+    state = canary_state(runner)
+    assert state.beside_forward  # until the thread has started, the cores are taken as given
+    _q, step0, step1 = sibling_steps(0)
+    run_step(state, runner, step0)
+    assert state.beside_forward is not refused
+    assert state.tail.pinned == (None if refused else {cpu})
+    batch = run_step(state, runner, step1)
+    state.flush()
+    assert batch.prefix_lens.tolist() == [8, 8]
+    assert state.violations == [] and state.health_problems == [] and state.dropped == 0
+    assert endpoint_counts(state) == {"verify": (8 + 8, 2), "write": (12 + 6 + 6, 2)}
+    state.close()

@@ -43,6 +43,11 @@ class TailThread:
         self._held: tuple[Callable[..., Any], tuple[Any, ...]] | None = None
 
     @property
+    def started(self) -> bool:
+        """The worker thread exists (the first :meth:`submit` starts it)."""
+        return self._pool is not None
+
+    @property
     def busy(self) -> bool:
         return self._pending is not None or self._held is not None
 

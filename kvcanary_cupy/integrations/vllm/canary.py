@@ -244,8 +244,10 @@ class VllmCanaryState(EngineCanaryState):
     @property
     def beside_forward(self) -> bool:
         """The TAIL thread has cores of its own: the step's phases 1 and 2 run there during the forward, its
-        TAIL work from the forward's end."""
-        return self.tail is not None and self.tail.cores is not None
+        TAIL work from the forward's end. Where the platform refused them (seen once the thread has started),
+        it runs on the worker's and the work goes after sampling again."""
+        tail = self.tail
+        return tail is not None and tail.cores is not None and (tail.pinned is not None or not tail.started)
 
     # -- the step --------------------------------------------------------------------------------------------
 

@@ -30,8 +30,8 @@ INTERNALS: tuple[Internal, ...] = (
              ("self", "scheduler_output", "intermediate_tensors")),
     Internal(f"{RUNNER}._model_forward", "patched per instance: plan/HEAD before, TAIL after the forward",
              ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds")),
-    Internal(f"{RUNNER}.sample_tokens", "patched per instance: the step's TAIL work (log mode) starts when it "
-             "returns", ("self", "grammar_output")),
+    Internal(f"{RUNNER}.sample_tokens", "patched per instance: the step's TAIL work (log mode, the TAIL thread on "
+             "the worker's cores) starts when it returns", ("self", "grammar_output")),
     Internal(f"{RUNNER}.initialize_kv_cache", "patched at class level by the plugin: the canary installed in a "
              "runner once its KV cache is built (profiling calls skipped)",
              ("self", "kv_cache_config", "is_profiling")),
@@ -82,8 +82,10 @@ INTERNALS: tuple[Internal, ...] = (
              "runner.speculative_config and runner.use_async_scheduling are the runner's copies",
              attributes=("parallel_config", "kv_transfer_config", "speculative_config")),
     Internal("vllm.config:ParallelConfig", "read at install: pipeline_parallel_size; the worker's rank and "
-             "world_size (runner.vllm_config.parallel_config: a rank's log lines and one-rank faults)",
-             attributes=("pipeline_parallel_size", "tensor_parallel_size", "rank", "world_size")),
+             "world_size (runner.vllm_config.parallel_config: a rank's log lines and one-rank faults); "
+             "world_size and data_parallel_size: a lone worker's TAIL thread takes the cores it leaves out",
+             attributes=("pipeline_parallel_size", "tensor_parallel_size", "rank", "world_size",
+                         "data_parallel_size")),
     Internal("vllm.v1.worker.worker_base:WorkerBase.__init__", "sets parallel_config.rank in each worker: what "
              "tells the ranks apart", ("self", "vllm_config", "local_rank", "rank")),
     Internal("vllm.entrypoints.llm:LLM.collective_rpc", "called by `kvcanary simulate --tensor-parallel 2`: a "
