@@ -492,3 +492,38 @@ def test_simulate_engine_transformers_refuses_what_it_cannot_run(capsys):
     assert "not available with --engine transformers" in capsys.readouterr().err
     assert main(["simulate", "--engine", "transformers", "--inject", "swa-early-evict", "--quiet"]) == 2
     assert "unknown fault kind 'swa-early-evict' for --engine transformers" in capsys.readouterr().err
+
+
+def test_the_report_has_one_row_per_workload_with_each_clean_runs_counts_under_its_key():
+    from kvcanary_cupy.integrations.transformers.report import build_report
+    from kvcanary_cupy.integrations.transformers.results import (
+        RunResult,
+        SimulationRecord,
+        TransformersSimConfig,
+    )
+
+    # two clean runs whose counts are all different numbers, so that a count under another key shows
+    sim = SimulationRecord(TransformersSimConfig(model_size="small", seed=3, backend="numpy"))
+    chosen = workloads(seed=3)
+    for i, name in enumerate(("queueing", "forks")):
+        stats = WorkloadStats()
+        stats.prefill_tokens, stats.decode_tokens, stats.prefix_tokens_reused = 101 + i, 203 + i, 307 + i
+        stats.soft_resets, stats.peak_batch = 409 + i, 503 + i
+        sim.runs.append(RunResult(workload=name, kind=None, steps=11 + i, step_offset=40 * i, violations=[],
+                                  fault=None, stats=stats, seconds={}, wall=1.23456 + i, counters={}, status_bits=0,
+                                  dropped=0, health_problems=[], tokens={}, errors={f"r{j}": "x" for j in range(i)}))
+        sim.token_exact[name] = i == 0
+        sim.reference_wall[name] = 0.98761 + i
+    sim.total_steps = 80
+    rows = build_report(sim)["workloads"]
+    assert rows == [
+        {"name": "queueing", "description": chosen["queueing"].description, "arch": chosen["queueing"].arch,
+         "requests": chosen["queueing"].num_results, "max_new_tokens": chosen["queueing"].max_new_tokens,
+         "steps": 11, "token_exact": True, "violations": 0, "prefill_tokens": 101, "decode_tokens": 203,
+         "prefix_tokens_reused": 307, "soft_resets": 409, "peak_batch": 503, "requests_failed": 0,
+         "wall_s": 1.2346, "reference_wall_s": 0.9876},
+        {"name": "forks", "description": chosen["forks"].description, "arch": chosen["forks"].arch,
+         "requests": chosen["forks"].num_results, "max_new_tokens": chosen["forks"].max_new_tokens,
+         "steps": 12, "token_exact": False, "violations": 0, "prefill_tokens": 102, "decode_tokens": 204,
+         "prefix_tokens_reused": 308, "soft_resets": 410, "peak_batch": 504, "requests_failed": 1,
+         "wall_s": 2.2346, "reference_wall_s": 1.9876}]
