@@ -168,3 +168,17 @@ def test_a_clean_report_says_so():
     assert validate(report) == [] and report["kinds"] == [] and report["faults"] == []
     text = report_mod.render_text(report)
     assert "clean run" in text and text.endswith("PASS: no violation in a clean run")
+
+
+def test_the_warning_names_each_kind_the_workload_could_not_host_as_it_or_them():
+    def kinds(**status):
+        return {"kinds": [{"kind": kind.replace("_", "-"), "status": s} for kind, s in status.items()]}
+
+    assert report_mod.warnings(kinds(kv_bitflip="detected")) == []
+    assert report_mod.warnings(kinds(kv_bitflip="detected", stale_expected="not injected")) == [
+        "warning: the workload is too small to inject stale-expected (no target was found for it); run more "
+        "--steps or --requests"]
+    assert report_mod.warnings(kinds(stale_expected="not injected", kv_bitflip="missed",
+                                     double_alloc="not injected")) == [
+        "warning: the workload is too small to inject stale-expected, double-alloc (no target was found for them); "
+        "run more --steps or --requests"]
