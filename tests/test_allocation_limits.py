@@ -179,3 +179,50 @@ def test_the_torch_constructors_refuse_before_allocating(monkeypatch):
     message, _ = _refused(lambda: sglang.WritePlan.allocate(write_req_capacity=2**20))
     assert message.startswith("kv-canary: write_req_capacity=1048576 makes ")
     assert made == []
+
+
+@pytest.mark.parametrize("which", ["verify", "write"])
+def test_a_plan_array_the_allocator_cannot_make_is_refused_naming_the_capacity_that_sized_it(monkeypatch, which):
+    """The allocator itself fails at each of a plan's arrays in turn (the limit let the plan through): the refusal
+    names the capacity argument for every array it sized (the scratch offsets too), and the requested size for
+    the one-element words. Expected names and sizes worked out by hand from the plan's fields."""
+    capacity = 5
+    if which == "verify":
+        want = [("verify_capacity", 40, "5 x int64")] * 4 + [("the requested size", 4, "1 x int32")] * 3
+    else:
+        want = [("write_req_capacity", 48, "6 x int64"), ("write_req_capacity", 40, "5 x int64"),
+                ("the requested size", 4, "1 x int32"), ("write_req_capacity", 48, "6 x int64")]
+    calls: list[int] = []
+    fail_at = [-1]
+
+    def failing(real):
+        def allocate(shape, *args):
+            calls.append(1)
+            if len(calls) - 1 == fail_at[0]:
+                raise MemoryError("faked")
+            return real(shape, *args)
+        return allocate
+
+    class FailingNumpy:
+        empty, full = staticmethod(failing(np.empty)), staticmethod(failing(np.full))
+
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+    monkeypatch.setattr(plan_module, "np", FailingNumpy())
+    if which == "verify":
+        kc.VerifyPlan.allocate(verify_capacity=capacity)
+    else:
+        kc.WritePlan.allocate(write_req_capacity=capacity)
+    assert len(calls) == len(want)  # every array of the plan is one allocation
+    for k, (name, nbytes, shape) in enumerate(want):
+        calls.clear()
+        fail_at[0] = k
+        with pytest.raises(CanaryArgumentError) as info:
+            if which == "verify":
+                kc.VerifyPlan.allocate(verify_capacity=capacity)
+            else:
+                kc.WritePlan.allocate(write_req_capacity=capacity)
+        assert len(calls) == k + 1
+        assert str(info.value) == (f"kv-canary: {name} asks for {nbytes} bytes ({shape}), which cannot be allocated "
+                                   "on device='cpu' (MemoryError: faked)")
