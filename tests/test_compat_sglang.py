@@ -288,6 +288,19 @@ def test_torch_reference_missing_valid_lens_message_is_sglangs_word_for_word():
     assert plan_bytes(vp, wp) == before
 
 
+@pytest.mark.parametrize("name", ["req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token",
+                                  "req_to_verify_expected_tokens", "req_to_verify_expected_tokens_valid_lens"])
+def test_torch_reference_refuses_an_input_that_is_no_array_by_its_name_and_writes_nothing(name):
+    vp, wp = sentinel_plans(6, 2)
+    before = plan_bytes(vp, wp)
+    with pytest.raises(kc.CanaryArgumentError, match="^" + re.escape(
+            f"kv-canary: {name} must be an array (NumPy, CuPy, or any DLPack producer such as a torch tensor), "
+            "got str") + "$"):
+        sg.launch_canary_plan_kernels_torch_reference(verify_plan_out=vp, write_plan_out=wp,
+                                                      **small_inputs(**{name: "3, 0"}))
+    assert plan_bytes(vp, wp) == before
+
+
 def test_torch_reference_checks_valid_lens_before_anything_else():
     # Even with other problems present (no LUT for an SWA window), SGLang's message comes first.
     with pytest.raises(ValueError) as info:
