@@ -226,3 +226,25 @@ def test_a_plan_array_the_allocator_cannot_make_is_refused_naming_the_capacity_t
         assert len(calls) == k + 1
         assert str(info.value) == (f"kv-canary: {name} asks for {nbytes} bytes ({shape}), which cannot be allocated "
                                    "on device='cpu' (MemoryError: faked)")
+
+
+@pytest.mark.parametrize(("call", "argument", "what", "needed"), [
+    (lambda: kc.VerifyOrWriteContext.allocate(num_slots=100, ring_capacity=16, device="cuda:1"),
+     "num_slots=100 (x slot_stride_bytes=32)", "VerifyOrWriteContext.allocate", 100 * 32 + 16 * 64 + 28),
+    (lambda: kc.VerifyPlan.allocate(verify_capacity=100, device="cuda:1"), "verify_capacity=100",
+     "VerifyPlan.allocate", 4 * 8 * 100 + 3 * 4),
+    (lambda: kc.WritePlan.allocate(write_req_capacity=100, device="cuda:1"), "write_req_capacity=100",
+     "WritePlan.allocate", 2 * 8 * 101 + 8 * 100 + 4),
+], ids=["context", "verify-plan", "write-plan"])
+def test_a_creation_on_a_gpu_is_held_to_that_gpus_memory(monkeypatch, allocations, call, argument, what, needed):
+    """The default limit of a CUDA creation is the memory of the device it names (faked here: 2,000 bytes for
+    whichever index is asked), checked before CuPy is needed and before anything is allocated."""
+    import kvcanary_cupy._limits as limits
+
+    asked: list[int] = []
+    monkeypatch.setattr(limits, "_device_memory_bytes", lambda index: asked.append(index) or 2000)
+    message, _ = _refused(call)
+    assert message == (f"kv-canary: {argument} makes {what} need {needed} bytes (0.0 GiB), above the allocation "
+                       f"limit of 2000 bytes (0.0 GiB, the memory of cuda:1); raise it with max_allocation_bytes= or "
+                       f"{LIMIT_ENV}")
+    assert asked == [1] and allocations == []
