@@ -527,3 +527,16 @@ def test_the_report_has_one_row_per_workload_with_each_clean_runs_counts_under_i
          "steps": 12, "token_exact": False, "violations": 0, "prefill_tokens": 102, "decode_tokens": 204,
          "prefix_tokens_reused": 308, "soft_resets": 410, "peak_batch": 504, "requests_failed": 1,
          "wall_s": 2.2346, "reference_wall_s": 1.9876}]
+
+
+def test_a_simulation_reports_its_progress_once_per_run_with_the_canary(capsys):
+    from kvcanary_cupy.integrations.transformers.results import TransformersSimConfig
+    from kvcanary_cupy.integrations.transformers.simulate import run_quietly
+
+    # one workload, one fault kind: its reference run, the clean run and the fault run make 3, two with the canary
+    cfg = TransformersSimConfig(model_size="small", inject=("kv-bitflip",), backend="numpy",
+                                workloads=("mixed-lengths",))
+    report = run_quietly(cfg)
+    assert [w["name"] for w in report["workloads"]] == ["mixed-lengths"]
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["run 2/3: mixed-lengths: clean run, 0 violation(s)", "run 3/3: mixed-lengths: kv-bitflip"]
