@@ -182,3 +182,12 @@ def test_the_warning_names_each_kind_the_workload_could_not_host_as_it_or_them()
                                      double_alloc="not injected")) == [
         "warning: the workload is too small to inject stale-expected, double-alloc (no target was found for them); "
         "run more --steps or --requests"]
+
+
+def test_each_reason_has_a_short_label_without_its_verify_prefix_and_mismatch_suffix():
+    from kvcanary_cupy import FailReason
+
+    labels = {reason.name: report_mod.short_reason(str(reason.name)) for reason in FailReason}
+    assert labels == {"VERIFY_CHAIN_HASH_MISMATCH": "chain", "VERIFY_POSITION_MISMATCH": "position",
+                      "VERIFY_REAL_KV_HASH_MISMATCH": "real-kv", "WRITE_TOKEN_MISMATCH": "write-token",
+                      "WRITE_POSITION_MISMATCH": "write-position", "VERIFY_TOKEN_MISMATCH": "token"}
