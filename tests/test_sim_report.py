@@ -191,3 +191,24 @@ def test_each_reason_has_a_short_label_without_its_verify_prefix_and_mismatch_su
     assert labels == {"VERIFY_CHAIN_HASH_MISMATCH": "chain", "VERIFY_POSITION_MISMATCH": "position",
                       "VERIFY_REAL_KV_HASH_MISMATCH": "real-kv", "WRITE_TOKEN_MISMATCH": "write-token",
                       "WRITE_POSITION_MISMATCH": "write-position", "VERIFY_TOKEN_MISMATCH": "token"}
+
+
+def test_the_plot_joins_each_detected_fault_to_its_detection_and_leaves_a_missed_one_alone():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    zeros = [0] * 10
+    report = {"timeline": {"violations": zeros, "explained": zeros, "false_positives": zeros},
+              "kinds": [{"kind": "kv-bitflip"}, {"kind": "wrong-token"}],
+              "faults": [{"kind": "kv-bitflip", "step": 2, "detection_step": 5},
+                         {"kind": "kv-bitflip", "step": 7, "detection_step": None},
+                         {"kind": "wrong-token", "step": 3, "detection_step": 4}]}
+    fig = report_mod.plot_figure(report)
+    try:
+        bottom = fig.axes[1]
+        # rows top to bottom in the table's order: wrong-token at y 0, kv-bitflip at y 1
+        assert [tick.get_text() for tick in bottom.get_yticklabels()] == ["wrong-token", "kv-bitflip"]
+        joined = sorted((tuple(line.get_xdata()), tuple(line.get_ydata())) for line in bottom.lines)
+        assert joined == [((2, 5), (1, 1)), ((3, 4), (0, 0))]
+    finally:
+        plt.close(fig)
