@@ -292,16 +292,21 @@ def test_the_cuda_backend_passes_absent_pointers_as_an_explicit_null():
 
     class Module:
         def get_function(self, name):
-            return lambda grid, block, args: calls.append((name, args))
+            return lambda grid, block, args: calls.append((name, grid, block, args))
 
-    backend = KernelBackend("cuda", lambda file: Module(), HOST_SHAPE, null=np.uint64(0))
     pool = np.zeros((2, 4), np.int32)
-    backend.scatter(ScatterLaunch(np.arange(3, dtype=np.int64), np.array([0, 3], np.int64),
-                                  np.array([1], np.int64), pool, None, CPU))
-    ((name, args),) = calls
-    assert name == "kvc_scatter"
-    assert all(a is not None for a in args)
-    assert isinstance(args[-1], np.uint64) and int(args[-1]) == 0
+    for null in (None, np.uint64(0)):  # the host launcher's way (None passed as is), then the CUDA backend's
+        backend = KernelBackend("cuda", lambda file: Module(), HOST_SHAPE, null=null)
+        backend.scatter(ScatterLaunch(np.arange(3, dtype=np.int64), np.array([0, 3], np.int64),
+                                      np.array([1], np.int64), pool, None, CPU))
+    (name, grid, block, args), (null_name, null_grid, null_block, null_args) = calls
+    assert name == null_name == "kvc_scatter"
+    assert args[-1] is None and all(a is not None for a in args[:-1])
+    assert all(a is not None for a in null_args)
+    assert isinstance(null_args[-1], np.uint64) and int(null_args[-1]) == 0
+    # only the absent pointer changes: the launch shape is the same
+    assert (null_grid, null_block) == (grid, block) and grid is not None and block is not None
+    assert len(null_args) == len(args)
 
 
 @pytest.mark.parametrize("change, message", [
