@@ -6,6 +6,7 @@ Also the host-side reading of the ring (decoded rows, totals past capacity, the 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -317,3 +318,19 @@ def test_for_endpoint_refuses_a_bad_scalar_field_by_its_name(change, message):
     ctx = context()
     with pytest.raises(ValueError, match=rf"^kv-canary: {message}$"):
         ctx.for_endpoint(**change)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("verify_num_valid", np.zeros(2, np.int32), "plan.verify_num_valid must have shape (1,), got (2,) (axis 0)"),
+    ("verify_num_valid", np.zeros(1, np.int64), "plan.verify_num_valid must have dtype int32, got int64"),
+    ("enable", np.ones(2, np.int32), "plan.enable must have shape (1,), got (2,) (axis 0)"),
+    ("verify_prev_slot_indices", np.zeros(3, np.int64),
+     "plan.verify_prev_slot_indices must have shape (2,), got (3,) (axis 0)"),
+    ("verify_expected_positions", np.zeros(2, np.int32),
+     "plan.verify_expected_positions must have dtype int64, got int32"),
+], ids=["num_valid-shape", "num_valid-dtype", "enable-shape", "prevs-shape", "positions-dtype"])
+def test_verify_refuses_a_plan_field_of_the_wrong_shape_or_dtype_by_its_name(field, value, message):
+    ctx = context()
+    plan = dataclasses.replace(verify_plan([1, 2], [0, 1], [-1, 1]), **{field: value})
+    with pytest.raises(kc.CanaryArgumentError, match="^" + re.escape("kv-canary: " + message) + "$"):
+        kc.launch_canary_verify_kernel(context=ctx, plan=plan, check_verify_expected_token=False, backend="numpy")
