@@ -212,3 +212,13 @@ def test_the_plot_joins_each_detected_fault_to_its_detection_and_leaves_a_missed
         assert joined == [((2, 5), (1, 1)), ((3, 4), (0, 0))]
     finally:
         plt.close(fig)
+
+
+def test_the_false_positive_lines_list_the_first_ones_and_nothing_without_any():
+    fp = {"launch_step": 7, "launch_tag": "TAIL_K_FULL", "group": "FULL", "slot": 12, "position": 3,
+          "stored_token": 40, "expected_token": 41, "reasons": ["VERIFY_TOKEN_MISMATCH", "VERIFY_CHAIN_HASH_MISMATCH"]}
+    assert report_mod._fp_lines({"false_positives": [], "violations": {"false_positives": 0}}) == []
+    assert report_mod._fp_lines({"false_positives": [fp, {**fp, "slot": 13}], "violations": {"false_positives": 5}},
+                                limit=1) == [
+        "first false positives (of 5):",
+        "  step 7 TAIL_K_FULL (FULL) slot 12 position 3 token 40 expected 41: token, chain"]
