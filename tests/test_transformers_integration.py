@@ -540,3 +540,38 @@ def test_a_simulation_reports_its_progress_once_per_run_with_the_canary(capsys):
     assert [w["name"] for w in report["workloads"]] == ["mixed-lengths"]
     lines = capsys.readouterr().err.splitlines()
     assert lines == ["run 2/3: mixed-lengths: clean run, 0 violation(s)", "run 3/3: mixed-lengths: kv-bitflip"]
+
+
+def test_the_report_puts_a_fault_and_its_first_detection_on_the_global_step_count():
+    from types import SimpleNamespace
+
+    from kvcanary_cupy.integrations.common.state import StepViolation
+    from kvcanary_cupy.integrations.transformers.report import build_report
+    from kvcanary_cupy.integrations.transformers.results import (
+        RunResult,
+        SimulationRecord,
+        TransformersSimConfig,
+    )
+
+    sim = SimulationRecord(TransformersSimConfig(model_size="small", inject=("kv-bitflip",), backend="numpy"))
+
+    def run(kind, offset, steps, violations, fault):
+        return RunResult(workload="forks", kind=kind, steps=steps, step_offset=offset, violations=violations,
+                         fault=fault, stats=WorkloadStats(), seconds={}, wall=1.0, counters={}, status_bits=0,
+                         dropped=0, health_problems=[], tokens={}, errors={})
+
+    row = SimpleNamespace(launch_tag="TAIL_K_FULL", reasons=("VERIFY_CHAIN_HASH_MISMATCH",), reason_bits=1)
+    fault = SimpleNamespace(step=2, request="r1", position=5, slot=33, detail="bit 3", group="FULL")
+    # the fault run starts at global step 11: injected at its step 2 (global 13), its first row appended by its
+    # step 4's launches and read one step later (global 11 + 4 + 1 = 16): latency 3
+    sim.runs = [run(None, 0, 10, [], None),
+                run("kv-bitflip", 11, 9, [StepViolation(4, "FULL", row), StepViolation(6, "FULL", row)], fault)]
+    sim.token_exact["forks"], sim.reference_wall["forks"] = True, 0.5
+    sim.total_steps = 21
+    report = build_report(sim)
+    (f,) = report["faults"]
+    assert (f["step"], f["detection_step"], f["latency_steps"], f["detected_by"], f["violations"]) == (
+        13, 16, 3, "TAIL_K_FULL", 2)
+    assert [s for s, n in enumerate(report["timeline"]["injected"]) if n] == [13]
+    assert [s for s, n in enumerate(report["timeline"]["detected"]) if n] == [16]
+    assert report["kinds"][0]["latency_steps"] == {"min": 3, "median": 3.0, "max": 3}
