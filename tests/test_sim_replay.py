@@ -50,6 +50,8 @@ def test_replay_reproduces_the_dumped_violations(dumps, backend):
         outcome = replay_case(case, backend)
         assert outcome.reproduced, (path.name, outcome.rows, case.arrays["expected_rows"].tolist())
         assert sorted(outcome.rows) == sorted(map(tuple, case.arrays["expected_rows"].tolist()))
+        # a launch dumped with its plan inputs has its plan recomputed and compared too
+        assert (outcome.plan_check is not None) == ("in_req_to_token" in case.arrays), path.name
         if outcome.plan_check is not None:
             assert "identical" in outcome.plan_check, outcome.plan_check
 
