@@ -222,3 +222,17 @@ def test_the_false_positive_lines_list_the_first_ones_and_nothing_without_any():
                                 limit=1) == [
         "first false positives (of 5):",
         "  step 7 TAIL_K_FULL (FULL) slot 12 position 3 token 40 expected 41: token, chain"]
+
+
+def test_the_html_false_positive_table_right_aligns_its_numbers_and_keeps_tags_whole(faulty_report, monkeypatch):
+    monkeypatch.setattr(report_mod, "plot_svg", lambda report: None)  # the table is the subject, not the plot
+    report = copy.deepcopy(faulty_report)
+    report["false_positives"] = [{"read_step": 9, "launch_tag": "TAIL_K_FULL", "group": "FULL", "slot": 12,
+                                  "position": 3, "stored_token": 40, "expected_token": 41,
+                                  "reasons": ["VERIFY_TOKEN_MISMATCH"]}]
+    page = report_mod.render_html(report)
+    assert ('<thead><tr><th class="num">read step</th><th class="name">tag</th><th>group</th><th class="num">slot'
+            '</th><th class="num">position</th><th class="num">stored token</th><th class="num">expected token</th>'
+            '<th>reasons</th></tr></thead><tbody><tr><td class="num">9</td><td class="name">TAIL_K_FULL</td>'
+            '<td>FULL</td><td class="num">12</td><td class="num">3</td><td class="num">40</td><td class="num">41'
+            '</td><td><span class="name">token</span></td></tr></tbody>') in page
