@@ -575,3 +575,5 @@ def test_the_report_puts_a_fault_and_its_first_detection_on_the_global_step_coun
     assert [s for s, n in enumerate(report["timeline"]["injected"]) if n] == [13]
     assert [s for s, n in enumerate(report["timeline"]["detected"]) if n] == [16]
     assert report["kinds"][0]["latency_steps"] == {"min": 3, "median": 3.0, "max": 3}
+    assert {k: report["kinds"][0][k] for k in ("injected", "detected", "missed", "status", "violations")} == {
+        "injected": 1, "detected": 1, "missed": 0, "status": "detected", "violations": 2}
