@@ -334,3 +334,13 @@ def test_verify_refuses_a_plan_field_of_the_wrong_shape_or_dtype_by_its_name(fie
     plan = dataclasses.replace(verify_plan([1, 2], [0, 1], [-1, 1]), **{field: value})
     with pytest.raises(kc.CanaryArgumentError, match="^" + re.escape("kv-canary: " + message) + "$"):
         kc.launch_canary_verify_kernel(context=ctx, plan=plan, check_verify_expected_token=False, backend="numpy")
+
+
+def test_write_refuses_a_plan_whose_offsets_hold_fewer_than_two_entries_saying_how_many():
+    ctx = context()
+    plan = dataclasses.replace(write_plan([1], [-1]), write_offsets=np.zeros(1, np.int64))
+    with pytest.raises(kc.CanaryArgumentError, match="^" + re.escape(
+            "kv-canary: plan.write_offsets must hold write_req_capacity + 1 >= 2 entries, got 1") + "$"):
+        kc.launch_canary_write_kernel(context=ctx, plan=plan, input_ids=np.array([5], np.int64),
+                                      positions=np.array([0], np.int64), out_cache_loc=np.array([1], np.int64),
+                                      enable_write_input_assert=False, backend="numpy")
