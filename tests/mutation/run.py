@@ -365,8 +365,10 @@ def run_python_target(name: str, max_children: int, mutants: list[str], sample: 
     # (a resumed run with nothing left starts no mutmut run: one without mutant names would run every mutant)
     with open(work / "mutmut.log", "a" if resume else "w") as log:  # its progress spinner, out of the summary
         if mutants or not resume:
+            # SIGINT restored in mutmut: a background job inherits it ignored, and the stop below sends it
             proc = subprocess.Popen([*mutmut, "run", "--max-children", str(max_children), *mutants], cwd=work,
-                                    env=env, stdout=log, stderr=subprocess.STDOUT)
+                                    env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
             try:
                 rc = proc.wait()
             except KeyboardInterrupt:  # mutmut stops its workers on SIGINT and keeps the verdicts it has
