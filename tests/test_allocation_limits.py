@@ -179,3 +179,72 @@ def test_the_torch_constructors_refuse_before_allocating(monkeypatch):
     message, _ = _refused(lambda: sglang.WritePlan.allocate(write_req_capacity=2**20))
     assert message.startswith("kv-canary: write_req_capacity=1048576 makes ")
     assert made == []
+
+
+@pytest.mark.parametrize("which", ["verify", "write"])
+def test_a_plan_array_the_allocator_cannot_make_is_refused_naming_the_capacity_that_sized_it(monkeypatch, which):
+    """The allocator itself fails at each of a plan's arrays in turn (the limit let the plan through): the refusal
+    names the capacity argument for every array it sized (the scratch offsets too), and the requested size for
+    the one-element words. Expected names and sizes worked out by hand from the plan's fields."""
+    capacity = 5
+    if which == "verify":
+        want = [("verify_capacity", 40, "5 x int64")] * 4 + [("the requested size", 4, "1 x int32")] * 3
+    else:
+        want = [("write_req_capacity", 48, "6 x int64"), ("write_req_capacity", 40, "5 x int64"),
+                ("the requested size", 4, "1 x int32"), ("write_req_capacity", 48, "6 x int64")]
+    calls: list[int] = []
+    fail_at = [-1]
+
+    def failing(real):
+        def allocate(shape, *args):
+            calls.append(1)
+            if len(calls) - 1 == fail_at[0]:
+                raise MemoryError("faked")
+            return real(shape, *args)
+        return allocate
+
+    class FailingNumpy:
+        empty, full = staticmethod(failing(np.empty)), staticmethod(failing(np.full))
+
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+    monkeypatch.setattr(plan_module, "np", FailingNumpy())
+    if which == "verify":
+        kc.VerifyPlan.allocate(verify_capacity=capacity)
+    else:
+        kc.WritePlan.allocate(write_req_capacity=capacity)
+    assert len(calls) == len(want)  # every array of the plan is one allocation
+    for k, (name, nbytes, shape) in enumerate(want):
+        calls.clear()
+        fail_at[0] = k
+        with pytest.raises(CanaryArgumentError) as info:
+            if which == "verify":
+                kc.VerifyPlan.allocate(verify_capacity=capacity)
+            else:
+                kc.WritePlan.allocate(write_req_capacity=capacity)
+        assert len(calls) == k + 1
+        assert str(info.value) == (f"kv-canary: {name} asks for {nbytes} bytes ({shape}), which cannot be allocated "
+                                   "on device='cpu' (MemoryError: faked)")
+
+
+@pytest.mark.parametrize(("call", "argument", "what", "needed"), [
+    (lambda: kc.VerifyOrWriteContext.allocate(num_slots=100, ring_capacity=16, device="cuda:1"),
+     "num_slots=100 (x slot_stride_bytes=32)", "VerifyOrWriteContext.allocate", 100 * 32 + 16 * 64 + 28),
+    (lambda: kc.VerifyPlan.allocate(verify_capacity=100, device="cuda:1"), "verify_capacity=100",
+     "VerifyPlan.allocate", 4 * 8 * 100 + 3 * 4),
+    (lambda: kc.WritePlan.allocate(write_req_capacity=100, device="cuda:1"), "write_req_capacity=100",
+     "WritePlan.allocate", 2 * 8 * 101 + 8 * 100 + 4),
+], ids=["context", "verify-plan", "write-plan"])
+def test_a_creation_on_a_gpu_is_held_to_that_gpus_memory(monkeypatch, allocations, call, argument, what, needed):
+    """The default limit of a CUDA creation is the memory of the device it names (faked here: 2,000 bytes for
+    whichever index is asked), checked before CuPy is needed and before anything is allocated."""
+    import kvcanary_cupy._limits as limits
+
+    asked: list[int] = []
+    monkeypatch.setattr(limits, "_device_memory_bytes", lambda index: asked.append(index) or 2000)
+    message, _ = _refused(call)
+    assert message == (f"kv-canary: {argument} makes {what} need {needed} bytes (0.0 GiB), above the allocation "
+                       f"limit of 2000 bytes (0.0 GiB, the memory of cuda:1); raise it with max_allocation_bytes= or "
+                       f"{LIMIT_ENV}")
+    assert asked == [1] and allocations == []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -218,6 +219,31 @@ def test_context_allocate_returns_torch_tensors():
                if f.name not in ("kernel_kind", "real_kv_sources", "real_kv_hash_mode"))
 
 
+@pytest.mark.parametrize(("argument", "message"), [
+    ({"num_slots": 0}, "num_slots must be positive, got 0"),
+    ({"num_slots": 2.0}, "num_slots must be an int, got float"),
+    ({"ring_capacity": -3}, "ring_capacity must be positive, got -3"),
+    ({"slot_stride_bytes": 0}, "slot_stride_bytes must be positive, got 0"),
+    ({"slot_stride_bytes": 36}, "slot_stride_bytes must be a multiple of 8 and >= 32, got 36"),
+    ({"slot_stride_bytes": 24}, "slot_stride_bytes must be a multiple of 8 and >= 32, got 24"),
+    ({"kernel_kind": "HEAD"}, "kernel_kind must be an int, got str"),
+    ({"kernel_kind": 1 << 64}, "kernel_kind must be <= 9223372036854775807, got 18446744073709551616"),
+    ({"real_kv_hash_mode": 9}, "real_kv_hash_mode must be a RealKvHashMode (NONE, PARTIAL, ALL), got 9"),
+    ({"real_kv_sources": None}, "real_kv_sources must be a tuple of RealKvSource, got NoneType"),
+    ({"real_kv_sources": ("k",)}, "real_kv_sources[0] must be a RealKvSource, got str"),
+    ({"enable_chain_position_assert": 1}, "enable_chain_position_assert must be a bool, got int"),
+], ids=["num_slots-0", "num_slots-float", "ring_capacity", "stride-0", "stride-not-multiple-of-8", "stride-below-32",
+        "kernel_kind-str", "kernel_kind-past-int64", "hash_mode", "sources-none", "sources-entry", "chain-flag"])
+def test_context_allocate_refuses_each_bad_argument_by_its_name(argument, message):
+    with pytest.raises(kc.CanaryArgumentError, match="^" + re.escape("kv-canary: " + message) + "$"):
+        sg.VerifyOrWriteContext.allocate(**{"num_slots": 4, **argument}, device="cpu")
+
+
+def test_context_allocate_takes_any_slot_stride_that_is_a_multiple_of_8_from_32():
+    for stride in (32, 40, 56):
+        assert sg.VerifyOrWriteContext.allocate(num_slots=3, slot_stride_bytes=stride).canary_buf.shape == (3, stride)
+
+
 # --- plan launcher -----------------------------------------------------------------------------------------
 
 @settings(max_examples=50, deadline=None)
@@ -259,6 +285,19 @@ def test_torch_reference_missing_valid_lens_message_is_sglangs_word_for_word():
         sg.launch_canary_plan_kernels_torch_reference(
             verify_plan_out=vp, write_plan_out=wp, **small_inputs(req_to_verify_expected_tokens_valid_lens=None))
     assert str(info.value) == MISSING_LENS
+    assert plan_bytes(vp, wp) == before
+
+
+@pytest.mark.parametrize("name", ["req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token",
+                                  "req_to_verify_expected_tokens", "req_to_verify_expected_tokens_valid_lens"])
+def test_torch_reference_refuses_an_input_that_is_no_array_by_its_name_and_writes_nothing(name):
+    vp, wp = sentinel_plans(6, 2)
+    before = plan_bytes(vp, wp)
+    with pytest.raises(kc.CanaryArgumentError, match="^" + re.escape(
+            f"kv-canary: {name} must be an array (NumPy, CuPy, or any DLPack producer such as a torch tensor), "
+            "got str") + "$"):
+        sg.launch_canary_plan_kernels_torch_reference(verify_plan_out=vp, write_plan_out=wp,
+                                                      **small_inputs(**{name: "3, 0"}))
     assert plan_bytes(vp, wp) == before
 
 

@@ -6,6 +6,7 @@ Also the host-side reading of the ring (decoded rows, totals past capacity, the 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -292,16 +293,21 @@ def test_the_cuda_backend_passes_absent_pointers_as_an_explicit_null():
 
     class Module:
         def get_function(self, name):
-            return lambda grid, block, args: calls.append((name, args))
+            return lambda grid, block, args: calls.append((name, grid, block, args))
 
-    backend = KernelBackend("cuda", lambda file: Module(), HOST_SHAPE, null=np.uint64(0))
     pool = np.zeros((2, 4), np.int32)
-    backend.scatter(ScatterLaunch(np.arange(3, dtype=np.int64), np.array([0, 3], np.int64),
-                                  np.array([1], np.int64), pool, None, CPU))
-    ((name, args),) = calls
-    assert name == "kvc_scatter"
-    assert all(a is not None for a in args)
-    assert isinstance(args[-1], np.uint64) and int(args[-1]) == 0
+    for null in (None, np.uint64(0)):  # the host launcher's way (None passed as is), then the CUDA backend's
+        backend = KernelBackend("cuda", lambda file: Module(), HOST_SHAPE, null=null)
+        backend.scatter(ScatterLaunch(np.arange(3, dtype=np.int64), np.array([0, 3], np.int64),
+                                      np.array([1], np.int64), pool, None, CPU))
+    (name, grid, block, args), (null_name, null_grid, null_block, null_args) = calls
+    assert name == null_name == "kvc_scatter"
+    assert args[-1] is None and all(a is not None for a in args[:-1])
+    assert all(a is not None for a in null_args)
+    assert isinstance(null_args[-1], np.uint64) and int(null_args[-1]) == 0
+    # only the absent pointer changes: the launch shape is the same
+    assert (null_grid, null_block) == (grid, block) and grid is not None and block is not None
+    assert len(null_args) == len(args)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -312,3 +318,29 @@ def test_for_endpoint_refuses_a_bad_scalar_field_by_its_name(change, message):
     ctx = context()
     with pytest.raises(ValueError, match=rf"^kv-canary: {message}$"):
         ctx.for_endpoint(**change)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("verify_num_valid", np.zeros(2, np.int32), "plan.verify_num_valid must have shape (1,), got (2,) (axis 0)"),
+    ("verify_num_valid", np.zeros(1, np.int64), "plan.verify_num_valid must have dtype int32, got int64"),
+    ("enable", np.ones(2, np.int32), "plan.enable must have shape (1,), got (2,) (axis 0)"),
+    ("verify_prev_slot_indices", np.zeros(3, np.int64),
+     "plan.verify_prev_slot_indices must have shape (2,), got (3,) (axis 0)"),
+    ("verify_expected_positions", np.zeros(2, np.int32),
+     "plan.verify_expected_positions must have dtype int64, got int32"),
+], ids=["num_valid-shape", "num_valid-dtype", "enable-shape", "prevs-shape", "positions-dtype"])
+def test_verify_refuses_a_plan_field_of_the_wrong_shape_or_dtype_by_its_name(field, value, message):
+    ctx = context()
+    plan = dataclasses.replace(verify_plan([1, 2], [0, 1], [-1, 1]), **{field: value})
+    with pytest.raises(kc.CanaryArgumentError, match="^" + re.escape("kv-canary: " + message) + "$"):
+        kc.launch_canary_verify_kernel(context=ctx, plan=plan, check_verify_expected_token=False, backend="numpy")
+
+
+def test_write_refuses_a_plan_whose_offsets_hold_fewer_than_two_entries_saying_how_many():
+    ctx = context()
+    plan = dataclasses.replace(write_plan([1], [-1]), write_offsets=np.zeros(1, np.int64))
+    with pytest.raises(kc.CanaryArgumentError, match="^" + re.escape(
+            "kv-canary: plan.write_offsets must hold write_req_capacity + 1 >= 2 entries, got 1") + "$"):
+        kc.launch_canary_write_kernel(context=ctx, plan=plan, input_ids=np.array([5], np.int64),
+                                      positions=np.array([0], np.int64), out_cache_loc=np.array([1], np.int64),
+                                      enable_write_input_assert=False, backend="numpy")

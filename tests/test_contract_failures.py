@@ -529,6 +529,7 @@ BAD_OPTION_FIELDS = {
     "ring_capacity": [0, -1, 2**31, 1.5, True, "8", None, np.array([4])],
     "sweep_interval": [-1, 1.5, True, "2", None, np.array([8])],
     "logger": ["", None, 3, np.array(["x"])],
+    "log_rows": [-1, 1001, 1.5, True, None, np.array([5])],
 }
 
 
@@ -541,3 +542,12 @@ def test_every_canary_options_field_is_validated_strictly(field):
         with pytest.raises(kc.CanaryArgumentError, match=rf"^kv-canary: CanaryOptions\.{field}\b"):
             CanaryOptions(**{field: value})
     assert CanaryOptions(with_v=False, sweep_interval=0).config().sweep_interval == 0  # valid values still pass
+
+
+def test_canary_options_take_each_bounded_field_at_its_bounds():
+    pytest.importorskip("transformers")
+    from kvcanary_cupy.integrations.transformers import CanaryOptions
+
+    for field, values in (("ring_capacity", (1, 2**31 - 1)), ("sweep_interval", (0,)), ("log_rows", (0, 1000))):
+        for value in values:
+            assert getattr(CanaryOptions(**{field: value}), field) == value, (field, value)

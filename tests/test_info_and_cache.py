@@ -54,6 +54,22 @@ def test_info_names_each_backend_with_its_reason_and_the_versions_and_cache_size
         assert label in text, label
 
 
+@pytest.mark.parametrize(("cuda", "extra"), [("12.4", "cuda12"), ("13.0", "cuda13"), ("11.8", None), (None, None)])
+def test_info_names_the_extra_matching_the_cuda_version_torch_was_built_for(monkeypatch, capsys, cuda, extra):
+    torch = pytest.importorskip("torch")
+    from kvcanary_cupy import diagnostics
+
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    versions = diagnostics._torch()
+    assert (versions["torch_cuda"], versions["cuda_extra"]) == (cuda, extra)
+    assert main(["info"]) == 0
+    text = capsys.readouterr().out
+    if extra is None:
+        assert "matching extra" not in text
+    else:
+        assert f"CUDA {cuda} (matching extra: kvcanary-cupy[{extra}])" in text
+
+
 def test_cache_clear_removes_the_host_modules_and_says_how_much(xdg, capsys):
     xdg.mkdir(parents=True)
     for i in range(3):

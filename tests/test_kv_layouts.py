@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from chain_helpers import context, fields, rows, verify, write
+from chain_helpers import context, fields, rows, verify, verify_plan, write, write_plan
 from oracle import MODE_ALL, MODE_PARTIAL, StridedSource, real_kv_hash, to_i64
 
 import kvcanary_cupy as kc
@@ -449,6 +449,31 @@ def test_a_preset_source_over_a_torch_cache_moved_later_is_refused_like_a_plain_
         write(ctx, [2], [-1], [3, 4], [12, 13], [2, 3], backend=backend)
     with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: kv_cache: the torch tensor's storage moved"):
         verify(ctx, [1, 2], [0, 1], [-1, 1], backend=backend)
+    after = ctx.canary_buf, ctx.violation_ring, ctx.status
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(before, after, strict=True))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("preset", ["flash", "mla"])
+def test_a_bound_launch_over_a_preset_source_refuses_once_the_torch_cache_is_re_pointed(backend, preset):
+    """A bound launch checks only what it was bound over; the engine's cache a preset's view was taken from
+    must be among those checks, or a bound launch keeps fingerprinting the old storage after ``set_``."""
+    torch = pytest.importorskip("torch")
+    cache, source = _torch_preset(preset, torch)
+    ctx = context(num_slots=8, real_kv_sources=(source,), real_kv_hash_mode=kc.RealKvHashMode.ALL)
+    bound_write = kc.bind_write(context=ctx, plan=write_plan([2], [-1]), input_ids=np.array([10, 11], np.int64),
+                                positions=np.array([0, 1], np.int64), out_cache_loc=np.array([1, 2], np.int64),
+                                enable_write_input_assert=False, backend=backend)
+    bound_verify = kc.bind_verify(context=ctx, plan=verify_plan([1, 2], [0, 1], [-1, 1]),
+                                  check_verify_expected_token=False, backend=backend)
+    bound_write()
+    bound_verify()
+    assert rows(ctx) == []
+    cache.set_(torch.zeros_like(cache).untyped_storage(), 0, cache.shape, cache.stride())
+    before = ctx.canary_buf.copy(), ctx.violation_ring.copy(), ctx.status.copy()
+    for bound in (bound_write, bound_verify):
+        with pytest.raises(kc.CanaryArgumentError, match=r"^kv-canary: kv_cache: the torch tensor's storage moved"):
+            bound()
     after = ctx.canary_buf, ctx.violation_ring, ctx.status
     assert all(a.tobytes() == b.tobytes() for a, b in zip(before, after, strict=True))
 

@@ -4,6 +4,7 @@ Wilson interval of the score, against hand-worked values."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -112,6 +113,7 @@ def test_the_default_targets_are_the_per_module_ones(runner):
     (["--targets", "layouts", "--sample", "0"], "--sample takes a positive count"),
     (["--targets", "layouts", "--sample", "5", "--mutants", "*x_f*"], "--sample takes a positive count, and no"),
     (["--targets", "nothing"], "unknown target 'nothing'"),
+    (["--targets", "layouts", "--resume"], "--resume continues a sampled run: give its --sample N and --seed S"),
 ])
 def test_bad_sampling_arguments_are_refused_before_any_run(runner, monkeypatch, capsys, args, message):
     def no_run(*args, **kwargs):
@@ -124,3 +126,39 @@ def test_bad_sampling_arguments_are_refused_before_any_run(runner, monkeypatch, 
     with pytest.raises(SystemExit) as refused:
         runner.main()
     assert refused.value.code == 2 and message in capsys.readouterr().err
+
+
+def _stopped_run(work: Path, verdicts: dict[str, dict[str, int | None]], drawn: list[str]) -> None:
+    """A scratch folder as a stopped sampled run leaves it: mutmut's metadata per module, the draw."""
+    for module, codes in verdicts.items():
+        meta = work / "mutants" / f"{module}.meta"
+        meta.parent.mkdir(parents=True, exist_ok=True)
+        meta.write_text(json.dumps({"exit_code_by_key": codes}))
+    (work / "sample.json").write_text(json.dumps(drawn))
+
+
+def test_a_resumed_run_checks_the_drawn_mutants_without_a_verdict_in_the_order_drawn(runner, tmp_path):
+    a = {f"pkg.a.x_f__mutmut_{i}": None for i in range(1, 7)}
+    b = {f"pkg.b.x_g__mutmut_{i}": None for i in range(1, 7)}
+    names = sorted([*a, *b])
+    drawn = runner.draw_sample(names, 5, seed=2)
+    # the first two drawn have verdicts (killed, survived), the third none yet; one undrawn mutant a verdict too
+    for name, code in zip(drawn[:2], (1, 0), strict=True):
+        (a if name in a else b)[name] = code
+    undrawn = next(n for n in names if n not in drawn)
+    (a if undrawn in a else b)[undrawn] = 1
+    _stopped_run(tmp_path, {"pkg/a.py": a, "pkg/b.py": b}, drawn)
+    sample, unchecked = runner._resumed_sample(tmp_path, 5, 2)
+    assert (sample.total, sample.names) == (12, drawn)
+    assert unchecked == drawn[2:]
+    assert sample.module_of[drawn[0]] == ("pkg/a.py" if drawn[0] in a else "pkg/b.py")
+
+
+def test_a_resume_is_refused_without_a_stopped_run_or_for_another_draw(runner, tmp_path):
+    with pytest.raises(SystemExit, match=r"--resume: .* holds no sampled run to continue \(no sample\.json\)"):
+        runner._resumed_sample(tmp_path, 5, 2)
+    codes = {f"pkg.a.x_f__mutmut_{i}": None for i in range(1, 13)}
+    _stopped_run(tmp_path, {"pkg/a.py": codes}, runner.draw_sample(list(codes), 5, seed=2))
+    for size, seed in ((5, 3), (6, 2), (4, 2)):
+        with pytest.raises(SystemExit, match=rf"drew another sample than --sample {size} --seed {seed}$"):
+            runner._resumed_sample(tmp_path, size, seed)

@@ -126,6 +126,18 @@ class ToyCanaryState(EngineCanaryState):
         self.rt = _Runtime(reports)  # type: ignore[assignment]
 
 
+def test_the_status_flags_of_a_step_are_every_groups_plan_bits_and_the_status_bits_each_named_once():
+    from kvcanary_cupy.runtime.reporting import status_flag_names
+
+    plan_status = {"FULL": int(PlanStatus.REQ_POOL_INDEX_OUT_OF_RANGE | PlanStatus.SWA_SLOT_OUTSIDE_LUT),
+                   "SWA": int(PlanStatus.BLOCK_ID_OUTSIDE_SLOTS), "DRAFT": int(PlanStatus.SWA_SLOT_OUTSIDE_LUT)}
+    report = StepReport(4, 3, scatter_status=int(CanaryStatus.SCATTER_OUT_OF_RANGE), plan_status=plan_status)
+    names = status_flag_names(report)
+    assert sorted(names) == ["BLOCK_ID_OUTSIDE_SLOTS", "REQ_POOL_INDEX_OUT_OF_RANGE", "SCATTER_OUT_OF_RANGE",
+                             "SWA_SLOT_OUTSIDE_LUT"]
+    assert status_flag_names(StepReport(1, 0)) == []
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_the_exported_series_count_what_the_step_reports_hold(seed):
     prometheus_client = pytest.importorskip("prometheus_client", reason="prometheus_client is not installed")

@@ -260,3 +260,14 @@ def test_a_buffer_the_allocator_cannot_make_is_refused_naming_the_argument_that_
     if framework == "numpy":
         for group in ("FULL", "SWA", "DRAFT"):  # HEAD and TAIL buffers of K and V
             assert names_met.count(f"KvGroup {group!r} num_slots") == 4, group
+
+
+def test_a_torch_runtime_allocates_on_its_own_device_whatever_torchs_default_device():
+    """An engine may set torch's default device (here the storage-less ``meta`` device); the runtime's buffers
+    still go to the device of its pools, where the kernels read them."""
+    torch = pytest.importorskip("torch")
+    engine = sc.ToyEngine(swa=True, draft=True, with_v=True)
+    with torch.device("meta"):
+        rt = _create_with_distinct_capacities(engine, "torch")
+    buffers = [ep.write_ctx.canary_buf for g in rt.groups.values() for ep in g.endpoints["HEAD"] + g.endpoints["TAIL"]]
+    assert buffers and all(isinstance(b, torch.Tensor) and b.device.type == "cpu" for b in buffers)

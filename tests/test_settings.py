@@ -165,5 +165,6 @@ def test_kvcanary_debug_0_keeps_an_internal_error_short_and_1_shows_its_tracebac
         return
     assert main(["info"]) == 3
     err = capsys.readouterr().err
-    assert "internal error: RuntimeError: a planted internal error" in err
+    assert ("kvcanary info: internal error: RuntimeError: a planted internal error (set KVCANARY_DEBUG=1 for the "
+            "traceback)\n") in err
     assert ("KVCANARY_DEBUG must be" in err) == (value == "yes")  # junk is said, not taken as on

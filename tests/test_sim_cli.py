@@ -61,6 +61,19 @@ def test_bad_arguments_give_a_message_and_status_2(argv, message, capsys):
     assert "Traceback" not in err
 
 
+def test_the_transfer_timeout_takes_seconds_in_zero_to_one_day_and_nothing_else():
+    import argparse
+
+    from kvcanary_cupy.cli import _seconds, build_parser
+
+    parse = build_parser().parse_args
+    for text, seconds in (("0.25", 0.25), ("1", 1.0), ("86400", 86400.0), ("1e-3", 0.001)):
+        assert parse(["simulate", "--disaggregated", "--transfer-timeout", text]).transfer_timeout == seconds
+    for text in ("0", "-0.5", "86400.5", "inf", "nan", "soon", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"^expected a number of seconds in \(0, 86400\], got "):
+            _seconds(text)
+
+
 def test_an_unavailable_backend_is_a_clear_error(capsys):
     from kvcanary_cupy.backends import unavailable_reason
 

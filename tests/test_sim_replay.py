@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,8 @@ def test_replay_reproduces_the_dumped_violations(dumps, backend):
         outcome = replay_case(case, backend)
         assert outcome.reproduced, (path.name, outcome.rows, case.arrays["expected_rows"].tolist())
         assert sorted(outcome.rows) == sorted(map(tuple, case.arrays["expected_rows"].tolist()))
+        # a launch dumped with its plan inputs has its plan recomputed and compared too
+        assert (outcome.plan_check is not None) == ("in_req_to_token" in case.arrays), path.name
         if outcome.plan_check is not None:
             assert "identical" in outcome.plan_check, outcome.plan_check
 
@@ -148,7 +151,9 @@ def _meta(case, **changes):
     (lambda c: {"plan_slots": None}, "entry 'plan_slots' is missing"),
     (lambda c: {"plan_prev_slots": c.arrays["plan_prev_slots"][:-1].copy()}, "entry 'plan_prev_slots' must have"),
     (lambda c: {"plan_num_valid": c.arrays["plan_num_valid"].astype(np.int64)}, "entry 'plan_num_valid' must be"),
-])
+], ids=["ring-missing", "ring-str", "ring-too-large", "op", "hash-mode", "tag-bool", "write-capacity-0",
+        "sources-fields", "canary-dtype", "canary-narrow", "rows-shape", "plan-slots-missing", "prev-slots-short",
+        "num-valid-dtype"])  # plain ids: mutmut selects tests by id, which must hold no spaces
 def test_replay_refuses_malformed_dumps_naming_file_and_field(dumps, tmp_path, capsys, forgery, field):
     case = load_case(dumps["kv-bitflip"])  # a TAIL verify: real-KV sources, plan inputs
     assert case.meta["op"] == "verify"
@@ -203,6 +208,26 @@ def test_a_dump_whose_layouts_split_tokens_and_elements_replays_the_same_rows(du
     meta["sources"][0]["layout"]["tiles"] = 2
     with pytest.raises(ValueError, match=r"meta\.sources\[0\]\.layout must have exactly the keys"):
         load_case(_forge(case, tmp_path, "bad.npz", meta=meta, **arrays))
+
+
+LAYOUT_FIELDS = ["page_stride", "token_stride", "head_stride", "element_stride", "num_heads", "elements_per_head",
+                 "element_bytes", "tokens_per_tile", "tile_stride", "elements_per_group", "group_stride"]
+
+
+@pytest.mark.parametrize("field", LAYOUT_FIELDS)
+def test_replay_refuses_a_layout_field_outside_zero_to_two_to_the_48_by_its_name(dumps, tmp_path, field):
+    case = load_case(dumps["kv-bitflip"])
+    meta = _meta(case)
+    per_token = meta["sources"][0]["num_bytes_per_token"]
+    meta["sources"][0]["layout"] = {"page_stride": 4096, "token_stride": per_token, "head_stride": 0,
+                                    "element_stride": 4, "num_heads": 1, "elements_per_head": per_token // 4,
+                                    "element_bytes": 4, "tokens_per_tile": 1, "tile_stride": 0,
+                                    "elements_per_group": 1, "group_stride": 0}
+    for value, shown in ((-1, "-1"), ((1 << 48) + 1, "281474976710657")):
+        meta["sources"][0]["layout"][field] = value
+        with pytest.raises(ValueError, match=re.escape(
+                f"forged.npz: meta.sources[0].layout.{field} must lie in [0, 281474976710656], got {shown}")):
+            load_case(_forge(case, tmp_path, meta=meta))
 
 
 def test_replay_refuses_a_malformed_write_dump(dumps, tmp_path):

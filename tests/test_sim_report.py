@@ -168,3 +168,71 @@ def test_a_clean_report_says_so():
     assert validate(report) == [] and report["kinds"] == [] and report["faults"] == []
     text = report_mod.render_text(report)
     assert "clean run" in text and text.endswith("PASS: no violation in a clean run")
+
+
+def test_the_warning_names_each_kind_the_workload_could_not_host_as_it_or_them():
+    def kinds(**status):
+        return {"kinds": [{"kind": kind.replace("_", "-"), "status": s} for kind, s in status.items()]}
+
+    assert report_mod.warnings(kinds(kv_bitflip="detected")) == []
+    assert report_mod.warnings(kinds(kv_bitflip="detected", stale_expected="not injected")) == [
+        "warning: the workload is too small to inject stale-expected (no target was found for it); run more "
+        "--steps or --requests"]
+    assert report_mod.warnings(kinds(stale_expected="not injected", kv_bitflip="missed",
+                                     double_alloc="not injected")) == [
+        "warning: the workload is too small to inject stale-expected, double-alloc (no target was found for them); "
+        "run more --steps or --requests"]
+
+
+def test_each_reason_has_a_short_label_without_its_verify_prefix_and_mismatch_suffix():
+    from kvcanary_cupy import FailReason
+
+    labels = {reason.name: report_mod.short_reason(str(reason.name)) for reason in FailReason}
+    assert labels == {"VERIFY_CHAIN_HASH_MISMATCH": "chain", "VERIFY_POSITION_MISMATCH": "position",
+                      "VERIFY_REAL_KV_HASH_MISMATCH": "real-kv", "WRITE_TOKEN_MISMATCH": "write-token",
+                      "WRITE_POSITION_MISMATCH": "write-position", "VERIFY_TOKEN_MISMATCH": "token"}
+
+
+def test_the_plot_joins_each_detected_fault_to_its_detection_and_leaves_a_missed_one_alone():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    zeros = [0] * 10
+    report = {"timeline": {"violations": zeros, "explained": zeros, "false_positives": zeros},
+              "kinds": [{"kind": "kv-bitflip"}, {"kind": "wrong-token"}],
+              "faults": [{"kind": "kv-bitflip", "step": 2, "detection_step": 5},
+                         {"kind": "kv-bitflip", "step": 7, "detection_step": None},
+                         {"kind": "wrong-token", "step": 3, "detection_step": 4}]}
+    fig = report_mod.plot_figure(report)
+    try:
+        bottom = fig.axes[1]
+        # rows top to bottom in the table's order: wrong-token at y 0, kv-bitflip at y 1
+        assert [tick.get_text() for tick in bottom.get_yticklabels()] == ["wrong-token", "kv-bitflip"]
+        joined = sorted((tuple(line.get_xdata()), tuple(line.get_ydata())) for line in bottom.lines)
+        assert joined == [((2, 5), (1, 1)), ((3, 4), (0, 0))]
+    finally:
+        plt.close(fig)
+
+
+def test_the_false_positive_lines_list_the_first_ones_and_nothing_without_any():
+    fp = {"launch_step": 7, "launch_tag": "TAIL_K_FULL", "group": "FULL", "slot": 12, "position": 3,
+          "stored_token": 40, "expected_token": 41, "reasons": ["VERIFY_TOKEN_MISMATCH", "VERIFY_CHAIN_HASH_MISMATCH"]}
+    assert report_mod._fp_lines({"false_positives": [], "violations": {"false_positives": 0}}) == []
+    assert report_mod._fp_lines({"false_positives": [fp, {**fp, "slot": 13}], "violations": {"false_positives": 5}},
+                                limit=1) == [
+        "first false positives (of 5):",
+        "  step 7 TAIL_K_FULL (FULL) slot 12 position 3 token 40 expected 41: token, chain"]
+
+
+def test_the_html_false_positive_table_right_aligns_its_numbers_and_keeps_tags_whole(faulty_report, monkeypatch):
+    monkeypatch.setattr(report_mod, "plot_svg", lambda report: None)  # the table is the subject, not the plot
+    report = copy.deepcopy(faulty_report)
+    report["false_positives"] = [{"read_step": 9, "launch_tag": "TAIL_K_FULL", "group": "FULL", "slot": 12,
+                                  "position": 3, "stored_token": 40, "expected_token": 41,
+                                  "reasons": ["VERIFY_TOKEN_MISMATCH"]}]
+    page = report_mod.render_html(report)
+    assert ('<thead><tr><th class="num">read step</th><th class="name">tag</th><th>group</th><th class="num">slot'
+            '</th><th class="num">position</th><th class="num">stored token</th><th class="num">expected token</th>'
+            '<th>reasons</th></tr></thead><tbody><tr><td class="num">9</td><td class="name">TAIL_K_FULL</td>'
+            '<td>FULL</td><td class="num">12</td><td class="num">3</td><td class="num">40</td><td class="num">41'
+            '</td><td><span class="name">token</span></td></tr></tbody>') in page

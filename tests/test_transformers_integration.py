@@ -53,7 +53,7 @@ def _generate_raw(model, w):
 
 @pytest.mark.parametrize("name", list(WORKLOADS))
 def test_generation_is_token_exact_and_clean_with_the_canary(models, name):
-    w = WORKLOADS[name]
+    w = workloads()[name]  # built here, not the module's copy: mutation testing sees which test reads a workload
     model = models[w.arch]
     reference = generate(model, w)
     canary = install(model)
@@ -492,3 +492,88 @@ def test_simulate_engine_transformers_refuses_what_it_cannot_run(capsys):
     assert "not available with --engine transformers" in capsys.readouterr().err
     assert main(["simulate", "--engine", "transformers", "--inject", "swa-early-evict", "--quiet"]) == 2
     assert "unknown fault kind 'swa-early-evict' for --engine transformers" in capsys.readouterr().err
+
+
+def test_the_report_has_one_row_per_workload_with_each_clean_runs_counts_under_its_key():
+    from kvcanary_cupy.integrations.transformers.report import build_report
+    from kvcanary_cupy.integrations.transformers.results import (
+        RunResult,
+        SimulationRecord,
+        TransformersSimConfig,
+    )
+
+    # two clean runs whose counts are all different numbers, so that a count under another key shows
+    sim = SimulationRecord(TransformersSimConfig(model_size="small", seed=3, backend="numpy"))
+    chosen = workloads(seed=3)
+    for i, name in enumerate(("queueing", "forks")):
+        stats = WorkloadStats()
+        stats.prefill_tokens, stats.decode_tokens, stats.prefix_tokens_reused = 101 + i, 203 + i, 307 + i
+        stats.soft_resets, stats.peak_batch = 409 + i, 503 + i
+        sim.runs.append(RunResult(workload=name, kind=None, steps=11 + i, step_offset=40 * i, violations=[],
+                                  fault=None, stats=stats, seconds={}, wall=1.23456 + i, counters={}, status_bits=0,
+                                  dropped=0, health_problems=[], tokens={}, errors={f"r{j}": "x" for j in range(i)}))
+        sim.token_exact[name] = i == 0
+        sim.reference_wall[name] = 0.98761 + i
+    sim.total_steps = 80
+    rows = build_report(sim)["workloads"]
+    assert rows == [
+        {"name": "queueing", "description": chosen["queueing"].description, "arch": chosen["queueing"].arch,
+         "requests": chosen["queueing"].num_results, "max_new_tokens": chosen["queueing"].max_new_tokens,
+         "steps": 11, "token_exact": True, "violations": 0, "prefill_tokens": 101, "decode_tokens": 203,
+         "prefix_tokens_reused": 307, "soft_resets": 409, "peak_batch": 503, "requests_failed": 0,
+         "wall_s": 1.2346, "reference_wall_s": 0.9876},
+        {"name": "forks", "description": chosen["forks"].description, "arch": chosen["forks"].arch,
+         "requests": chosen["forks"].num_results, "max_new_tokens": chosen["forks"].max_new_tokens,
+         "steps": 12, "token_exact": False, "violations": 0, "prefill_tokens": 102, "decode_tokens": 204,
+         "prefix_tokens_reused": 308, "soft_resets": 410, "peak_batch": 504, "requests_failed": 1,
+         "wall_s": 2.2346, "reference_wall_s": 1.9876}]
+
+
+def test_a_simulation_reports_its_progress_once_per_run_with_the_canary(capsys):
+    from kvcanary_cupy.integrations.transformers.results import TransformersSimConfig
+    from kvcanary_cupy.integrations.transformers.simulate import run_quietly
+
+    # one workload, one fault kind: its reference run, the clean run and the fault run make 3, two with the canary
+    cfg = TransformersSimConfig(model_size="small", inject=("kv-bitflip",), backend="numpy",
+                                workloads=("mixed-lengths",))
+    report = run_quietly(cfg)
+    assert [w["name"] for w in report["workloads"]] == ["mixed-lengths"]
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["run 2/3: mixed-lengths: clean run, 0 violation(s)", "run 3/3: mixed-lengths: kv-bitflip"]
+
+
+def test_the_report_puts_a_fault_and_its_first_detection_on_the_global_step_count():
+    from types import SimpleNamespace
+
+    from kvcanary_cupy.integrations.common.state import StepViolation
+    from kvcanary_cupy.integrations.transformers.report import build_report
+    from kvcanary_cupy.integrations.transformers.results import (
+        RunResult,
+        SimulationRecord,
+        TransformersSimConfig,
+    )
+
+    sim = SimulationRecord(TransformersSimConfig(model_size="small", inject=("kv-bitflip",), backend="numpy"))
+
+    def run(kind, offset, steps, violations, fault):
+        return RunResult(workload="forks", kind=kind, steps=steps, step_offset=offset, violations=violations,
+                         fault=fault, stats=WorkloadStats(), seconds={}, wall=1.0, counters={}, status_bits=0,
+                         dropped=0, health_problems=[], tokens={}, errors={})
+
+    row = SimpleNamespace(launch_tag="TAIL_K_FULL", reasons=("VERIFY_CHAIN_HASH_MISMATCH",), reason_bits=1)
+    fault = SimpleNamespace(step=2, request="r1", position=5, slot=33, detail="bit 3", group="FULL")
+    # the fault run starts at global step 11: injected at its step 2 (global 13), its first row appended by its
+    # step 4's launches and read one step later (global 11 + 4 + 1 = 16): latency 3
+    sim.runs = [run(None, 0, 10, [], None),
+                run("kv-bitflip", 11, 9, [StepViolation(4, "FULL", row), StepViolation(6, "FULL", row)], fault)]
+    sim.token_exact["forks"], sim.reference_wall["forks"] = True, 0.5
+    sim.total_steps = 21
+    report = build_report(sim)
+    (f,) = report["faults"]
+    assert (f["step"], f["detection_step"], f["latency_steps"], f["detected_by"], f["violations"]) == (
+        13, 16, 3, "TAIL_K_FULL", 2)
+    assert [s for s, n in enumerate(report["timeline"]["injected"]) if n] == [13]
+    assert [s for s, n in enumerate(report["timeline"]["detected"]) if n] == [16]
+    assert report["kinds"][0]["latency_steps"] == {"min": 3, "median": 3.0, "max": 3}
+    assert {k: report["kinds"][0][k] for k in ("injected", "detected", "missed", "status", "violations")} == {
+        "injected": 1, "detected": 1, "missed": 0, "status": "detected", "violations": 2}

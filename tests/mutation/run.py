@@ -10,10 +10,12 @@ the package and kernels; each must make its tests fail (be killed).
 The ``package`` target mutates the whole package (but vLLM's integration) under the main suite: far too many
 mutants to run all of them, so it is run with ``--sample N --seed S``: every mutant is generated, N of them are
 drawn uniformly at random without repetition, only those run (in the order drawn, so a run stopped part-way has
-still checked a uniform sample), and the score comes with its 95 % Wilson interval.
+still checked a uniform sample), and the score comes with its 95 % Wilson interval. ``--resume`` continues a
+sampled run that was stopped, in its scratch folder as it was (its mutants, its copy of the tests, mutmut's
+statistics and the verdicts so far), with the mutants of the draw that have no verdict yet.
 
 Usage: ``python tests/mutation/run.py [--targets a,b] [--no-kernels] [--max-children N] [--mutants GLOB...]
-[--sample N --seed S]``.
+[--sample N --seed S [--resume]]``.
 """
 
 from __future__ import annotations
@@ -238,6 +240,26 @@ def _mutants_by_module(work: Path) -> dict[str, str]:
     return out
 
 
+def _unchecked(work: Path, names: list[str]) -> list[str]:
+    """Those of ``names`` (in their order) that have no verdict in the scratch folder's mutmut metadata."""
+    verdicts: dict[str, int | None] = {}
+    for meta in (work / "mutants").rglob("*.py.meta"):
+        verdicts.update(json.loads(meta.read_text())["exit_code_by_key"])
+    return [name for name in names if verdicts.get(name) is None]
+
+
+def _resumed_sample(work: Path, size: int, seed: int) -> tuple[Sample, list[str]]:
+    """The draw of the sampled run stopped in ``work`` and its mutants still to check; refused when the folder
+    holds no sampled run, or one whose draw is not ``size`` and ``seed``'s over the same mutants."""
+    if not (work / "sample.json").is_file():
+        raise SystemExit(f"--resume: {work} holds no sampled run to continue (no sample.json)")
+    module_of = _mutants_by_module(work)
+    names = json.loads((work / "sample.json").read_text())
+    if names != draw_sample(list(module_of), size, seed):
+        raise SystemExit(f"--resume: the run in {work} drew another sample than --sample {size} --seed {seed}")
+    return Sample(len(module_of), names, module_of), _unchecked(work, names)
+
+
 def _python(target: Target) -> tuple[str, dict[str, str]]:
     """The interpreter a target's mutmut runs under, and the environment additions it needs."""
     if target.env == "main":
@@ -297,31 +319,39 @@ class Sample:
     module_of: dict[str, str]
 
 
-def run_python_target(name: str, max_children: int, mutants: list[str], sample: tuple[int, int] | None = None
-                      ) -> tuple[int, int, list[str], dict[str, str], Sample | None]:
+def run_python_target(name: str, max_children: int, mutants: list[str], sample: tuple[int, int] | None = None,
+                      resume: bool = False) -> tuple[int, int, list[str], dict[str, str], Sample | None]:
     """mutmut over one target (only the mutants matching the ``mutants`` globs, when given, or a uniform random
-    ``sample`` of (size, seed) of all its mutants); (killed, checked, survivors as 'mutant: status', every checked
-    mutant's status, the sample). Stopped (Ctrl-C, SIGTERM), it reports the mutants checked so far."""
+    ``sample`` of (size, seed) of all its mutants; ``resume``: the rest of a stopped sampled run); (killed,
+    checked, survivors as 'mutant: status', every checked mutant's status, the sample). Stopped (Ctrl-C,
+    SIGTERM), it reports the mutants checked so far."""
     target = TARGETS[name]
     modules, tests = target.modules, target.tests
     mutants = mutants or target.mutants
     python, extra_env = _python(target)
     work = SCRATCH / name
-    _scratch_copy(work, tuple(target.files), keep_mutants=sample is not None)
-    with open(work / "pyproject.toml", "a") as f:
-        f.write("\n[tool.mutmut]\n"
-                f'source_paths = ["kvcanary_cupy"]\n'
-                f"only_mutate = {_toml_list(modules)}\n"
-                f"also_copy = {_toml_list(['kernels', 'setup.py', 'README.md', *target.files])}\n"
-                f"pytest_add_cli_args = {_toml_list([*PYTEST, '-k', target.keywords])}\n"
-                f"pytest_add_cli_args_test_selection = {_toml_list(tests)}\n"
-                "use_git_change_detection = false\n")
+    if not resume:
+        _scratch_copy(work, tuple(target.files), keep_mutants=sample is not None)
+        with open(work / "pyproject.toml", "a") as f:
+            f.write("\n[tool.mutmut]\n"
+                    f'source_paths = ["kvcanary_cupy"]\n'
+                    f"only_mutate = {_toml_list(modules)}\n"
+                    f"also_copy = {_toml_list(['kernels', 'setup.py', 'README.md', *target.files])}\n"
+                    f"pytest_add_cli_args = {_toml_list([*PYTEST, '-k', target.keywords])}\n"
+                    f"pytest_add_cli_args_test_selection = {_toml_list(tests)}\n"
+                    "use_git_change_detection = false\n")
     mutmut = [python, "-c", MUTMUT_MAIN]
     # The differential tests' random examples cut to a tenth: each survivor reruns them.
     env = dict(os.environ, KVCANARY_CACHE_DIR=str(SCRATCH / "cache"), HYPOTHESIS_PROFILE="ci",
                KVCANARY_DIFFERENTIAL_SCALE="0.1", **extra_env)
     drawn = None
-    if sample is not None:
+    if sample is not None and resume:
+        # mutmut loads its statistics from the earlier run (collecting them only for tests it has not seen)
+        drawn, mutants = _resumed_sample(work, *sample)
+        env["KVCANARY_MUTANT_ORDER"] = str(work / "sample.json")
+        print(f"  {name}: {drawn.total} mutants, {len(drawn.names)} drawn (seed {sample[1]}), "
+              f"{len(drawn.names) - len(mutants)} checked before, resumed", flush=True)
+    elif sample is not None:
         subprocess.run([python, "-c", MUTMUT_GENERATE, str(max_children)], cwd=work, env=env, check=True,
                        stdout=subprocess.DEVNULL)
         module_of = _mutants_by_module(work)
@@ -331,16 +361,21 @@ def run_python_target(name: str, max_children: int, mutants: list[str], sample: 
         mutants = drawn.names
         print(f"  {name}: {drawn.total} mutants, {len(drawn.names)} drawn (seed {sample[1]})", flush=True)
     stopped = False
-    with open(work / "mutmut.log", "w") as log:  # its progress spinner, kept out of the summary
-        proc = subprocess.Popen([*mutmut, "run", "--max-children", str(max_children), *mutants], cwd=work,
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            rc = proc.wait()
-        except KeyboardInterrupt:  # mutmut stops its workers on SIGINT and keeps the verdicts it has
-            stopped = True
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-            rc = proc.wait()
+    rc = 0
+    # (a resumed run with nothing left starts no mutmut run: one without mutant names would run every mutant)
+    with open(work / "mutmut.log", "a" if resume else "w") as log:  # its progress spinner, out of the summary
+        if mutants or not resume:
+            # SIGINT restored in mutmut: a background job inherits it ignored, and the stop below sends it
+            proc = subprocess.Popen([*mutmut, "run", "--max-children", str(max_children), *mutants], cwd=work,
+                                    env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+            try:
+                rc = proc.wait()
+            except KeyboardInterrupt:  # mutmut stops its workers on SIGINT and keeps the verdicts it has
+                stopped = True
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGINT)
+                rc = proc.wait()
     if rc != 0 and not stopped:
         raise SystemExit(f"mutmut run failed for {name} (exit {rc}): see {work / 'mutmut.log'}")
     out = subprocess.run([*mutmut, "results", "--all", "true"], cwd=work, env=env, check=True,
@@ -439,6 +474,9 @@ def main() -> int:
                         help="run N of each target's mutants, drawn uniformly at random (with --seed), and print "
                              "the score's 95%% Wilson interval")
     parser.add_argument("--seed", type=int, default=0, help="the seed of --sample's draw (default 0)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue a stopped sampled run (the same --sample and --seed) in its scratch folder "
+                             "as it was: no new copy, no generation, mutmut's statistics and verdicts kept")
     args = parser.parse_args()
     names = [t for t in args.targets.split(",") if t]
     for name in names:
@@ -448,6 +486,8 @@ def main() -> int:
             parser.error(f"the {name} target runs sampled only: give --sample N")
     if args.sample is not None and (args.sample < 1 or args.mutants):
         parser.error("--sample takes a positive count, and no --mutants")
+    if args.resume and args.sample is None:
+        parser.error("--resume continues a sampled run: give its --sample N and --seed S")
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     results: dict[str, tuple[int, int, list[str], float]] = {}
     samples: dict[str, tuple[Sample, dict[str, str]]] = {}
@@ -455,7 +495,7 @@ def main() -> int:
         start = time.perf_counter()
         sample = None if args.sample is None else (args.sample, args.seed)
         killed, total, survivors, statuses, drawn = run_python_target(name, args.max_children, args.mutants,
-                                                                      sample)
+                                                                      sample, args.resume)
         results[name] = (killed, total, survivors, time.perf_counter() - start)
         if drawn is not None:
             samples[name] = (drawn, statuses)

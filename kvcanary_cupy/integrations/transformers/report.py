@@ -5,10 +5,11 @@
 Fields: ``schema``, ``passed``, ``outcome`` (passed / failed / inconclusive), ``exit_code`` (0 / 1 / 4, as for the
 synthetic engine); ``config`` (engine, transformers version, model size and parameters, seed, backend, injected
 kinds, real-KV hash mode, sweep interval); ``workloads`` (per workload: requests, steps, token-exact, clean-run
-violations, prefill/decode tokens, prefix tokens reused, soft resets, walls); ``kinds`` and ``faults`` (as the
-synthetic report, plus each fault's ``workload`` and ``injected``); ``violations`` (totals, false positives,
-health problems in clean and in faulted runs); ``false_positives``; ``cost`` (ms per step per canary phase and for
-the engine, the canary's share of ``generate_batch`` wall time, kernel counters); ``timeline`` (per global step).
+violations, prefill/decode tokens, prefix tokens reused, soft resets, peak batch, requests failed, walls);
+``kinds`` and ``faults`` (as the synthetic report, plus each fault's ``workload`` and ``injected``); ``violations``
+(totals, false positives, health problems in clean and in faulted runs); ``false_positives``; ``cost`` (ms per step
+per canary phase and for the engine, the canary's share of ``generate_batch`` wall time, kernel counters);
+``timeline`` (per global step).
 """
 
 from __future__ import annotations
