@@ -613,19 +613,23 @@ def test_a_step_without_any_scheduled_request_reads_as_an_empty_step():
         assert got.shape == (0,) and got.dtype == np.int64
 
 
-def test_a_step_whose_rows_compute_nothing_reads_as_rows_without_tokens():
-    """Two scheduled rows with no token in the forward (``query_start_loc`` all 0): both rows are read, with
-    their prefix lengths, and no canary token."""
-    runner = Runner()
-    state = canary_state(runner)
-    a, b = Row("A", tokens(1, 4), 4, 0, [1]), Row("B", tokens(2, 6), 6, 0, [2, 3])
-    runner.inputs([a, b])
+def read_rows_without_tokens(runner: Runner, state: VllmCanaryState):
+    """The step read of two scheduled rows, A (4 tokens cached, block 1) and B (6 cached, blocks 2 and 3), with no
+    token in the forward (``query_start_loc`` all 0)."""
+    runner.inputs([Row("A", tokens(1, 4), 4, 0, [1]), Row("B", tokens(2, 6), 6, 0, [2, 3])])
     kwargs = {"input_ids": torch.zeros(0, dtype=torch.int64), "positions": torch.zeros(0, dtype=torch.int64)}
     md = SimpleNamespace(query_start_loc=torch.zeros(3, dtype=torch.int32),
                          seq_lens=torch.tensor([4, 6], dtype=torch.int32),
                          block_table=torch.tensor([[1, 0], [2, 3]], dtype=torch.int32),
                          slot_mapping=torch.zeros(0, dtype=torch.int64))
-    batch = build_step(state.steps, runner, kwargs, {LAYER: md}, state.geos, state.max_tokens, state.unstamped)
+    return build_step(state.steps, runner, kwargs, {LAYER: md}, state.geos, state.max_tokens, state.unstamped)
+
+
+def test_a_step_whose_rows_compute_nothing_reads_as_rows_without_tokens():
+    """Two scheduled rows with no token in the forward (``query_start_loc`` all 0): both rows are read, with
+    their prefix lengths, and no canary token."""
+    runner = Runner()
+    batch = read_rows_without_tokens(runner, canary_state(runner))
     assert batch.request_ids == ["A", "B"] and batch.extend_lens.tolist() == [0, 0]
     assert batch.prefix_lens.tolist() == [4, 6]
     for got in (batch.slot_mappings[0], batch.expected_input_ids, batch.expected_positions):
@@ -665,13 +669,7 @@ def test_a_step_whose_rows_compute_nothing_skips_the_same_step_look_up(monkeypat
     monkeypatch.setattr(step_module, "_same_step_rows", lambda *args: calls.append(args) or look_up(*args))
     runner = Runner()
     state = canary_state(runner)
-    runner.inputs([Row("A", tokens(1, 4), 4, 0, [1]), Row("B", tokens(2, 6), 6, 0, [2, 3])])
-    kwargs = {"input_ids": torch.zeros(0, dtype=torch.int64), "positions": torch.zeros(0, dtype=torch.int64)}
-    md = SimpleNamespace(query_start_loc=torch.zeros(3, dtype=torch.int32),
-                         seq_lens=torch.tensor([4, 6], dtype=torch.int32),
-                         block_table=torch.tensor([[1, 0], [2, 3]], dtype=torch.int32),
-                         slot_mapping=torch.zeros(0, dtype=torch.int64))
-    batch = build_step(state.steps, runner, kwargs, {LAYER: md}, state.geos, state.max_tokens, state.unstamped)
+    batch = read_rows_without_tokens(runner, state)
     assert batch.prefix_lens.tolist() == [4, 6] and batch.slot_mappings[0].size == 0
     assert calls == []
     # a step with tokens does look (the spy is in place)

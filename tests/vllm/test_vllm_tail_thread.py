@@ -92,11 +92,8 @@ def test_the_tail_thread_reports_a_corrupted_prefix_at_the_step_and_slots_the_in
     assert {r[:2] + r[3:] for r in threaded} == {r[:2] + r[3:] for r in inline}
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_a_steps_tail_work_starts_once_the_runner_has_sampled(llm, monkeypatch, seed):
-    # sampling made slow: TAIL work started at the forward's end would run inside it
-    runner = kv.find_runner(llm)
-    events: list[str] = []
+def slow_sampling(monkeypatch, runner, events: list[str]) -> None:
+    """The runner's sampling made 20 ms slower, each return logged as ``"sampled"`` in ``events``."""
     sample = type(runner).sample_tokens
 
     def slow_sample(self, *args, **kwargs):
@@ -106,6 +103,14 @@ def test_a_steps_tail_work_starts_once_the_runner_has_sampled(llm, monkeypatch, 
         return out
 
     monkeypatch.setattr(type(runner), "sample_tokens", slow_sample)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_steps_tail_work_starts_once_the_runner_has_sampled(llm, monkeypatch, seed):
+    # sampling made slow: TAIL work started at the forward's end would run inside it
+    runner = kv.find_runner(llm)
+    events: list[str] = []
+    slow_sampling(monkeypatch, runner, events)
     assert llm.reset_prefix_cache()
     canary = kv.install(llm, backend="host", sweep_interval=0)
     work = canary.state._tail_work
@@ -188,7 +193,7 @@ def test_on_a_core_of_its_own_the_tail_thread_stages_during_the_forward_and_star
     monkeypatch.setattr(canary_module, "idle_cores", lambda runner: frozenset({cpu}))
     runner = kv.find_runner(llm)
     events: list[str] = []
-    forward, sample = type(runner)._model_forward, type(runner).sample_tokens
+    forward = type(runner)._model_forward
 
     def slow_forward(self, *args, **kwargs):
         events.append("forward")
@@ -197,14 +202,8 @@ def test_on_a_core_of_its_own_the_tail_thread_stages_during_the_forward_and_star
         events.append("forward returns")
         return out
 
-    def slow_sample(self, *args, **kwargs):
-        out = sample(self, *args, **kwargs)
-        time.sleep(0.02)
-        events.append("sampled")
-        return out
-
     monkeypatch.setattr(type(runner), "_model_forward", slow_forward)
-    monkeypatch.setattr(type(runner), "sample_tokens", slow_sample)
+    slow_sampling(monkeypatch, runner, events)
     assert llm.reset_prefix_cache()
     canary = kv.install(llm, backend="host", sweep_interval=0)
     st = canary.state
