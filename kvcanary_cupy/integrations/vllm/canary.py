@@ -200,7 +200,8 @@ class VllmCanaryState(EngineCanaryState):
         self.max_len = int(runner.max_model_len) + 1
         rows = self.max_requests + 1
         self.tables = {geo.index: np.zeros((rows, self.max_len), np.int32) for geo in self.geos}
-        self._offsets: dict[int, np.ndarray] = {}  # _block_offsets
+        # each group's in-block offsets 0 .. block_size - 1 (_fill_table)
+        self._offsets = {geo.index: np.arange(geo.block_size, dtype=np.int32) for geo in self.geos}
         layouts = {geo.name: TokenTable(self.tables[geo.index]) for geo in self.geos}
         groups = [dataclasses.replace(g, layout=layouts[g.model]) for g in groups]
         self.group_names = [g.name for g in groups]
@@ -311,7 +312,7 @@ class VllmCanaryState(EngineCanaryState):
         if rows.shape[1] == blocks * bs:
             rows = rows.reshape(b, blocks, bs)  # a view: only the last axis, contiguous, is split
             np.multiply(batch.block_tables[geo.index][:b, :blocks, None], bs, out=rows, casting="unsafe")
-            rows += self._block_offsets(bs)
+            rows += self._offsets[geo.index]
         else:  # the row's last block reaches past the table (a sequence at max_model_len)
             np.copyto(table[1 : b + 1, :width], geo.slots_of(batch.block_tables[geo.index][:b], width),
                       casting="unsafe")
@@ -320,13 +321,6 @@ class VllmCanaryState(EngineCanaryState):
             # slot 0, which the verify skips and which, as a predecessor, skips the chain check
             starts = geo.window_starts(batch.query_starts[:b])
             table[1 : b + 1, :width][np.arange(width)[None, :] < starts[:, None]] = 0
-
-    def _block_offsets(self, block_size: int) -> np.ndarray:
-        """``0 .. block_size - 1`` (int32), made once per block size."""
-        offsets = self._offsets.get(block_size)
-        if offsets is None:
-            offsets = self._offsets[block_size] = np.arange(block_size, dtype=np.int32)
-        return offsets
 
     def after_forward(self, batch: VllmStep, written: dict[int, np.ndarray], *, inline: bool = False,
                       hold: bool = False) -> None:
