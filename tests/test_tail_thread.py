@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -192,3 +193,59 @@ def test_a_tail_thread_given_cores_it_may_not_use_stays_on_its_creators_and_stil
     tail.submit(lambda: seen.append(os.sched_getaffinity(0)))
     tail.close()
     assert seen == [creator] and tail.pinned is None
+
+
+@pytest.fixture
+def switch_interval():
+    """The interpreter's switch interval before the test, put back after it whatever the test left."""
+    before = sys.getswitchinterval()
+    yield before
+    sys.setswitchinterval(before)
+
+
+def test_a_thread_asking_for_a_shorter_switch_interval_has_it_from_its_start_to_its_close(switch_interval):
+    asked = switch_interval / 10
+    tail = TailThread(switch_interval=asked)
+    assert sys.getswitchinterval() == switch_interval  # not started: the interpreter is left alone
+    tail.submit(lambda: None)
+    tail.wait()
+    assert sys.getswitchinterval() == pytest.approx(asked, rel=1e-3)
+    tail.close()
+    assert sys.getswitchinterval() == switch_interval
+
+
+def test_with_several_threads_the_lowest_interval_holds_until_the_last_closes(switch_interval):
+    wide, narrow = TailThread(switch_interval=switch_interval / 4), TailThread(switch_interval=switch_interval / 20)
+    for tail in (wide, narrow):
+        tail.submit(lambda: None)
+    assert sys.getswitchinterval() == pytest.approx(switch_interval / 20, rel=1e-3)
+    narrow.close()
+    assert sys.getswitchinterval() == pytest.approx(switch_interval / 4, rel=1e-3)
+    wide.close()
+    assert sys.getswitchinterval() == switch_interval
+
+
+def test_a_thread_never_raises_the_switch_interval(switch_interval):
+    sys.setswitchinterval(0.0001)
+    low = sys.getswitchinterval()
+    tail = TailThread(switch_interval=0.002)
+    tail.submit(lambda: None)
+    assert sys.getswitchinterval() == low
+    tail.close()
+    assert sys.getswitchinterval() == low
+
+
+def test_an_interval_changed_by_someone_else_meanwhile_is_not_put_back(switch_interval):
+    tail = TailThread(switch_interval=switch_interval / 10)
+    tail.submit(lambda: None)
+    sys.setswitchinterval(0.003)
+    theirs = sys.getswitchinterval()
+    tail.close()
+    assert sys.getswitchinterval() == theirs
+
+
+@pytest.mark.parametrize("seconds", [0, -0.001, 1.5])
+def test_a_switch_interval_outside_zero_to_one_second_is_refused_by_name(seconds, switch_interval):
+    with pytest.raises(ValueError, match=r"^kv-canary: switch_interval must be in \(0, 1\] seconds"):
+        TailThread(switch_interval=seconds)
+    assert sys.getswitchinterval() == switch_interval

@@ -21,6 +21,7 @@ to the TAIL thread at once; a full-attention model's steps run no cross-group dr
 from __future__ import annotations
 
 import re
+import sys
 import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -33,7 +34,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvcanary_cupy.integrations.vllm import step as step_module
 from kvcanary_cupy.integrations.vllm.blocks import BlockIndex
-from kvcanary_cupy.integrations.vllm.canary import CanaryOptions, VllmCanaryState, build_step
+from kvcanary_cupy.integrations.vllm.canary import TAIL_SWITCH_INTERVAL_S, CanaryOptions, VllmCanaryState, build_step
 from kvcanary_cupy.integrations.vllm.hooks import VllmCanary
 
 BS = 4  # tokens per block
@@ -827,3 +828,21 @@ def test_a_tail_thread_on_idle_cores_checks_the_steps_as_on_the_workers_and_fall
     assert state.violations == [] and state.health_problems == [] and state.dropped == 0
     assert endpoint_counts(state) == {"verify": (8 + 8, 2), "write": (12 + 6 + 6, 2)}
     state.close()
+
+
+@pytest.mark.parametrize("mode", ["log", "raise"])
+def test_the_tail_thread_shortens_the_switch_interval_while_it_runs_and_raise_mode_leaves_it(mode):
+    """Log mode's TAIL thread holds the interpreter's switch interval at ``TAIL_SWITCH_INTERVAL_S`` from the first
+    step to the state's close, then puts the interval back; raise mode (no TAIL thread) never changes it."""
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        runner = Runner()
+        state = canary_state(runner, mode=mode)
+        run_step(state, runner, [Row("A", tokens(0, 5), 0, 5, [1, 2])])
+        during = sys.getswitchinterval()
+        state.close()
+        assert during == pytest.approx(TAIL_SWITCH_INTERVAL_S if mode == "log" else 0.005, rel=1e-3)
+        assert sys.getswitchinterval() == pytest.approx(0.005, rel=1e-3)
+    finally:
+        sys.setswitchinterval(before)

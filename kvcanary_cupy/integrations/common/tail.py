@@ -13,6 +13,14 @@ worker samples after its forward and then waits for the next step starts it once
 work takes the core while the worker waits rather than while it samples and sends its output (the step's
 critical path). Held work starts at the latest when it is waited for.
 
+The work's Python shares the GIL with the engine thread, which takes it back after each of its own GIL-free calls
+(a torch operation, a host launch). CPython hands the GIL over when its holder blocks or, if it never does, once
+the waiting thread has waited a *switch interval* (5 ms by default): an engine thread that wakes while the TAIL
+thread runs Python waits until that Python reaches a launch, and can lose the GIL again to it when the launch
+returns first. A thread may therefore be given a shorter interval (``switch_interval``): the interpreter's is
+lowered to it while the thread exists (never raised; the lowest asked for while several exist) and put back
+when the last such thread closes, unless something else changed it meanwhile.
+
 The engine's next step must not start before that work is done: the next forward writes KV that a TAIL verify
 may still be reading (a finished request's blocks are handed out again at once), and the next step's staging
 overwrites the buffers the TAIL launches read. So the engine thread calls :meth:`TailThread.wait` before anything
@@ -23,20 +31,71 @@ raised there, on the engine thread.
 from __future__ import annotations
 
 import os
+import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from typing import Any
 
+from ..._errors import fail
+
+
+class _SwitchInterval:
+    """The interpreter's switch interval as the TAIL threads that asked for a shorter one want it: lowered while
+    one of them runs, put back when the last closes (unless it was changed meanwhile by someone else)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._asked: list[float] = []  # one entry per running thread that asked
+        self._saved = 0.0  # the interval before the first of them
+        self._set: float | None = None  # the interval last set here
+
+    def claim(self, seconds: float) -> None:
+        with self._lock:
+            if not self._asked:
+                self._saved = sys.getswitchinterval()
+            self._asked.append(seconds)
+            self._apply()
+
+    def release(self, seconds: float) -> None:
+        with self._lock:
+            self._asked.remove(seconds)
+            if self._asked:
+                self._apply()
+            elif self._set is not None and sys.getswitchinterval() == self._set:
+                _set_switch_interval(self._saved)
+                self._set = None
+
+    def _apply(self) -> None:
+        want = min([self._saved, *self._asked])
+        if sys.getswitchinterval() != want:
+            _set_switch_interval(want)
+        self._set = sys.getswitchinterval()
+
+
+def _set_switch_interval(seconds: float) -> None:
+    """``sys.setswitchinterval`` to the nearest whole microsecond: CPython keeps whole microseconds, truncating, so
+    an interval read back (``getswitchinterval()``, microseconds / 1e6) would come back one microsecond short."""
+    sys.setswitchinterval((max(1, round(seconds * 1e6)) + 0.25) / 1e6)
+
+
+SWITCH_INTERVAL = _SwitchInterval()
+
 
 class TailThread:
     """At most one piece of work in flight (or held) on one worker thread; :meth:`wait` joins it. ``cores``: the
     CPUs the worker thread runs on (set when it starts; where the platform refuses them it stays on its
-    creator's)."""
+    creator's). ``switch_interval``: seconds; the interpreter's switch interval while the worker thread exists
+    (from the first :meth:`submit` to :meth:`close`), if shorter than it was."""
 
-    def __init__(self, name: str = "kvcanary-tail", cores: frozenset[int] | None = None) -> None:
+    def __init__(self, name: str = "kvcanary-tail", cores: frozenset[int] | None = None,
+                 switch_interval: float | None = None) -> None:
+        if switch_interval is not None and not 0 < switch_interval <= 1:
+            fail(f"switch_interval must be in (0, 1] seconds, got {switch_interval!r}")
         self._name = name
         self.cores = cores
+        self.switch_interval = switch_interval
         self.pinned: frozenset[int] | None = None  # the worker thread's CPUs, once it has moved to ``cores``
         self._pool: ThreadPoolExecutor | None = None  # started by the first submit (after any fork of the engine)
         self._pending: Future[Any] | None = None
@@ -55,6 +114,8 @@ class TailThread:
         """Run ``work(*args)`` on the worker; the previous work is waited for first (in order, one at a time)."""
         self.wait()
         if self._pool is None:
+            if self.switch_interval is not None:
+                SWITCH_INTERVAL.claim(self.switch_interval)
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name,
                                             initializer=self._move_to_cores)
         self._pending = self._pool.submit(work, *args)
@@ -101,3 +162,5 @@ class TailThread:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+                if self.switch_interval is not None:
+                    SWITCH_INTERVAL.release(self.switch_interval)

@@ -48,6 +48,11 @@ __all__ = ["ENV_PREFIX", "CanaryOptions", "GroupGeometry", "StepViolation", "Vll
 
 ENV_PREFIX = "KVCANARY_VLLM"
 
+#: The interpreter's switch interval while the TAIL thread runs (:class:`~..common.tail.TailThread`): vLLM's
+#: thread waits at most this long for the GIL the TAIL thread's Python holds, against CPython's 5 ms, which made
+#: its forward wait for the TAIL work's Python stretches and lose the GIL again to them after a launch.
+TAIL_SWITCH_INTERVAL_S = 0.0002
+
 
 @dataclass
 class CanaryOptions(EngineCanaryOptions):
@@ -239,7 +244,8 @@ class VllmCanaryState(EngineCanaryState):
         # Where the worker leaves cores to vLLM's engine core (idle while the worker computes), the TAIL thread
         # runs there (:func:`.distributed.idle_cores`): the step's staging and HEAD during its forward, its
         # TAIL work from the forward's end, beside sampling.
-        self.tail = TailThread(cores=idle_cores(runner)) if opts.mode == "log" else None
+        self.tail = (TailThread(cores=idle_cores(runner), switch_interval=TAIL_SWITCH_INTERVAL_S)
+                     if opts.mode == "log" else None)
         self.head_deferred = False  # this step's phases 1 and 2 go with its TAIL work (before_forward)
 
     @property
