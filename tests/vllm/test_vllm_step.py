@@ -32,6 +32,7 @@ import torch
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from kvcanary_cupy.integrations.common.tail import SWITCH_INTERVAL
 from kvcanary_cupy.integrations.vllm import step as step_module
 from kvcanary_cupy.integrations.vllm.blocks import BlockIndex
 from kvcanary_cupy.integrations.vllm.canary import TAIL_SWITCH_INTERVAL_S, CanaryOptions, VllmCanaryState, build_step
@@ -833,16 +834,23 @@ def test_a_tail_thread_on_idle_cores_checks_the_steps_as_on_the_workers_and_fall
 @pytest.mark.parametrize("mode", ["log", "raise"])
 def test_the_tail_thread_shortens_the_switch_interval_while_it_runs_and_raise_mode_leaves_it(mode):
     """Log mode's TAIL thread holds the interpreter's switch interval at ``TAIL_SWITCH_INTERVAL_S`` from the first
-    step to the state's close, then puts the interval back; raise mode (no TAIL thread) never changes it."""
-    before = sys.getswitchinterval()
+    step to the state's close, then gives up its claim (the interval is put back once no other TAIL thread of the
+    process, such as an engine another test left installed, still asks for it); raise mode (no TAIL thread) never
+    changes it."""
+    before, others = sys.getswitchinterval(), SWITCH_INTERVAL.claims
     try:
         sys.setswitchinterval(0.005)
         runner = Runner()
         state = canary_state(runner, mode=mode)
         run_step(state, runner, [Row("A", tokens(0, 5), 0, 5, [1, 2])])
-        during = sys.getswitchinterval()
+        during, claims = sys.getswitchinterval(), SWITCH_INTERVAL.claims
         state.close()
-        assert during == pytest.approx(TAIL_SWITCH_INTERVAL_S if mode == "log" else 0.005, rel=1e-3)
-        assert sys.getswitchinterval() == pytest.approx(0.005, rel=1e-3)
+        if mode == "log":
+            assert during == pytest.approx(TAIL_SWITCH_INTERVAL_S, rel=1e-3) and claims == others + 1
+        else:
+            assert during == pytest.approx(0.005, rel=1e-3) and claims == others
+        assert SWITCH_INTERVAL.claims == others
+        back = TAIL_SWITCH_INTERVAL_S if others and mode == "log" else 0.005
+        assert sys.getswitchinterval() == pytest.approx(back, rel=1e-3)
     finally:
         sys.setswitchinterval(before)

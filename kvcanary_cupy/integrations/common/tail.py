@@ -51,6 +51,11 @@ class _SwitchInterval:
         self._saved = 0.0  # the interval before the first of them
         self._set: float | None = None  # the interval last set here
 
+    @property
+    def claims(self) -> int:
+        """The running threads that asked for an interval."""
+        return len(self._asked)
+
     def claim(self, seconds: float) -> None:
         with self._lock:
             if not self._asked:
