@@ -577,3 +577,42 @@ def test_the_report_puts_a_fault_and_its_first_detection_on_the_global_step_coun
     assert report["kinds"][0]["latency_steps"] == {"min": 3, "median": 3.0, "max": 3}
     assert {k: report["kinds"][0][k] for k in ("injected", "detected", "missed", "status", "violations")} == {
         "injected": 1, "detected": 1, "missed": 0, "status": "detected", "violations": 2}
+
+
+def test_the_report_states_the_canarys_cost_per_step_and_share_of_the_generate_time():
+    from types import SimpleNamespace
+
+    from kvcanary_cupy.integrations.transformers.report import build_report, summary_lines
+    from kvcanary_cupy.integrations.transformers.results import (
+        RunResult,
+        SimulationRecord,
+        TransformersSimConfig,
+    )
+
+    sim = SimulationRecord(TransformersSimConfig(model_size="small", inject=("kv-bitflip",), backend="numpy"))
+
+    def run(kind, offset, steps, seconds, wall, counters, fault):
+        return RunResult(workload="forks", kind=kind, steps=steps, step_offset=offset, violations=[], fault=fault,
+                         stats=WorkloadStats(), seconds=seconds, wall=wall, counters=counters, status_bits=0,
+                         dropped=0, health_problems=[], tokens={}, errors={})
+
+    fault = SimpleNamespace(step=2, request="r1", position=5, slot=33, detail="bit 3", group="FULL")
+    # "forward" is the engine's own time, not a canary phase
+    sim.runs = [run(None, 0, 12, {"verify": 0.5, "write": 0.25, "batch": 0.125, "forward": 3.0}, 4.0,
+                    {"verify_entries": 300, "write_entries": 40, "launches": 20}, None),
+                run("kv-bitflip", 12, 8, {"verify": 0.25, "sweep": 0.125, "read": 0.375, "forward": 3.0}, 4.0,
+                    {"verify_entries": 200, "write_entries": 24, "launches": 12}, fault)]
+    sim.token_exact["forks"], sim.reference_wall["forks"] = True, 0.5
+    sim.total_steps, sim.wall = 20, 9.5
+    cost = build_report(sim)["cost"]
+    # 20 steps: a phase's ms per step is 50 x its seconds; the canary's 1.625 s of the runs' 8 s is 0.203125
+    assert cost == {
+        "backend": "numpy", "wall_s": 9.5,
+        "ms_per_step": {"batch": 6.25, "stage": 0.0, "scatter": 0.0, "plan": 0.0, "verify": 37.5, "write": 12.5,
+                        "sweep": 6.25, "read": 18.75, "engine": 318.75},
+        "canary_ms_per_step": 81.25, "canary_share_of_generate": 0.2031,
+        "verify_entries": 500, "write_entries": 64, "launches": 32, "verify_entries_per_s": 666.7}
+    (line,) = [x for x in summary_lines(build_report(sim)) if x.startswith("canary cost per step")]
+    assert line == ("canary cost per step (numpy): batch 6.25 ms, stage 0.00 ms, plan 0.00 ms, verify 37.50 ms, "
+                    "write 12.50 ms, sweep 6.25 ms, read 18.75 ms = 81.25 ms (engine 318.75 ms); "
+                    "20.3 % of generate_batch wall time")
