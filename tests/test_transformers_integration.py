@@ -616,3 +616,44 @@ def test_the_report_states_the_canarys_cost_per_step_and_share_of_the_generate_t
     assert line == ("canary cost per step (numpy): batch 6.25 ms, stage 0.00 ms, plan 0.00 ms, verify 37.50 ms, "
                     "write 12.50 ms, sweep 6.25 ms, read 18.75 ms = 81.25 ms (engine 318.75 ms); "
                     "20.3 % of generate_batch wall time")
+
+
+def _future(query_length, max_new_tokens, generated):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(query_length=query_length,
+                           state=SimpleNamespace(max_new_tokens=max_new_tokens, generated_tokens=[7] * generated))
+
+
+# a request still prefilling (4 query tokens) and one decoding with 2 tokens to go (the injector wants 3)
+PREFILLING, FINISHING = _future(4, 10, 0), _future(1, 5, 3)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("others", [[PREFILLING], [FINISHING], [PREFILLING, FINISHING]],
+                         ids=["prefilling", "finishing", "both"])
+def test_the_kv_bitflip_strikes_the_first_request_that_keeps_decoding(seed, others):
+    from types import SimpleNamespace
+
+    page_size, row_bytes, layers = 32, 32, 2  # the cache: 2 x layers planes (K, V per layer) of page_size rows
+    geo = SimpleNamespace(name="FULL", window=0, page_size=page_size, row_bytes=row_bytes,
+                          layer_indices=list(range(layers)))
+    cache = SimpleNamespace(cache_tensor=torch.zeros(2 * layers * page_size * row_bytes, dtype=torch.uint8))
+    canary = SimpleNamespace(states={id(cache): SimpleNamespace(geos=[geo])})
+    requests = [*others, _future(1, 10, 2)]  # the last one decodes with 8 tokens to go
+    n = len(requests)
+    base = [10 * i for i in range(n)]  # request i's position p lives in slot 10 i + p
+    batch = SimpleNamespace(prefix_lens=np.array([0] * (n - 1) + [5]), extend_lens=np.array([4] * (n - 1) + [1]),
+                            request_ids=[f"r{i}" for i in range(n)], slot=lambda g, i, pos: base[i] + pos)
+    injector = make_injector("kv-bitflip", at=3, seed=seed)
+    injector.before_batch(canary, 3, {"cu_seq_lens_q": torch.zeros(n + 1, dtype=torch.int32)}, requests, cache)
+    injector.after_forward(canary, 3, batch, cache)
+    (byte,) = torch.nonzero(cache.cache_tensor).flatten().tolist()
+    assert bin(int(cache.cache_tensor[byte])).count("1") == 1
+    slot = byte % (page_size * row_bytes) // row_bytes
+    # the decoding request holds positions 0 to 5; the injector strikes one below the newest, which the next step
+    # verifies
+    assert base[-1] <= slot < base[-1] + 5 and byte % row_bytes < 16
+    fault = injector.fault
+    assert (fault.kind, fault.step, fault.group, fault.request, fault.slot, fault.position) == (
+        "kv-bitflip", 4, "FULL", f"r{n - 1}", slot, slot - base[-1])
