@@ -26,7 +26,7 @@ from kvcanary_cupy.sim.disagg.faults import (
     flip_record_bit,
     swap_pages,
 )
-from kvcanary_cupy.sim.disagg.report import validate
+from kvcanary_cupy.sim.disagg.report import render_html, validate
 
 pytest.importorskip("torch.distributed", reason="torch is not installed")
 ROOT = Path(__file__).resolve().parents[1]
@@ -259,3 +259,6 @@ def test_in_one_process_a_clean_run_accepts_every_transfer_and_decodes_each_requ
     assert (prefill["kv_bytes"], prefill["canary_bytes"]) == (positions * _bytes_per_token(cfg),
                                                               positions * buffers * 4 * 8)
     assert all(w["canary_share"] == pytest.approx(w["canary_bytes"] / w["kv_bytes"]) for w in workers)
+    page = render_html(report)
+    assert "<title>kv-canary disaggregated simulation report</title>" in page
+    assert "<h1>kv-canary disaggregated simulation report</h1>" in page and "Transfers per decode worker" in page
