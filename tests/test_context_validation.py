@@ -269,6 +269,23 @@ class TestReadingViolations:
         assert row.is_write and row.expected_aux_text == "4" and row.labels == ["write_position"]
         assert "expected_position=4" in row.log_line()
 
+    def test_a_table_row_lists_all_its_reasons_joined_by_a_bar(self):
+        from kvcanary_cupy.violations import decode_row
+
+        # a verify row with two reasons (chain 1 | token 32) and a write row with two (token 8 | position 16)
+        rows = [decode_row(0, np.array([2, 5, 3, 7, 9, 0x1234, -1, 1 | 32], np.int64)),
+                decode_row(1, np.array([6, 12, 40, 1, 2, 0, 41, 8 | 16], np.int64))]
+        report = kc.ViolationReport(total=2, capacity=4, rows=rows, status=kc.CanaryStatus(0), slot_run_counter=0,
+                                    kernel_run_counter=0)
+        assert report.table().splitlines() == [
+            "#  tag          slot  pos  stored_tok  exp_tok  stored_chain        expected_aux        reasons",
+            "0  TAIL_K_FULL  5     3    7           9        0x0000000000001234  0xffffffffffffffff  "
+            "verify_chain_hash|verify_token",
+            "1  HEAD_K_SWA   12    40   1           2        0x0000000000000000  41                  "
+            "write_token|write_position",
+            "2 violation(s), 2 shown from a ring of 4",
+        ]
+
     def test_status_names(self):
         ctx = context(num_slots=8)
         ctx.status[0] = kc.CanaryStatus.SLOT_OUT_OF_RANGE | kc.CanaryStatus.SCATTER_OUT_OF_RANGE

@@ -101,3 +101,16 @@ def test_a_requested_kind_that_finds_no_target_makes_the_run_inconclusive_not_fa
     assert not report["passed"] and report["outcome"] == "inconclusive" and report["exit_code"] == 4
     text = render_text(report)
     assert "INCONCLUSIVE: could not inject stale-expected" in text and "workload is too small" in text
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("kind", ["kv-bitflip", "kv-misdirect"])
+def test_kv_faults_strike_the_draft_models_kv_in_an_eagle_run_and_are_detected(kind, seed):
+    # each firing picks one of the two KV groups, FULL (the target model's) and DRAFT, uniformly: in about ten
+    # firings both are struck (all in one group: 1 in 500)
+    report = run_simulation(SimConfig(preset="eagle", steps=30, requests=8, seed=seed, backend="numpy",
+                                      inject={kind: 0.5}))
+    _check_detected(report, [kind])
+    groups = [f["group"] for f in report["faults"] if f["detected"]]
+    assert len(groups) == len(report["faults"]) >= 6
+    assert set(groups) == {"FULL", "DRAFT"}, groups

@@ -26,7 +26,7 @@ from kvcanary_cupy.sim.disagg.faults import (
     flip_record_bit,
     swap_pages,
 )
-from kvcanary_cupy.sim.disagg.report import validate
+from kvcanary_cupy.sim.disagg.report import render_html, validate
 
 pytest.importorskip("torch.distributed", reason="torch is not installed")
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,3 +131,134 @@ def test_sender_side_damage_changes_exactly_what_it_reports():
     buffer, position, field, bit = flip_record_bit(damaged, rng)
     assert differing_positions(records, damaged, axis=1).tolist() == [position]
     assert (records ^ damaged).view(np.uint64)[buffer, position, field] == np.uint64(1 << bit)
+
+
+class _InProcessGroup:
+    """torch.distributed's point-to-point calls between threads of this process: one FIFO per (source,
+    destination), each message a copy of the sent tensor; a receive checks the size the protocol announced."""
+
+    def __init__(self, world: int) -> None:
+        import queue
+
+        self.pipes = {(a, b): queue.Queue() for a in range(world) for b in range(world) if a != b}
+
+    def rank(self, me: int) -> object:
+        import torch
+
+        group = self
+
+        class Distributed:
+            @staticmethod
+            def send(tensor, dst):
+                group.pipes[(me, dst)].put(tensor.detach().clone())
+
+            @staticmethod
+            def recv(buf, src):
+                got = group.pipes[(src, me)].get(timeout=30)
+                if got.numel() != buf.numel():
+                    raise RuntimeError(f"rank {me} expected {buf.numel()} words from rank {src}, got {got.numel()}")
+                buf.copy_(got.reshape(buf.shape))  # the words in order, as gloo delivers them
+
+        class TorchOfThisRank:  # torch, with this rank's point-to-point calls
+            distributed = Distributed
+
+            def __getattr__(self, name):
+                return getattr(torch, name)
+
+        return TorchOfThisRank()
+
+
+def run_sides_in_process(cfg):
+    """The disaggregated run's prefill side and decode workers as threads of this process (so that tests see
+    them run), joined by :class:`_InProcessGroup`; the merged report."""
+    import threading
+
+    from kvcanary_cupy.sim.disagg.processes import _run_role
+    from kvcanary_cupy.sim.disagg.report import merge
+
+    cfg.validate()
+    world = cfg.decode_workers + 1
+    group, results, errors = _InProcessGroup(world), {}, {}
+
+    def side(rank):
+        try:
+            results[rank] = json.loads(json.dumps(_run_role(cfg, rank, group.rank(rank), "cpu")))  # as the store
+        except BaseException as exc:  # reported below, with the rank
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=side, args=(rank,), daemon=True) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors and len(results) == world, errors
+    return merge(cfg, results, 1.0)
+
+
+def _bytes_per_token(cfg):
+    """KV bytes per transferred position (every layer's K, and V with ``with_v``), from the engine's sizes."""
+    from kvcanary_cupy.sim.disagg.prefill import workload_of
+    from kvcanary_cupy.sim.engine import size_engine
+
+    probe = size_engine(workload_of(cfg), max_running=1)
+    return probe.kv_words_per_token * probe.num_layers * (2 if cfg.with_v else 1) * 8
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_in_one_process_every_transfer_fault_is_caught_at_the_transfer_verify_with_no_false_positive(seed):
+    from kvcanary_cupy.sim.disagg import DisaggConfig
+    from kvcanary_cupy.sim.disagg.prefill import workload_of
+
+    cfg = DisaggConfig(decode_workers=2, steps=30, requests=12, seed=seed, backend="numpy",
+                       inject=dict.fromkeys(TRANSFER_KINDS, 0.2))
+    report = run_sides_in_process(cfg)
+    assert validate(report) == []
+    assert report["passed"] and report["exit_code"] == 0
+    assert [k["kind"] for k in report["kinds"]] == list(TRANSFER_KINDS)
+    for kind in report["kinds"]:
+        assert kind["injected"] >= 1 and kind["status"] == "detected", kind
+        assert kind["caught_at"] == {"transfer verify": kind["injected"]}, kind
+    for fault in report["faults"]:
+        assert fault["detected"] and fault["latency_steps"] == 0, fault
+        assert fault["side"] == TRANSFER_KINDS[fault["kind"]].side and fault["worker"] in (1, 2)
+    v = report["violations"]
+    assert v["false_positives"] == 0 and v["explained"] == v["total"] > 0 and not v["status"]
+    workers, prefill = report["disaggregated"]["workers"], report["disaggregated"]["prefill"]
+    assert [(w["worker"], w["requests"]) for w in workers] == [(1, 6), (2, 6)]  # round robin
+    # every prompt position travels once: its KV, and 4 int64 words of each of the 2 canary buffers (HEAD, TAIL K)
+    positions = sum(s.prompt_len for s in workload_of(cfg))
+    assert (prefill["requests"], prefill["kv_bytes"], prefill["canary_bytes"]) == (
+        12, positions * _bytes_per_token(cfg), positions * 2 * 4 * 8)
+    assert sum(w["kv_bytes"] for w in workers) == prefill["kv_bytes"]
+    assert sum(w["canary_bytes"] for w in workers) == prefill["canary_bytes"]
+    for w in workers:
+        assert w["accepted"] + w["rejected"] == w["requests"]
+        # a request whose transfer a fault damaged is rejected (a resident a landing damaged is counted apart)
+        damaged = {f["request"] for f in report["faults"] if f["worker"] == w["worker"] and f["kind"] != "slot-owned"}
+        assert w["rejected"] >= len(damaged)
+
+
+@pytest.mark.parametrize("with_v", [False, True])
+def test_in_one_process_a_clean_run_accepts_every_transfer_and_decodes_each_request_to_its_end(with_v):
+    from kvcanary_cupy.sim.disagg import DisaggConfig
+    from kvcanary_cupy.sim.disagg.prefill import workload_of
+
+    cfg = DisaggConfig(decode_workers=3, steps=30, requests=10, seed=5, backend="numpy", with_v=with_v)
+    report = run_sides_in_process(cfg)
+    specs = workload_of(cfg)
+    assert report["passed"] and report["violations"]["total"] == 0 and report["faults"] == []
+    workers, prefill = report["disaggregated"]["workers"], report["disaggregated"]["prefill"]
+    assert [(w["worker"], w["requests"], w["accepted"], w["rejected"]) for w in workers] == [
+        (1, 4, 4, 0), (2, 3, 3, 0), (3, 3, 3, 0)]  # 10 requests round robin over 3 workers
+    assert sum(w["finished"] for w in workers) == report["workload"]["requests_finished"] == 10
+    # the prefill samples each request's first output token; the decode workers the rest
+    assert report["workload"]["decode_tokens"] == sum(s.output_len - 1 for s in specs)
+    positions = sum(s.prompt_len for s in specs)
+    assert report["workload"]["prefill_tokens"] + report["workload"]["prefix_tokens_reused"] == positions
+    buffers = 4 if with_v else 2
+    assert (prefill["kv_bytes"], prefill["canary_bytes"]) == (positions * _bytes_per_token(cfg),
+                                                              positions * buffers * 4 * 8)
+    assert all(w["canary_share"] == pytest.approx(w["canary_bytes"] / w["kv_bytes"]) for w in workers)
+    page = render_html(report)
+    assert "<title>kv-canary disaggregated simulation report</title>" in page
+    assert "<h1>kv-canary disaggregated simulation report</h1>" in page and "Transfers per decode worker" in page

@@ -171,3 +171,20 @@ def test_the_command_line_takes_a_layout(capsys):
     assert "argument --layout: invalid choice: 'paged'" in capsys.readouterr().err
     assert main(["simulate", "--disaggregated", "--layout", "csr"]) == 2
     assert "--layout does not apply to --disaggregated: its engines keep req_to_token" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(("layout", "size", "stride"), [("block", 4, 6), ("block", 5, 5), ("csr", 16, None)])
+def test_a_block_table_fault_names_the_first_slot_and_position_of_the_block_it_redirects(layout, size, stride,
+                                                                                          seed):
+    import re
+
+    report = run(SimConfig(preset="mixed", steps=40, requests=10, seed=seed, backend="numpy", layout=layout,
+                           block_size=size, block_stride=stride, inject={"req-to-token": 0.2}))
+    _check_detected(report, ["req-to-token"])
+    assert len(report["faults"]) >= 2
+    for fault in report["faults"]:
+        # "req_to_block[row, k] of request R set to block W (...)": block k of the request now reads block W, whose
+        # slots are W * stride + [0, size), from the request's position k * size on
+        k, wrong = map(int, re.search(r"req_to_block\[\d+, (\d+)\] .* set to block (\d+) ", fault["detail"]).groups())
+        assert (fault["slot"], fault["position"]) == (wrong * (stride or size), k * size), fault

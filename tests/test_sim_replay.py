@@ -258,3 +258,32 @@ def test_replay_refuses_a_member_that_unpacks_too_large(dumps, tmp_path, monkeyp
     monkeypatch.setattr(replay, "MAX_MEMBER_BYTES", 1 << 19)
     with pytest.raises(ValueError, match=r"forged\.npz: .*entry 'padding' unpacks to \d+ bytes"):
         load_case(path)
+
+
+def _verify_dumps_with_plan_inputs(dumps):
+    cases = [(kind, load_case(path)) for kind, path in sorted(dumps.items())]
+    cases = [(kind, c) for kind, c in cases if c.meta["op"] == "verify" and "in_req_to_token" in c.arrays]
+    assert len(cases) >= 4  # HEAD and TAIL launches of several kinds
+    return cases
+
+
+def test_the_plan_check_notices_a_recorded_write_plan_whose_seeds_or_offsets_alone_differ(dumps, tmp_path):
+    differs = "plan: recomputed on numpy, DIFFERS from the recorded plan in write offsets/seeds"
+    for kind, case in _verify_dumps_with_plan_inputs(dumps):
+        seeds, offsets = case.arrays["write_seeds"].copy(), case.arrays["write_offsets"].copy()
+        seeds[0] += 1
+        offsets[1] += 1
+        for name, forged in (("seeds", {"write_seeds": seeds}), ("offsets", {"write_offsets": offsets})):
+            outcome = replay_case(load_case(_forge(case, tmp_path, f"{kind}-{name}.npz", **forged)), "numpy")
+            assert outcome.reproduced and outcome.plan_check == differs, (kind, name, outcome.plan_check)
+
+
+def test_a_verify_dump_needs_no_write_plan_but_write_offsets_need_their_seeds(dumps, tmp_path):
+    for kind, case in _verify_dumps_with_plan_inputs(dumps):
+        bare = load_case(_forge(case, tmp_path, f"{kind}-bare.npz", write_offsets=None, write_seeds=None))
+        outcome = replay_case(bare, "numpy")
+        n, rows = int(case.arrays["plan_num_valid"][0]), case.arrays["in_req_pool_indices"].shape[0]
+        assert outcome.reproduced and outcome.plan_check == (
+            f"plan: recomputed on numpy ({n} verify entries, {rows} batch rows), identical to the recorded plan")
+        with pytest.raises(ValueError, match=rf"{kind}-half\.npz: entry 'write_seeds' is missing"):
+            load_case(_forge(case, tmp_path, f"{kind}-half.npz", write_seeds=None))

@@ -577,3 +577,83 @@ def test_the_report_puts_a_fault_and_its_first_detection_on_the_global_step_coun
     assert report["kinds"][0]["latency_steps"] == {"min": 3, "median": 3.0, "max": 3}
     assert {k: report["kinds"][0][k] for k in ("injected", "detected", "missed", "status", "violations")} == {
         "injected": 1, "detected": 1, "missed": 0, "status": "detected", "violations": 2}
+
+
+def test_the_report_states_the_canarys_cost_per_step_and_share_of_the_generate_time():
+    from types import SimpleNamespace
+
+    from kvcanary_cupy.integrations.transformers.report import build_report, summary_lines
+    from kvcanary_cupy.integrations.transformers.results import (
+        RunResult,
+        SimulationRecord,
+        TransformersSimConfig,
+    )
+
+    sim = SimulationRecord(TransformersSimConfig(model_size="small", inject=("kv-bitflip",), backend="numpy"))
+
+    def run(kind, offset, steps, seconds, wall, counters, fault):
+        return RunResult(workload="forks", kind=kind, steps=steps, step_offset=offset, violations=[], fault=fault,
+                         stats=WorkloadStats(), seconds=seconds, wall=wall, counters=counters, status_bits=0,
+                         dropped=0, health_problems=[], tokens={}, errors={})
+
+    fault = SimpleNamespace(step=2, request="r1", position=5, slot=33, detail="bit 3", group="FULL")
+    # "forward" is the engine's own time, not a canary phase
+    sim.runs = [run(None, 0, 12, {"verify": 0.5, "write": 0.25, "batch": 0.125, "forward": 3.0}, 4.0,
+                    {"verify_entries": 300, "write_entries": 40, "launches": 20}, None),
+                run("kv-bitflip", 12, 8, {"verify": 0.25, "sweep": 0.125, "read": 0.375, "forward": 3.0}, 4.0,
+                    {"verify_entries": 200, "write_entries": 24, "launches": 12}, fault)]
+    sim.token_exact["forks"], sim.reference_wall["forks"] = True, 0.5
+    sim.total_steps, sim.wall = 20, 9.5
+    cost = build_report(sim)["cost"]
+    # 20 steps: a phase's ms per step is 50 x its seconds; the canary's 1.625 s of the runs' 8 s is 0.203125
+    assert cost == {
+        "backend": "numpy", "wall_s": 9.5,
+        "ms_per_step": {"batch": 6.25, "stage": 0.0, "scatter": 0.0, "plan": 0.0, "verify": 37.5, "write": 12.5,
+                        "sweep": 6.25, "read": 18.75, "engine": 318.75},
+        "canary_ms_per_step": 81.25, "canary_share_of_generate": 0.2031,
+        "verify_entries": 500, "write_entries": 64, "launches": 32, "verify_entries_per_s": 666.7}
+    (line,) = [x for x in summary_lines(build_report(sim)) if x.startswith("canary cost per step")]
+    assert line == ("canary cost per step (numpy): batch 6.25 ms, stage 0.00 ms, plan 0.00 ms, verify 37.50 ms, "
+                    "write 12.50 ms, sweep 6.25 ms, read 18.75 ms = 81.25 ms (engine 318.75 ms); "
+                    "20.3 % of generate_batch wall time")
+
+
+def _future(query_length, max_new_tokens, generated):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(query_length=query_length,
+                           state=SimpleNamespace(max_new_tokens=max_new_tokens, generated_tokens=[7] * generated))
+
+
+# a request still prefilling (4 query tokens) and one decoding with 2 tokens to go (the injector wants 3)
+PREFILLING, FINISHING = _future(4, 10, 0), _future(1, 5, 3)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("others", [[PREFILLING], [FINISHING], [PREFILLING, FINISHING]],
+                         ids=["prefilling", "finishing", "both"])
+def test_the_kv_bitflip_strikes_the_first_request_that_keeps_decoding(seed, others):
+    from types import SimpleNamespace
+
+    page_size, row_bytes, layers = 32, 32, 2  # the cache: 2 x layers planes (K, V per layer) of page_size rows
+    geo = SimpleNamespace(name="FULL", window=0, page_size=page_size, row_bytes=row_bytes,
+                          layer_indices=list(range(layers)))
+    cache = SimpleNamespace(cache_tensor=torch.zeros(2 * layers * page_size * row_bytes, dtype=torch.uint8))
+    canary = SimpleNamespace(states={id(cache): SimpleNamespace(geos=[geo])})
+    requests = [*others, _future(1, 10, 2)]  # the last one decodes with 8 tokens to go
+    n = len(requests)
+    base = [10 * i for i in range(n)]  # request i's position p lives in slot 10 i + p
+    batch = SimpleNamespace(prefix_lens=np.array([0] * (n - 1) + [5]), extend_lens=np.array([4] * (n - 1) + [1]),
+                            request_ids=[f"r{i}" for i in range(n)], slot=lambda g, i, pos: base[i] + pos)
+    injector = make_injector("kv-bitflip", at=3, seed=seed)
+    injector.before_batch(canary, 3, {"cu_seq_lens_q": torch.zeros(n + 1, dtype=torch.int32)}, requests, cache)
+    injector.after_forward(canary, 3, batch, cache)
+    (byte,) = torch.nonzero(cache.cache_tensor).flatten().tolist()
+    assert bin(int(cache.cache_tensor[byte])).count("1") == 1
+    slot = byte % (page_size * row_bytes) // row_bytes
+    # the decoding request holds positions 0 to 5; the injector strikes one below the newest, which the next step
+    # verifies
+    assert base[-1] <= slot < base[-1] + 5 and byte % row_bytes < 16
+    fault = injector.fault
+    assert (fault.kind, fault.step, fault.group, fault.request, fault.slot, fault.position) == (
+        "kv-bitflip", 4, "FULL", f"r{n - 1}", slot, slot - base[-1])

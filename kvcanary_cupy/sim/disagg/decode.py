@@ -149,15 +149,17 @@ class DecodeSide:
                 return None
             m = int(self.rng.integers(1, pages))
             tail = np.arange(m * page, n)
-            changed = tail[np.union1d(differing_positions(self._kv_of(slots[tail]), transfer.kv[tail]),
-                                      differing_positions(self._old_records(slots[tail]), transfer.records[:, tail],
-                                                          axis=1))]
+            stale_records = tail[differing_positions(self._old_records(slots[tail]), transfer.records[:, tail], axis=1)]
+            changed = np.union1d(tail[differing_positions(self._kv_of(slots[tail]), transfer.kv[tail])], stale_records)
             if changed.shape[0] == 0:
                 return None
             placement.kv_land[tail] = False
             placement.rec_land[tail] = False
             placement.position, placement.slot = int(tail[0]), int(slots[tail[0]])
-            placement.taint = [int(slots[p]) for p in changed]
+            # the next position's chain check reads a stale record's chain hash: its slot fails even when it
+            # holds the very record that should have landed there
+            successors = stale_records[stale_records + 1 < n] + 1
+            placement.taint = [int(slots[p]) for p in np.union1d(changed, successors)]
             placement.detail = (f"transfer of request {req.rid} ended after {m} of {pages} pages ({tail[0]} of {n} "
                                 "positions)")
         return placement
