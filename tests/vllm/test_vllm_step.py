@@ -107,6 +107,15 @@ class Runner:
         return kwargs, {LAYER: md}
 
 
+def no_idle_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TAIL thread on the worker's own cores, as where the process may run on every CPU: whatever this
+    process's CPU affinity (a process restricted to fewer CPUs than the machine has, such as one forked after a
+    vLLM engine bound its threads, would otherwise give the thread the others)."""
+    from kvcanary_cupy.integrations.vllm import canary as canary_module
+
+    monkeypatch.setattr(canary_module, "idle_cores", lambda runner: None)
+
+
 def canary_state(runner: Runner, **opts) -> VllmCanaryState:
     return VllmCanaryState(runner, CanaryOptions(**{"mode": "log", "real_kv_hash": "none", "backend": "numpy",
                                                     "sweep_interval": 0, **opts}))
@@ -708,9 +717,11 @@ def test_more_requests_in_a_step_than_the_canary_was_sized_for_are_refused_by_na
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_in_log_mode_a_steps_staging_and_head_work_wait_for_the_tail_work(seed):
-    """With the TAIL thread (log mode) ``before_forward`` launches nothing: the staging, plan and HEAD phases go
-    with the TAIL work after the forward, which then launches the HEAD and TAIL phases of the step's tokens."""
+def test_in_log_mode_a_steps_staging_and_head_work_wait_for_the_tail_work(seed, monkeypatch):
+    """With the TAIL thread (log mode) on the worker's own cores, ``before_forward`` launches nothing: the staging,
+    plan and HEAD phases go with the TAIL work after the forward, which then launches the HEAD and TAIL phases of
+    the step's tokens."""
+    no_idle_cores(monkeypatch)
     runner = Runner()
     state = canary_state(runner)
     assert state.tail is not None
@@ -770,9 +781,10 @@ def test_a_prefix_block_another_request_writes_now_with_its_own_tokens_reads_as_
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_in_log_mode_after_forward_hands_the_tail_work_to_the_tail_thread_at_once(seed):
-    """``after_forward`` with its defaults (log mode): the TAIL work is submitted to the TAIL thread, not held for a
-    release and not run on the caller's thread, and it runs there."""
+def test_in_log_mode_after_forward_hands_the_tail_work_to_the_tail_thread_at_once(seed, monkeypatch):
+    """``after_forward`` with its defaults (log mode, the TAIL thread on the worker's own cores): the TAIL work is
+    submitted to the TAIL thread, not held for a release and not run on the caller's thread, and it runs there."""
+    no_idle_cores(monkeypatch)
     runner = Runner()
     state = canary_state(runner)
     calls: list[str] = []
