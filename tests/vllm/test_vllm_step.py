@@ -647,11 +647,19 @@ def test_a_step_whose_rows_compute_nothing_reads_as_rows_without_tokens():
 
 @pytest.mark.parametrize("max_model_len", [64, 62])
 @pytest.mark.parametrize("seed", range(4))
-def test_the_slot_table_holds_every_rows_slots_up_to_its_length_whatever_its_blocks(seed, max_model_len):
+def test_the_slot_table_holds_every_rows_slots_up_to_its_length_whatever_its_blocks(seed, max_model_len,
+                                                                                     monkeypatch):
     """The plan reads a row's slots from the canary's table, rows ``1..B``: each row's positions below its own
     length hold ``block * BS + offset`` of its block table (hand-worked per position), for rows of different
     lengths and scattered blocks, also where the longest row's last block reaches past the table's width
-    (``max_model_len`` 62: 16 blocks of 4 cover 64 positions, the table holds 63)."""
+    (``max_model_len`` 62: 16 blocks of 4 cover 64 positions, the table holds 63). The table is filled whole
+    blocks at a time; the per-position fill (``slots_of``) runs only in that last case."""
+    from kvcanary_cupy.integrations.vllm.canary import GroupGeometry
+
+    per_position: list[int] = []
+    slots_of = GroupGeometry.slots_of
+    monkeypatch.setattr(GroupGeometry, "slots_of",
+                        lambda self, *args: per_position.append(args[1]) or slots_of(self, *args))
     rng = np.random.default_rng(seed)
     runner = Runner(num_blocks=128, max_model_len=max_model_len, max_num_tokens=512)
     state = canary_state(runner)
@@ -668,6 +676,7 @@ def test_the_slot_table_holds_every_rows_slots_up_to_its_length_whatever_its_blo
     for i, r in enumerate(rows):
         assert state.tables[0][i + 1, :len(r.tokens)].tolist() == slots(r.blocks, 0, len(r.tokens))
     assert state.violations == [] and state.health_problems == []
+    assert per_position == ([] if max_model_len == 64 else [max_model_len])
 
 
 def test_a_step_whose_rows_compute_nothing_skips_the_same_step_look_up(monkeypatch):
