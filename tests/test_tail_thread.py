@@ -174,14 +174,43 @@ def test_a_tail_thread_given_cores_runs_its_work_there_and_leaves_its_creator_wh
     import os
 
     creator = os.sched_getaffinity(0)
-    cpu = max(creator)
-    tail = TailThread(cores=frozenset({cpu}))
-    seen: list[set[int]] = []
-    tail.submit(lambda: seen.append(os.sched_getaffinity(0)))
-    tail.submit(lambda: seen.append(os.sched_getaffinity(0)))
+    # each CPU this process may use in turn (up to 8): ``pinned`` is the worker's own, whichever it is, never
+    # another process's that happens to match one of them
+    for cpu in sorted(creator)[:8]:
+        tail = TailThread(cores=frozenset({cpu}))
+        seen: list[set[int]] = []
+        tail.submit(lambda seen=seen: seen.append(os.sched_getaffinity(0)))
+        tail.submit(lambda seen=seen: seen.append(os.sched_getaffinity(0)))
+        tail.close()
+        assert seen == [{cpu}, {cpu}] and tail.pinned == {cpu}
+        assert os.sched_getaffinity(0) == creator
+
+
+def test_by_default_the_worker_is_named_kvcanary_tail_and_without_cores_it_pins_nothing():
+    tail = TailThread()
+    assert tail.pinned is None and not tail.started
+    seen: list[str] = []
+    tail.submit(lambda: seen.append(threading.current_thread().name))
+    tail.wait()
+    assert len(seen) == 1 and seen[0].startswith("kvcanary-tail_") and tail.pinned is None and tail.started
     tail.close()
-    assert seen == [{cpu}, {cpu}] and tail.pinned == {cpu}
-    assert os.sched_getaffinity(0) == creator
+
+
+def test_every_piece_of_work_runs_on_one_and_the_same_worker_thread():
+    """Submitted back to back (each waits for the one before), held and released: one worker thread runs them
+    all; the pool never starts a second one even when the next work arrives as the last one's result is set."""
+    tail = TailThread(name="tail-one")
+    seen: set[int] = set()
+    for i in range(300):
+        if i % 3 == 2:
+            tail.hold(lambda: seen.add(threading.get_ident()))
+            tail.release()
+        else:
+            tail.submit(lambda: seen.add(threading.get_ident()))
+    tail.wait()
+    assert len(seen) == 1 and threading.get_ident() not in seen
+    assert sum(t.name.startswith("tail-one") for t in threading.enumerate()) == 1
+    tail.close()
 
 
 def test_a_tail_thread_given_cores_it_may_not_use_stays_on_its_creators_and_still_runs_its_work():

@@ -63,9 +63,25 @@ def _runner(world_size: int = 1, data_parallel_size: int = 1) -> types.SimpleNam
     ({0}, 4, _runner(data_parallel_size=2), None),  # data parallel: another engine's worker is out there
 ])
 def test_idle_cores_are_those_a_lone_worker_leaves_to_the_engine_core(monkeypatch, mine, cpus, runner, idle):
-    monkeypatch.setattr(distributed.os, "sched_getaffinity", lambda pid: set(mine))
+    monkeypatch.setattr(distributed.os, "sched_getaffinity", own_affinity(mine))
     monkeypatch.setattr(distributed.os, "cpu_count", lambda: cpus)
     assert idle_cores(runner) == (None if idle is None else frozenset(idle))
+
+
+def own_affinity(mine: set[int]):
+    """``os.sched_getaffinity`` of a process whose calling thread may run on ``mine``, and another process (pid 1)
+    on every other CPU: only pid 0 (the caller) answers ``mine``."""
+    def affinity(pid: int) -> set[int]:
+        return set(mine) if pid == 0 else set(range(64)) - set(mine)
+
+    return affinity
+
+
+@pytest.mark.parametrize("mine", [{0}, {1}, {2, 3}])
+def test_idle_cores_are_none_where_the_cpu_count_is_unknown(monkeypatch, mine):
+    monkeypatch.setattr(distributed.os, "sched_getaffinity", own_affinity(mine))
+    monkeypatch.setattr(distributed.os, "cpu_count", lambda: None)
+    assert idle_cores(_runner()) is None
 
 
 def test_idle_cores_are_none_where_the_platform_cannot_tell(monkeypatch):

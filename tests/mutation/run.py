@@ -133,22 +133,27 @@ TARGETS: dict[str, Target] = {
                              ["tests/test_bounded_verify.py", "tests/test_bounded_verify_window.py"],
                              mutants=BOUNDED_VERIFY_MUTANTS),
     # The step read (all of step.py), the sweep's block index (all of blocks.py) and the slot tables of the vLLM
-    # integration, pinned by the tests that need no engine (an engine per mutant would cost seconds each): the
-    # stand-in runner's steps, among them the draft tokens' (``with_drafts``) and the sliding-window and hybrid
-    # groups' (the index's freed and claimed blocks).
+    # integration, pinned by the tests that need no engine: the stand-in runner's steps, among them the draft
+    # tokens' (``with_drafts``), the sliding-window and hybrid groups' (the index's freed and claimed blocks) and
+    # the TAIL thread's (held, released, beside the forward). No test that starts an engine: an engine per mutant
+    # would cost seconds each, and one started in mutmut's own process (its statistics and clean runs) binds that
+    # process's threads to the worker's cores, which every forked mutant run inherits: the TAIL thread then finds
+    # the other cores idle and the stand-in steps run another schedule than their tests pin (every mutant killed).
     "vllm": Target(["kvcanary_cupy/integrations/vllm/step.py", "kvcanary_cupy/integrations/vllm/blocks.py",
                     "kvcanary_cupy/integrations/vllm/canary.py"],
                    ["tests/vllm/test_vllm_step.py", "tests/vllm/test_vllm_step_read.py",
                     "tests/vllm/test_vllm_step_values.py", "tests/vllm/test_vllm_internals.py",
                     "tests/vllm/test_vllm_speculative_step.py", "tests/vllm/test_vllm_sliding_window.py",
-                    "tests/vllm/test_vllm_block_index.py", "tests/vllm/test_vllm_tail_thread.py"],
+                    "tests/vllm/test_vllm_block_index.py", "tests/vllm/test_vllm_tail_phases.py"],
                    mutants=["*vllm.step.*", "*vllm.blocks.*", "*GroupGeometry*slots_of__mutmut_*",
                             "*VllmCanaryState*_fill_table__mutmut_*", "*VllmCanaryState*forget_blocks__mutmut_*",
                             "*VllmCanaryState*_note_complete_blocks__mutmut_*",
                             "*VllmCanaryState*after_forward__mutmut_*", "*VllmCanaryState*read_step__mutmut_*",
                             "*VllmCanaryState*_cached_slots__mutmut_*", "*vllm.canary.x_sweep_blocks__*",
                             "*VllmCanaryState*before_forward__mutmut_*", "*VllmCanaryState*_stage_and_plan__mutmut_*",
-                            "*VllmCanaryState*_tail_work__mutmut_*", "*VllmCanaryState*release_tail__mutmut_*"],
+                            "*VllmCanaryState*_tail_work__mutmut_*", "*VllmCanaryState*release_tail__mutmut_*",
+                            "*VllmCanaryState*_stage_and_plan_beside__mutmut_*",
+                            "*VllmCanaryState*_tail_work_beside__mutmut_*"],
                    env="vllm"),
 }
 

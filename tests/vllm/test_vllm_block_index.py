@@ -3,7 +3,8 @@ one group's rows hold leaves every other group's index whichever group the step 
 start of its sequence and block 1 included), and block ids past the pool in a row's table (a table no engine
 hands out) are ignored in every group, in and below a row's window, never an ``IndexError``; a sweep of one block
 (or of none asked) takes the indexed blocks one at a time, round-robin; a decode step repeating the last step's
-blocks is not indexed again, and a single full-attention group runs no cross-group drop."""
+blocks is not indexed again (also with the forward's tokens given), a step that only moves a row's window past
+a block drops it, and a single full-attention group runs no cross-group drop."""
 
 from __future__ import annotations
 
@@ -114,13 +115,19 @@ def test_a_rows_own_stamps_in_its_partly_filled_block_never_keep_that_blocks_ind
     assert indexed(index) == {0: {1: 0, 2: 1, shared: 2, 6: 0}}
 
 
+@pytest.mark.parametrize("written", [False, True], ids=["no-written", "written-as-stamped"])
 @pytest.mark.parametrize("group", [0, 1])
-def test_a_decode_step_inside_a_block_repeating_the_last_steps_blocks_is_not_indexed_again(monkeypatch, group):
+def test_a_decode_step_inside_a_block_repeating_the_last_steps_blocks_is_not_indexed_again(monkeypatch, group,
+                                                                                          written):
     """A row with blocks 1, 2, 3 at 10 tokens (blocks 1, 2 complete), then decode steps at 11 (the same complete
     blocks and blocks reached: the index work is skipped, the index unchanged), at 12 (block 3 completes: indexed
     again) and at 12 once more (skipped). The other group's row held blocks 1 and 5: block 1 leaves its index at
-    the first step; the work that drops it runs only for the steps indexed."""
+    the first step; the work that drops it runs only for the steps indexed. ``written``: the forward's tokens
+    given too, as many as stamped (as the canary passes them every step): the same."""
     index = two_groups()
+    if written:
+        note_step = index.note_step
+        index.note_step = lambda gi, table, totals: note_step(gi, table, totals, written=totals.copy())
     index.note_step(1 - group, np.array([[1, 5]], np.int32), np.array([8]))
     calls = []
     drop = BlockIndex._drop_freed_and_claimed
@@ -135,6 +142,20 @@ def test_a_decode_step_inside_a_block_repeating_the_last_steps_blocks_is_not_ind
     assert indexed(index) == {group: {1: 0, 2: 1, 3: 2}, 1 - group: {5: 1}} and calls == [group, group]
     index.note_step(group, table, np.array([12]))
     assert calls == [group, group]
+
+
+@pytest.mark.parametrize(("window_column", "left"), [(1, {2: 1}), (2, {})], ids=["past-one-block", "past-two"])
+def test_a_step_that_only_moves_a_rows_window_past_a_block_drops_that_block(window_column, left):
+    """A sliding-window row with blocks 1, 2, 3 at 10 tokens, its window from column 0 (blocks 1, 2 complete,
+    indexed at 0, 1); then a decode step at 11 tokens whose window starts at ``window_column`` (a window that is
+    no multiple of the block size moves past a block at a step where the row completes none): the same table,
+    complete blocks and blocks reached, but the blocks left below the window are freed, and leave the index."""
+    index = BlockIndex([NUM_BLOCKS], [BS], blocks_per_sweep=NUM_BLOCKS)
+    table = np.array([[1, 2, 3]], np.int32)
+    index.note_step(0, table, np.array([10]), first=np.array([0]))
+    assert indexed(index) == {0: {1: 0, 2: 1}}
+    index.note_step(0, table, np.array([11]), first=np.array([window_column]))
+    assert indexed(index) == {0: left}
 
 
 def test_a_single_full_attention_group_runs_no_cross_group_drop(monkeypatch):

@@ -109,6 +109,15 @@ class Runner:
         return kwargs, {LAYER: md}
 
 
+def no_idle_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TAIL thread on the worker's own cores, as where the process may run on every CPU: whatever this
+    process's CPU affinity (a process restricted to fewer CPUs than the machine has, such as one forked after a
+    vLLM engine bound its threads, would otherwise give the thread the others)."""
+    from kvcanary_cupy.integrations.vllm import canary as canary_module
+
+    monkeypatch.setattr(canary_module, "idle_cores", lambda runner: None)
+
+
 def canary_state(runner: Runner, **opts) -> VllmCanaryState:
     return VllmCanaryState(runner, CanaryOptions(**{"mode": "log", "real_kv_hash": "none", "backend": "numpy",
                                                     "sweep_interval": 0, **opts}))
@@ -640,11 +649,19 @@ def test_a_step_whose_rows_compute_nothing_reads_as_rows_without_tokens():
 
 @pytest.mark.parametrize("max_model_len", [64, 62])
 @pytest.mark.parametrize("seed", range(4))
-def test_the_slot_table_holds_every_rows_slots_up_to_its_length_whatever_its_blocks(seed, max_model_len):
+def test_the_slot_table_holds_every_rows_slots_up_to_its_length_whatever_its_blocks(seed, max_model_len,
+                                                                                     monkeypatch):
     """The plan reads a row's slots from the canary's table, rows ``1..B``: each row's positions below its own
     length hold ``block * BS + offset`` of its block table (hand-worked per position), for rows of different
     lengths and scattered blocks, also where the longest row's last block reaches past the table's width
-    (``max_model_len`` 62: 16 blocks of 4 cover 64 positions, the table holds 63)."""
+    (``max_model_len`` 62: 16 blocks of 4 cover 64 positions, the table holds 63). The table is filled whole
+    blocks at a time; the per-position fill (``slots_of``) runs only in that last case."""
+    from kvcanary_cupy.integrations.vllm.canary import GroupGeometry
+
+    per_position: list[int] = []
+    slots_of = GroupGeometry.slots_of
+    monkeypatch.setattr(GroupGeometry, "slots_of",
+                        lambda self, *args: per_position.append(args[1]) or slots_of(self, *args))
     rng = np.random.default_rng(seed)
     runner = Runner(num_blocks=128, max_model_len=max_model_len, max_num_tokens=512)
     state = canary_state(runner)
@@ -661,6 +678,7 @@ def test_the_slot_table_holds_every_rows_slots_up_to_its_length_whatever_its_blo
     for i, r in enumerate(rows):
         assert state.tables[0][i + 1, :len(r.tokens)].tolist() == slots(r.blocks, 0, len(r.tokens))
     assert state.violations == [] and state.health_problems == []
+    assert per_position == ([] if max_model_len == 64 else [max_model_len])
 
 
 def test_a_step_whose_rows_compute_nothing_skips_the_same_step_look_up(monkeypatch):
@@ -710,9 +728,11 @@ def test_more_requests_in_a_step_than_the_canary_was_sized_for_are_refused_by_na
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_in_log_mode_a_steps_staging_and_head_work_wait_for_the_tail_work(seed):
-    """With the TAIL thread (log mode) ``before_forward`` launches nothing: the staging, plan and HEAD phases go
-    with the TAIL work after the forward, which then launches the HEAD and TAIL phases of the step's tokens."""
+def test_in_log_mode_a_steps_staging_and_head_work_wait_for_the_tail_work(seed, monkeypatch):
+    """With the TAIL thread (log mode) on the worker's own cores, ``before_forward`` launches nothing: the staging,
+    plan and HEAD phases go with the TAIL work after the forward, which then launches the HEAD and TAIL phases of
+    the step's tokens."""
+    no_idle_cores(monkeypatch)
     runner = Runner()
     state = canary_state(runner)
     assert state.tail is not None
@@ -772,9 +792,10 @@ def test_a_prefix_block_another_request_writes_now_with_its_own_tokens_reads_as_
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_in_log_mode_after_forward_hands_the_tail_work_to_the_tail_thread_at_once(seed):
-    """``after_forward`` with its defaults (log mode): the TAIL work is submitted to the TAIL thread, not held for a
-    release and not run on the caller's thread, and it runs there."""
+def test_in_log_mode_after_forward_hands_the_tail_work_to_the_tail_thread_at_once(seed, monkeypatch):
+    """``after_forward`` with its defaults (log mode, the TAIL thread on the worker's own cores): the TAIL work is
+    submitted to the TAIL thread, not held for a release and not run on the caller's thread, and it runs there."""
+    no_idle_cores(monkeypatch)
     runner = Runner()
     state = canary_state(runner)
     calls: list[str] = []
