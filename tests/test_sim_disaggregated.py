@@ -262,3 +262,36 @@ def test_in_one_process_a_clean_run_accepts_every_transfer_and_decodes_each_requ
     page = render_html(report)
     assert "<title>kv-canary disaggregated simulation report</title>" in page
     assert "<h1>kv-canary disaggregated simulation report</h1>" in page and "Transfers per decode worker" in page
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_after_the_prefill_stops_a_decode_worker_steps_only_while_it_still_has_requests_decoding(seed, monkeypatch):
+    """Once the prefill side sends its stop, a decode worker runs the steps its requests still need and no more:
+    each such step finds a request decoding (the drain ends when the last one finishes, not at its step limit)."""
+    import threading
+
+    from kvcanary_cupy.sim.disagg import DisaggConfig
+    from kvcanary_cupy.sim.disagg.decode import DecodeSide
+    from kvcanary_cupy.sim.disagg.wire import OP_STOP, Channel
+
+    stopped: set[int] = set()  # the decode threads whose prefill has sent its stop
+    drained: list[tuple[int, int, int]] = []  # (worker, step, requests decoding) of each step after the stop
+    recv_tick, drill = Channel.recv_tick, DecodeSide._drill
+
+    def spy_recv_tick(self):
+        op, step, count = recv_tick(self)
+        if op == OP_STOP:
+            stopped.add(threading.get_ident())
+        return op, step, count
+
+    def spy_drill(self, t):
+        if threading.get_ident() in stopped:
+            drained.append((self.worker, t, len(self.engine.decoding)))
+        return drill(self, t)
+
+    monkeypatch.setattr(Channel, "recv_tick", spy_recv_tick)
+    monkeypatch.setattr(DecodeSide, "_drill", spy_drill)
+    report = run_sides_in_process(DisaggConfig(decode_workers=2, steps=12, requests=8, seed=seed, backend="numpy"))
+    assert report["passed"] and report["workload"]["requests_finished"] == 8
+    assert drained, "no worker had a request left when the prefill stopped: the drain went untested"
+    assert [row for row in drained if row[2] == 0] == []
