@@ -193,6 +193,31 @@ class StorageGuard:
                  f"set_ or a storage resize); wrap or bind it again")
 
 
+class GuardSet:
+    """The storage checks of several launches run as one: each storage's size read once against the most any
+    of its tensors needs, then each tensor's address (an engine's KV-cache views all share one storage, and each
+    torch call costs microseconds on a busy engine). A failure is reported by the guard it concerns, as
+    :meth:`StorageGuard.check` reports it."""
+
+    def __init__(self, guards: Iterable[StorageGuard]) -> None:
+        self.guards = tuple(guards)
+        by_storage: dict[int, tuple[Any, int, list[StorageGuard]]] = {}
+        for guard in self.guards:
+            storage, needed, members = by_storage.get(id(guard.storage), (guard.storage, 0, []))
+            members.append(guard)
+            by_storage[id(guard.storage)] = (storage, max(needed, guard.needed_bytes), members)
+        self._storages = tuple(by_storage.values())
+
+    def check(self) -> None:
+        for storage, needed, members in self._storages:
+            if storage.nbytes() < needed:
+                for guard in members:
+                    guard.check()
+        for guard in self.guards:
+            if guard.tensor.data_ptr() != guard.pointer:
+                guard.check()
+
+
 def storage_guards(named: Iterable[tuple[str, Any]]) -> tuple[StorageGuard, ...]:
     """One :class:`StorageGuard` per torch tensor among ``named`` (other producers cannot move their memory
     under a live view: NumPy refuses to resize a referenced array, CuPy and JAX arrays never resize). A tensor

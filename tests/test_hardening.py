@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from plan_helpers import fresh_plans, linear_rtt
 
 import kvcanary_cupy as kc
+from kvcanary_cupy._validate import GuardSet, StorageGuard, storage_guards
 from kvcanary_cupy.backends import unavailable_reason
 from kvcanary_cupy.bind import bind_plan, bind_verify, bind_write
 
@@ -321,6 +322,53 @@ def test_a_bound_plan_keeps_working_after_a_shrinking_resize_that_keeps_the_stor
     rpi.resize_(1)
     bound()
     assert int(vp.verify_num_valid[0]) == 5
+
+
+@needs_torch
+def test_one_check_of_views_sharing_a_storage_refuses_a_moved_view_or_a_freed_storage_by_the_views_name():
+    """A runtime phase checks its launches' storage guards as one GuardSet: the KV cache's views pass while
+    untouched, a view moved with set_ is refused by its own name, and a storage freed under them by the first
+    view's name."""
+    cache = torch.zeros(8, 64, dtype=torch.uint8)
+    k, v = cache[:, :32], cache[:, 32:]
+    checks = GuardSet(storage_guards([("k", k), ("v", v)]))
+    checks.check()
+    v.set_(torch.zeros(8, 32, dtype=torch.uint8))  # v now addresses other memory; k is as it was
+    with rejects("v: the torch tensor's storage moved or shrank"):
+        checks.check()
+    k2, v2 = cache[:, :32], cache[:, 32:]
+    checks = GuardSet(storage_guards([("k2", k2), ("v2", v2)]))
+    checks.check()
+    cache.untyped_storage().resize_(0)  # freed in place under both views
+    with rejects("k2: the torch tensor's storage moved or shrank"):
+        checks.check()
+
+
+def test_a_storage_shared_by_several_guards_has_its_size_read_once_against_the_most_any_of_them_needs():
+    class Storage:
+        def __init__(self, nbytes: int) -> None:
+            self.size, self.reads = nbytes, 0
+
+        def nbytes(self) -> int:
+            self.reads += 1
+            return self.size
+
+    class Tensor:
+        def __init__(self, pointer: int) -> None:
+            self.pointer = pointer
+
+        def data_ptr(self) -> int:
+            return self.pointer
+
+    shared, other = Storage(100), Storage(50)
+    guards = [StorageGuard("a", Tensor(1), 1, 40, shared), StorageGuard("b", Tensor(2), 2, 100, shared),
+              StorageGuard("c", Tensor(3), 3, 50, other)]
+    checks = GuardSet(guards)
+    checks.check()
+    assert (shared.reads, other.reads) == (1, 1)
+    shared.size = 99  # enough for a, not for b: b is named
+    with rejects("b: the torch tensor's storage moved or shrank"):
+        checks.check()
 
 
 # ---- 4. memory of the reference under overlapping ranges ---------------------------------------------------

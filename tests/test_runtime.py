@@ -4,6 +4,7 @@ leave every buffer untouched, the health check, the sweep, warm-up and stats."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 
@@ -723,3 +724,28 @@ def test_a_kv_tensor_moved_after_some_steps_refuses_the_tail_phase_with_nothing_
     assert str(info.value).startswith("kv-canary: ") and "sources[0]" in str(info.value)
     after = runtime_arrays(rt)
     assert [k for k in before if not np.array_equal(before[k], after[k])] == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_swa_groups_write_slots_are_the_lut_gather_of_the_whole_staged_buffer_after_every_call(backend):
+    """prepare and post_forward gather through the LUT only the entries this step or the one before staged (the
+    rest of both buffers is padding): after a long step, shorter ones and a forward that wrote elsewhere, the SWA
+    group's write slots still equal the LUT gather of the whole staged buffer, computed here independently."""
+    engine = sc.ToyEngine(swa=True)
+    rt = make(engine, backend)
+    state, stage = rt.groups["SWA"], rt.stages["target"]
+    staged: list[int] = []
+
+    def checked(call):
+        def run(*args, **kwargs):
+            call(*args, **kwargs)
+            src = np.asarray(stage.view("out_cache_loc"))
+            lut = np.asarray(state.lut_view)
+            want = np.where(src < 0, src, np.where(src >= lut.size, sc.NUM_SLOTS, lut[np.clip(src, 0, lut.size - 1)]))
+            assert np.array_equal(np.asarray(state.swa_out_cache_loc.view), want)
+            staged.append(stage.staged_tokens("out_cache_loc"))
+        return run
+
+    rt.prepare, rt.post_forward = checked(rt.prepare), checked(rt.post_forward)
+    drive(engine, rt, hooks={(2, "written"): lambda batch: np.asarray(batch["out_cache_loc"])[::-1].copy()})
+    assert len(staged) == 2 * len(sc.SCHEDULE) and any(b < a for a, b in itertools.pairwise(staged))

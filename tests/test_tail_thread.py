@@ -198,7 +198,7 @@ def test_by_default_the_worker_is_named_kvcanary_tail_and_without_cores_it_pins_
 
 def test_every_piece_of_work_runs_on_one_and_the_same_worker_thread():
     """Submitted back to back (each waits for the one before), held and released: one worker thread runs them
-    all; the pool never starts a second one even when the next work arrives as the last one's result is set."""
+    all; no second thread starts, even when the next work arrives as the last one finishes."""
     tail = TailThread(name="tail-one")
     seen: set[int] = set()
     for i in range(300):
@@ -278,3 +278,13 @@ def test_a_switch_interval_outside_zero_to_one_second_is_refused_by_name(seconds
     with pytest.raises(ValueError, match=r"^kv-canary: switch_interval must be in \(0, 1\] seconds"):
         TailThread(switch_interval=seconds)
     assert sys.getswitchinterval() == switch_interval
+
+
+def test_an_interpreter_that_exits_without_closing_the_thread_is_not_held_by_it():
+    """An engine that never removes its canary still exits: the idle worker thread does not keep the process."""
+    import subprocess
+
+    code = ("from kvcanary_cupy.integrations.common.tail import TailThread\n"
+            "tail = TailThread()\ntail.submit(print, 'ran')\ntail.wait()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ran", proc.stderr

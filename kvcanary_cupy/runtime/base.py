@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import fail
-from .._validate import StorageGuard
+from .._validate import GuardSet
 from ..bind import BoundLaunch, distinct_guards
 from .batch import StagedBatch
 from .config import CanaryConfig, Capacities
@@ -72,7 +72,7 @@ class RuntimeBase:
     _observer: Callable[[LaunchEvent], None] | None
     _timer: Callable[[str], contextlib.AbstractContextManager] | None
     # A phase's launches (held, so their ids stay theirs) and their distinct storage checks, by launch ids.
-    _phase_guards: dict[tuple[int, ...], tuple[tuple[Any, ...], tuple[StorageGuard, ...]]]
+    _phase_guards: dict[tuple[int, ...], tuple[tuple[Any, ...], GuardSet]]
 
     @property
     def enabled(self) -> bool:
@@ -120,6 +120,5 @@ class RuntimeBase:
         if known is None:
             if len(self._phase_guards) >= 64:
                 self._phase_guards.clear()
-            known = self._phase_guards[key] = (launches, distinct_guards(launches))
-        for guard in known[1]:
-            guard.check()
+            known = self._phase_guards[key] = (launches, GuardSet(distinct_guards(launches)))
+        known[1].check()

@@ -56,6 +56,8 @@ class GroupState:
     ring_scratch: Any
     lut_view: Any = None
     swa_out_cache_loc: Buffer | None = None
+    # leading entries of ``swa_out_cache_loc`` gathered from staged tokens (past them: padding, -1 in both)
+    swa_gathered: int = 0
     temp: Any = None  # int64 scratch for LUT gathers
     mask: Any = None  # bool scratch for LUT gathers
     plan: BoundLaunch | None = None
@@ -267,6 +269,17 @@ def gather_lut(state: GroupState, xp: Any, src: Any, dst: Any) -> None:
     xp.copyto(dst, src, where=mask)
     xp.greater_equal(src, int(lut.shape[0]), out=mask)
     xp.copyto(dst, xp.int64(state.spec.num_slots), where=mask)
+
+
+def gather_staged_slots(state: GroupState, xp: Any, staged: Any, tokens: int) -> None:
+    """The group's ``swa_out_cache_loc``: :func:`gather_lut` of the staged write slots (``staged``, padded with -1
+    past the step's ``tokens``), over the entries this step or the one before staged only: past them both buffers
+    hold the padding's -1 already (the staged buffer is padded back behind a shorter step, and -1 gathers to
+    -1), so the gather's cost follows the step, not the capacity."""
+    assert state.swa_out_cache_loc is not None
+    m = max(tokens, state.swa_gathered)
+    gather_lut(state, xp, staged[:m], state.swa_out_cache_loc.view[:m])
+    state.swa_gathered = tokens
 
 
 def select_window(state: GroupState, xp: Any) -> None:

@@ -30,6 +30,24 @@ class _Snapshot:
     sweep_launches: dict[str, int]
 
 
+@dataclass(frozen=True)
+class _WordKeys:
+    """The names of the device words a step's read takes of one group (built once, not every step)."""
+
+    write_index: str
+    status: str
+    lost: str
+    plan_enable: str
+    plan_num_valid: str
+    plan_status: str
+
+    @classmethod
+    def of(cls, state: GroupState) -> _WordKeys:
+        plan = state.plan_name  # KvGroup.plan_of: the words of the plan this group's launches read
+        return cls(f"{state.name}.write_index", f"{state.name}.status", f"{state.name}.lost", f"{plan}.plan.enable",
+                   f"{plan}.plan.num_valid", f"{plan}.plan.status")
+
+
 class Monitoring(RuntimeBase):
     """The reading side of the runtime: snapshot buffers, host copies of the rings and the run-counter table
     (:meth:`_allocate_monitoring`), what a step's snapshot held (:meth:`_consume`), the health checks, the run
@@ -38,6 +56,7 @@ class Monitoring(RuntimeBase):
     # (endpoint, op, slot-counter name, kernel-counter name) per group, in endpoint order
     _counters: dict[str, list[tuple[Endpoint, str, str, str]]]
     _group_index: dict[str, int]
+    _word_keys: dict[str, _WordKeys]
     _ring_host: dict[str, np.ndarray]
     _snap_host: list[tuple[np.ndarray, np.ndarray]]
     _snap_events: list[Any]
@@ -54,6 +73,7 @@ class Monitoring(RuntimeBase):
                                  for ep in state.all_endpoints()
                                  for op in (("verify", "write") if ep.write_ctx is not None else ("verify",))]
                           for name, state in self.groups.items()}
+        self._word_keys = {name: _WordKeys.of(state) for name, state in self.groups.items()}
         self._ring_host = {name: space.host((self.config.ring_capacity, 8), np.int64) for name in self.groups}
         # Two snapshot slots, each a host buffer and its event, alternated between the snapshot being read (one
         # step late) and the one being taken, so no step allocates either.
@@ -86,16 +106,15 @@ class Monitoring(RuntimeBase):
         report.step, report.launch_step = step, -1 if snap is None else snap.step
         if snap is None:
             return
-        space, sc, totals = self.space, self.scalars, self._totals
+        space, totals = self.space, self._totals
         space.wait(snap.event)
-        host = snap.host
+        words = self.scalars.read(snap.host)
         for name, state in self.groups.items():
-            n = sc.value(host, f"{name}.write_index")
-            status = sc.value(host, f"{name}.status")
-            lost = sc.value(host, f"{name}.lost")
+            keys = self._word_keys[name]
+            n, status, lost = words[keys.write_index], words[keys.status], words[keys.lost]
             cap = int(state.ring_view.shape[0])
-            dropped = max(0, n - cap) + lost - totals.counters.get(f"{name}.lost", 0)
-            totals.counters[f"{name}.lost"] = lost
+            dropped = max(0, n - cap) + lost - totals.counters.get(keys.lost, 0)
+            totals.counters[keys.lost] = lost
             rows = []
             if n > 0:
                 m = min(n, cap)
@@ -106,8 +125,8 @@ class Monitoring(RuntimeBase):
                 first = (state.endpoints["HEAD"] or state.endpoints["TAIL"])[0]
                 report.reports[name] = ViolationReport(
                     total=n, capacity=cap, rows=rows, status=CanaryStatus(status),
-                    slot_run_counter=sc.value(host, counter_name(state, first, "verify", "slots")),
-                    kernel_run_counter=sc.value(host, counter_name(state, first, "verify", "kernels")))
+                    slot_run_counter=words[counter_name(state, first, "verify", "slots")],
+                    kernel_run_counter=words[counter_name(state, first, "verify", "kernels")])
                 report.new_violations += [(name, v) for v in rows]
                 totals.by_group[name] = totals.by_group.get(name, 0) + len(rows)
                 totals.violations += len(rows)
@@ -116,25 +135,26 @@ class Monitoring(RuntimeBase):
             report.dropped += dropped
             totals.dropped += dropped
             totals.status_bits |= status
-            plan = state.plan_name  # KvGroup.plan_of: the words of the plan this group's launches read
-            if state.window_plan is not None and sc.value(host, f"{plan}.plan.enable"):
-                live = sc.value(host, f"{plan}.plan.num_valid")
+            # KvGroup.plan_of: the words of the plan this group's launches read
+            enabled = words[keys.plan_enable]
+            if state.window_plan is not None and enabled:
+                live = words[keys.plan_num_valid]
                 totals.live_max[name] = max(totals.live_max.get(name, 0), live)
-            plan_status = sc.value(host, f"{plan}.plan.status")
+            plan_status = words[keys.plan_status]
             if plan_status and state.leader is None:  # reported once, by the group whose plan it is
                 report.plan_status[name] = plan_status
-            if snap.forwards.get(state.model, 0) and sc.value(host, f"{plan}.plan.enable") == 0:
+            if snap.forwards.get(state.model, 0) and enabled == 0:
                 report.overflowed.append(name)
                 totals.overflows[name] = totals.overflows.get(name, 0) + 1
         report.new_violations.sort(key=self._launch_order)
-        report.scatter_status = sc.value(host, "scatter.status")
+        report.scatter_status = words["scatter.status"]
         totals.status_bits |= report.scatter_status
-        for keys in self._counters.values():
-            for _, _, slots_key, kernels_key in keys:
-                totals.counters[slots_key] = sc.value(host, slots_key)
-                totals.counters[kernels_key] = sc.value(host, kernels_key)
+        for counters in self._counters.values():
+            for _, _, slots_key, kernels_key in counters:
+                totals.counters[slots_key] = words[slots_key]
+                totals.counters[kernels_key] = words[kernels_key]
         if self.config.health_check:
-            report.health_problems = self._health(snap)
+            report.health_problems = self._health(snap, words)
             totals.health_failures += len(report.health_problems)
 
     def _launch_order(self, item: tuple[str, Any]) -> tuple[int, ...]:
@@ -172,9 +192,8 @@ class Monitoring(RuntimeBase):
 
     # -- health --------------------------------------------------------------------------------------------
 
-    def _health(self, snap: _Snapshot) -> list[str]:
+    def _health(self, snap: _Snapshot, words: dict[str, int]) -> list[str]:
         problems: list[str] = []
-        sc, host = self.scalars, snap.host
 
         def check(key: str, got: int, want: int, what: str) -> None:
             # a deficit is reported once; later steps compare against the counter's new baseline
@@ -188,14 +207,14 @@ class Monitoring(RuntimeBase):
             ref: dict[str, int] = {}
             for ep, op, slots_key, kernels_key in self._counters[name]:
                 want = snap.sweep_launches[name] if ep.role == "SWEEP" else forwards
-                kernels = sc.value(host, kernels_key)
+                kernels = words[kernels_key]
                 if kernels != want - self._health_offsets.get(kernels_key, 0):
                     whom = f"prepare() call of model {state.model!r}" if ep.role != "SWEEP" else "sweep launch"
                     check(kernels_key, kernels, want, f"group {name}: {ep.tag.name} {op} kernel ran (count) vs one "
                                                       f"per {whom}")
                 if ep.role == "SWEEP":
                     continue
-                slots = sc.value(host, slots_key)
+                slots = words[slots_key]
                 if op not in ref:
                     ref[op] = slots
                 elif slots != ref[op] - self._health_offsets.get(slots_key, 0):
@@ -215,7 +234,7 @@ class Monitoring(RuntimeBase):
         snap = self._pending
         self._pending = pending
         assert snap is not None
-        problems = self._health(snap)
+        problems = self._health(snap, self.scalars.read(snap.host))
         self._totals.health_failures += len(problems)
         return problems
 

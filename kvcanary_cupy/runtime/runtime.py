@@ -43,7 +43,7 @@ from .base import LaunchEvent, Totals
 from .batch import StagedBatch, StagedHistory, StepBatch
 from .config import CanaryConfig, Capacities
 from .footprint import runtime_footprint
-from .groups import GroupState, bind_group, build_group, gather_lut, reserve_scalars, select_window
+from .groups import GroupState, bind_group, build_group, gather_staged_slots, reserve_scalars, select_window
 from .monitor import Monitoring
 from .moves import OffloadedRecords, RecordMoves
 from .pools import KvPools, row_less
@@ -235,9 +235,10 @@ class CanaryRuntime(RecordMoves, Sweeping, Monitoring):
         with self.space.scope():
             with self._timed("stage"):
                 stage.stage(views)
+                staged = stage.staged_tokens("out_cache_loc")
                 for state in groups:
                     if state.swa_out_cache_loc is not None:
-                        gather_lut(state, self.space.xp, stage.view("out_cache_loc"), state.swa_out_cache_loc.view)
+                        gather_staged_slots(state, self.space.xp, stage.view("out_cache_loc"), staged)
             if self._history is not None and self._history.stage(history):
                 assert self._scatter is not None
                 self._launch(self._scatter, "scatter", model)
@@ -299,7 +300,7 @@ class CanaryRuntime(RecordMoves, Sweeping, Monitoring):
                 stage.view("out_cache_loc")[:n] = loc
             for state in groups:
                 if state.swa_out_cache_loc is not None:
-                    gather_lut(state, self.space.xp, stage.view("out_cache_loc"), state.swa_out_cache_loc.view)
+                    gather_staged_slots(state, self.space.xp, stage.view("out_cache_loc"), n)
 
     def _run_endpoints(self, state: GroupState, role: str, model: str) -> None:
         endpoints = state.endpoints[role]

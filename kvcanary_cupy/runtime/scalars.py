@@ -22,6 +22,7 @@ class Scalars:
 
     def __init__(self) -> None:
         self._index: dict[str, tuple[int, int]] = {}  # name -> (block, position)
+        self._names: list[list[str]] = [[], []]  # per block, the names in position order
         self._fills: list[list[int]] = [[], []]
         self._owners: list[Any] = [None, None]
         self._views: list[Any] = [None, None]
@@ -29,6 +30,7 @@ class Scalars:
     def reserve(self, name: str, dtype: Any, fill: int = 0) -> None:
         block = _DTYPES.index(np.dtype(dtype).type)
         self._index[name] = (block, len(self._fills[block]))
+        self._names[block].append(name)
         self._fills[block].append(fill)
 
     def allocate(self, space: ArraySpace) -> None:
@@ -59,3 +61,11 @@ class Scalars:
     def value(self, host: tuple[np.ndarray, np.ndarray], name: str) -> int:
         block, i = self._index[name]
         return int(host[block][i])
+
+    def read(self, host: tuple[np.ndarray, np.ndarray]) -> dict[str, int]:
+        """Every word of a host snapshot by name, as Python ints: one conversion per block (a step reads most
+        of the words, and one look-up and conversion each costs several times more)."""
+        # not strict: a block without words still holds one (allocate)
+        words = dict(zip(self._names[0], host[0].tolist(), strict=False))
+        words.update(zip(self._names[1], host[1].tolist(), strict=False))
+        return words

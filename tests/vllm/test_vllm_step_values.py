@@ -163,6 +163,43 @@ def test_the_same_step_look_up_takes_a_row_only_where_its_prefix_ends_at_a_block
         assert _same_step_rows(np.array([prefix]), tables, written, geos).tolist() == want, prefix
 
 
+@pytest.mark.parametrize("seed", range(60))
+def test_the_same_step_look_up_names_exactly_the_rows_a_position_by_position_search_names(seed):
+    """Random batches over one to three groups (full attention or a sliding window, blocks of 2, 4 or 8, shared
+    block ids), against a search position by position: a row is named when its prefix ends at a block boundary
+    in every group and some prefix position inside a group's window sits in a non-null block the step writes a
+    slot of."""
+    rng = np.random.default_rng(seed)
+    geos = [geometry(g, int(rng.choice([2, 4, 8])), window=int(rng.choice([0, 0, 3, 6, 12])))
+            for g in range(int(rng.integers(1, 4)))]
+    b = int(rng.integers(1, 7))
+    boundary = int(np.lcm.reduce([geo.block_size for geo in geos]))
+    prefix = np.array([int(rng.integers(0, 4)) * boundary + (int(rng.integers(0, 3)) if rng.random() < 0.3 else 0)
+                       for _ in range(b)], np.int64)
+    tables, written = {}, {}
+    for geo in geos:
+        width = int(prefix.max()) // geo.block_size + 2
+        tables[geo.index] = rng.integers(0, 12, (b, width)).astype(np.int32)
+        written[geo.index] = rng.integers(0, 12 * geo.block_size, int(rng.integers(0, 10))).astype(np.int64)
+    want = []
+    for i in range(b):
+        p = int(prefix[i])
+        if p == 0 or any(p % geo.block_size for geo in geos):
+            continue
+        hit = False
+        for geo in geos:
+            start = max(p - geo.window + 1, 0) if geo.window else 0
+            blocks_written = {int(s) // geo.block_size for s in written[geo.index]}
+            for pos in range(start, p):
+                col = pos // geo.block_size
+                if col < tables[geo.index].shape[1]:
+                    block = int(tables[geo.index][i, col])
+                    hit |= block > 0 and block in blocks_written
+        if hit:
+            want.append(i)
+    assert _same_step_rows(prefix, tables, written, geos).tolist() == want
+
+
 def test_the_same_step_look_up_in_a_sliding_window_group_reads_only_the_prefix_blocks_inside_the_window():
     """A sliding-window group (window 4, blocks of 4). Row 0 (prefix 8, window from position 5: block column 1)
     writes its own new block 22 and, in the step, another row writes block 20, which the row's table names

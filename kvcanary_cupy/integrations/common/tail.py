@@ -34,8 +34,6 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_for
 from typing import Any
 
 from ..._errors import fail
@@ -92,7 +90,11 @@ class TailThread:
     """At most one piece of work in flight (or held) on one worker thread; :meth:`wait` joins it. ``cores``: the
     CPUs the worker thread runs on (set when it starts; where the platform refuses them it stays on its
     creator's). ``switch_interval``: seconds; the interpreter's switch interval while the worker thread exists
-    (from the first :meth:`submit` to :meth:`close`), if shorter than it was."""
+    (from the first :meth:`submit` to :meth:`close`), if shorter than it was.
+
+    One caller drives it (the engine thread). The hand-over is two locks, one each way, rather than a thread
+    pool's futures: it runs twice a step on the engine's critical path, where a future, its condition and the
+    pool's queue and bookkeeping cost tens of microseconds of the engine thread's Python each time."""
 
     def __init__(self, name: str = "kvcanary-tail", cores: frozenset[int] | None = None,
                  switch_interval: float | None = None) -> None:
@@ -102,28 +104,53 @@ class TailThread:
         self.cores = cores
         self.switch_interval = switch_interval
         self.pinned: frozenset[int] | None = None  # the worker thread's CPUs, once it has moved to ``cores``
-        self._pool: ThreadPoolExecutor | None = None  # started by the first submit (after any fork of the engine)
-        self._pending: Future[Any] | None = None
+        self._thread: threading.Thread | None = None  # started by the first submit (after any fork of the engine)
+        self._go = threading.Lock()  # released by the caller: ``_job`` is set (None: stop)
+        self._done = threading.Lock()  # released by the worker: the job has run (its error in ``_error``)
+        self._job: tuple[Callable[..., Any], tuple[Any, ...]] | None = None
+        self._error: BaseException | None = None  # what the finished work raised, until wait() raises it
+        self._pending = False  # a job was handed over and its end not yet taken by wait()
+        self._joined = False  # ... and join() has seen it finish
         self._held: tuple[Callable[..., Any], tuple[Any, ...]] | None = None
 
     @property
     def started(self) -> bool:
         """The worker thread exists (the first :meth:`submit` starts it)."""
-        return self._pool is not None
+        return self._thread is not None
 
     @property
     def busy(self) -> bool:
-        return self._pending is not None or self._held is not None
+        return self._pending or self._held is not None
 
     def submit(self, work: Callable[..., Any], *args: Any) -> None:
         """Run ``work(*args)`` on the worker; the previous work is waited for first (in order, one at a time)."""
         self.wait()
-        if self._pool is None:
+        if self._thread is None:
             if self.switch_interval is not None:
                 SWITCH_INTERVAL.claim(self.switch_interval)
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name,
-                                            initializer=self._move_to_cores)
-        self._pending = self._pool.submit(work, *args)
+            self._go.acquire(blocking=False)
+            self._done.acquire(blocking=False)
+            self._thread = threading.Thread(target=self._serve, name=f"{self._name}_0", daemon=True)
+            self._thread.start()
+        self._job = (work, args)
+        self._pending, self._joined = True, False
+        self._go.release()
+
+    def _serve(self) -> None:
+        """The worker thread: move to ``cores``, then run each job handed over until a None job stops it."""
+        self._move_to_cores()
+        while True:
+            self._go.acquire()
+            job, self._job = self._job, None
+            if job is None:
+                self._done.release()
+                return
+            try:
+                job[0](*job[1])
+            except BaseException as exc:  # raised on the caller's thread by wait()
+                self._error = exc
+            del job  # the step's arrays are not kept alive until the next one
+            self._done.release()
 
     def _move_to_cores(self) -> None:
         if self.cores:
@@ -147,25 +174,31 @@ class TailThread:
 
     def wait(self) -> None:
         """Block until the work in flight or held (if any) is done; raise what it raised."""
-        self.release()
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        self.join()
+        self._pending = False
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
     def join(self) -> None:
         """Block until the work in flight or held (if any) is done, its error kept for :meth:`wait` (for readers
-        of the results, which must not take the error the next step is to raise)."""
+        of the results, which must not take the error the next step is to raise); the work counts as in
+        flight (:attr:`busy`) until :meth:`wait` has taken its end."""
         self.release()
-        if self._pending is not None:
-            wait_for([self._pending])
+        if self._pending and not self._joined:
+            self._done.acquire()
+            self._joined = True
 
     def close(self) -> None:
         """Wait for the work in flight (its error is raised, the worker stopped either way)."""
         try:
             self.wait()
         finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
+            thread, self._thread = self._thread, None
+            if thread is not None:
+                self._job = None
+                self._go.release()
+                self._done.acquire()
+                thread.join()
                 if self.switch_interval is not None:
                     SWITCH_INTERVAL.release(self.switch_interval)

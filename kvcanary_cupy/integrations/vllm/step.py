@@ -206,13 +206,6 @@ def with_drafts(histories: RequestHistories, ids: list[str], requests: Any, ends
     return parts, confirmed
 
 
-def _sorted_member(values: np.ndarray, ordered: np.ndarray) -> np.ndarray:
-    """``values`` (any shape) found in the sorted, non-empty ``ordered``: a sorted search (np.isin costs tens of
-    microseconds on the handful of blocks and slots of a step)."""
-    at = np.minimum(np.searchsorted(ordered, values), ordered.size - 1)
-    return ordered[at] == values
-
-
 def _same_step_rows(prefix: np.ndarray, tables: dict[int, np.ndarray], forward_slots: dict[int, np.ndarray],
                     geos: Sequence[GroupGeometry]) -> np.ndarray:
     """The rows some of whose verified prefix blocks (from the block of ``window_start`` to ``prefix - 1``, in
@@ -220,27 +213,28 @@ def _same_step_rows(prefix: np.ndarray, tables: dict[int, np.ndarray], forward_s
     part counts whole) that :func:`_with_restamps` narrows to slots. Only a row whose prefix ends at a block
     boundary in every group can have one: vLLM shares whole blocks only, so a prefix hit is a whole number of
     blocks, and a row that owns its last, partly filled block writes its own tokens there (anything else
-    writing there is a fault the verify sees). Most steps: no such row, and a few microseconds."""
-    aligned = prefix > 0
+    writing there is a fault the verify sees). Most steps: no such row, or a few; they are looked up as Python
+    ints against the set of blocks the step writes (array operations on a handful of values cost more)."""
+    sizes = [geo.block_size for geo in geos]
+    ends = prefix.tolist()
+    rows = [i for i, p in enumerate(ends) if p > 0 and all(p % bs == 0 for bs in sizes)]
+    found: list[int] = []
     for geo in geos:
-        aligned &= prefix % geo.block_size == 0
-    rows = np.flatnonzero(aligned)
-    if not rows.size:
-        return rows
-    found = np.zeros(rows.size, bool)
-    for geo in geos:
+        if len(found) == len(rows):
+            break
         written = forward_slots[geo.index]
-        table = tables[geo.index][rows].astype(np.int64)
+        table = tables[geo.index]
         if not written.size or not table.shape[1]:
             continue
         bs = geo.block_size
-        blocks = np.unique(written // bs)
-        cols = np.arange(table.shape[1])
-        inside = cols[None, :] < (prefix[rows] // bs)[:, None]
-        if geo.window:
-            inside &= cols[None, :] >= (geo.window_starts(prefix[rows]) // bs)[:, None]
-        found |= (inside & (table > 0) & _sorted_member(table, blocks)).any(axis=1)
-    return rows[found]
+        blocks = set(np.unique(written // bs).tolist())
+        for i in rows:
+            if i in found:
+                continue
+            lo = int(geo.window_starts(prefix[i : i + 1])[0]) // bs if geo.window else 0
+            if any(block > 0 and block in blocks for block in table[i, lo : ends[i] // bs].tolist()):
+                found.append(i)
+    return np.array(sorted(found), np.int64)
 
 
 def _legit_same_step(geo: GroupGeometry, table_row: np.ndarray, past: int, history: np.ndarray,
