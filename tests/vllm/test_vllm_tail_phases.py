@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -52,6 +53,14 @@ def forward(runner: Runner, md: dict, seed: int, step: int) -> dict[int, np.ndar
     return {0: md[LAYER].slot_mapping.numpy().astype(np.int64)}
 
 
+def read_steps(runner: Runner, state, seed: int) -> Iterator[tuple[int, object, dict]]:
+    """The two steps of :func:`rows_of`, each as the state reads it: its index, the step read and the metadata."""
+    first, second, _ = rows_of(seed)
+    for step, rows in enumerate((first, second)):
+        kwargs, md = runner.inputs(rows)
+        yield step, state.read_step(kwargs, md), md
+
+
 def spy_tail_work(state) -> list[str]:
     """The names of the threads that run the state's TAIL work, in order."""
     threads: list[str] = []
@@ -85,10 +94,8 @@ def test_held_tail_work_starts_only_at_the_release_and_runs_on_the_tail_thread(s
     state = canary_state(runner)
     threads = spy_tail_work(state)
     calls = spy_handovers(state)
-    first, second, slot = rows_of(seed)
-    for step, rows in enumerate((first, second)):
-        kwargs, md = runner.inputs(rows)
-        batch = state.read_step(kwargs, md)
+    slot = rows_of(seed)[2]
+    for step, batch, md in read_steps(runner, state, seed):
         state.before_forward(batch)
         assert state.head_deferred  # the staging waits for the TAIL work
         state.after_forward(batch, forward(runner, md, seed, step), hold=True)
@@ -114,10 +121,8 @@ def test_on_a_core_of_its_own_the_tail_thread_stages_beside_the_forward_and_neve
     staged: list[str] = []
     stage = state._stage_and_plan
     state._stage_and_plan = lambda batch: staged.append(threading.current_thread().name) or stage(batch)
-    first, second, slot = rows_of(seed)
-    for step, rows in enumerate((first, second)):
-        kwargs, md = runner.inputs(rows)
-        batch = state.read_step(kwargs, md)
+    slot = rows_of(seed)[2]
+    for step, batch, md in read_steps(runner, state, seed):
         state.before_forward(batch)
         assert not state.head_deferred
         state.tail.join()  # the staging ran on the TAIL thread before the TAIL work was even handed over
@@ -172,10 +177,8 @@ def test_an_inline_step_in_log_mode_stages_before_the_forward_and_runs_its_tail_
     runner = Runner()
     state = canary_state(runner)
     threads = spy_tail_work(state)
-    first, second, slot = rows_of(seed)
-    for step, rows in enumerate((first, second)):
-        kwargs, md = runner.inputs(rows)
-        batch = state.read_step(kwargs, md)
+    slot = rows_of(seed)[2]
+    for step, batch, md in read_steps(runner, state, seed):
         before = state.rt.run_counters()
         state.before_forward(batch, inline=True)
         assert not state.head_deferred
