@@ -173,7 +173,8 @@ class Monitoring(RuntimeBase):
         ring, scratch = state.ring_view, state.ring_scratch
         cap = int(ring.shape[0])
         shift = min(n, cap)
-        wi, lost, temp = sc.view(f"{name}.write_index"), sc.view(f"{name}.lost"), sc.view(f"{name}.drain_temp")
+        keys = self._word_keys[name]
+        wi, lost, temp = sc.view(keys.write_index), sc.view(keys.lost), sc.view(f"{name}.drain_temp")
         with self.space.scope():
             # a device write index cannot be read without a sync: move the whole tail; on the CPU move only the
             # rows appended since the snapshot
